@@ -1,0 +1,28 @@
+# Two commands on a fresh machine: `make train` and `make test`. Both create .venv if it is missing.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# torch is pinned and installed first: 2.13.0 is the CPU build on this disk; an unpinned torch pulls a CUDA build.
+TORCH  ?= torch==2.13.0
+WORKERS ?= 2
+
+.PHONY: install train test clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/lit-lm fit --config configs/default.yaml
+
+# pytest exits 5 when it collects no tests: that is not a failure of the suite.
+test: $(STAMP)
+	$(PY) -m pytest -n $(WORKERS) tests; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+
+clean:
+	rm -rf $(VENV) runs data/cache .pytest_cache

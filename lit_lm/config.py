@@ -1,0 +1,85 @@
+"""Model configuration: one dataclass that LightningCLI exposes as `model.init_args.config.*`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A bad configuration value: the message names the field and the fix."""
+
+
+def round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a decoder-only Transformer (Llama-style: pre-norm, RMSNorm, RoPE, GQA, SwiGLU, no biases)."""
+
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: Optional[int] = None  # None = n_heads (MHA); 1 = MQA
+    d_ff: Optional[int] = None  # None = 8/3 * d_model rounded up to ffn_multiple_of
+    ffn_multiple_of: int = 64
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    sliding_window: Optional[int] = None  # attend to at most this many past positions (itself included)
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    z_loss: float = 0.0  # weight of the z-loss term mean(logsumexp(logits)^2)
+    init_std: float = 0.02
+    vocab_multiple_of: int = 64  # pad the embedding/head rows; independent of any parallel degree
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.d_ff is None:
+            self.d_ff = round_up(int(8 * self.d_model / 3), self.ffn_multiple_of)
+        self.validate()
+
+    def validate(self) -> None:
+        positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
+                    "vocab_multiple_of", "ffn_multiple_of")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model config `{name}` must be a positive integer, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model config `n_heads`={self.n_heads} must divide `d_model`={self.d_model}: "
+                f"pick n_heads from the divisors of d_model (e.g. {self.d_model // 64 or 1} for head_dim 64)"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model config `n_kv_heads`={self.n_kv_heads} must divide `n_heads`={self.n_heads} "
+                "(grouped-query attention shares each kv head among n_heads/n_kv_heads query heads)"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim = d_model/n_heads = {self.head_dim} must be even for RoPE: change `n_heads`")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"model config `sliding_window` must be positive or null, got {self.sliding_window}")
+        if self.z_loss < 0:
+            raise ConfigError(f"model config `z_loss` must be >= 0, got {self.z_loss}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return round_up(self.vocab_size, self.vocab_multiple_of)
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Parameter count from the shapes alone (used for FLOPs and memory theory)."""
+        d, kv = self.d_model, self.n_kv_heads * self.head_dim
+        attn = d * d * 2 + d * kv * 2 + (2 * self.head_dim if self.qk_norm else 0)
+        mlp = 3 * d * self.d_ff
+        per_block = attn + mlp + 2 * d
+        emb = self.padded_vocab_size * d
+        head = 0 if self.tie_embeddings else emb
+        total = self.n_layers * per_block + d + head + (emb if include_embedding else 0)
+        return total

@@ -1,0 +1,245 @@
+"""A decoder-only Transformer as in modern LLMs (Llama family): pre-norm blocks, RMSNorm, RoPE, grouped-query
+attention, SwiGLU MLP, no biases.
+
+Every operation that `kernels/` can replace is its own small module (`RMSNorm`, `RotaryEmbedding`,
+`CausalAttention`, `SwiGLU`, `LMLoss`), so a Triton version is swapped in without touching this file and with the
+same state-dict keys. `blocks` is keyed by the *global* layer index: strategies gather, wrap and split it, and the
+names stay the same under any split.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lit_lm.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, with the statistics in fp32 whatever the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half convention) applied to q and k of shape (B, T, H, D).
+
+    Position t rotates the pair (x_i, x_{i+D/2}) by angle t * theta^(-2i/D), so q_t . k_s depends on t - s only.
+    cos/sin tables are cached per (length, device) and never stored in checkpoints.
+    """
+
+    def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self._cache: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
+
+    def cos_sin(self, seq_len: int, device: torch.device, offset: int = 0) -> tuple[Tensor, Tensor]:
+        key = (seq_len, offset, device)
+        if key not in self._cache:
+            inv_freq = self.theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
+            t = torch.arange(offset, offset + seq_len, dtype=torch.float64)
+            angles = torch.outer(t, inv_freq)  # (T, D/2)
+            self._cache[key] = (angles.cos().float().to(device), angles.sin().float().to(device))
+        return self._cache[key]
+
+    @staticmethod
+    def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads: (T, 1, D/2)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
+
+    def forward(self, q: Tensor, k: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
+        cos, sin = self.cos_sin(q.shape[1], q.device, offset)
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+
+
+class CausalAttention(nn.Module):
+    """softmax(q k^T / sqrt(D) + causal[/sliding-window] mask) v for q (B, Hq, T, D) and k, v (B, Hkv, T, D).
+
+    Grouped-query attention is handled by SDPA's `enable_gqa`: kv heads are shared, never repeated in memory.
+    """
+
+    def __init__(self, sliding_window: Optional[int] = None) -> None:
+        super().__init__()
+        self.sliding_window = sliding_window
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        gqa = q.shape[1] != k.shape[1]
+        if self.sliding_window is None or self.sliding_window >= q.shape[2]:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        t = torch.arange(q.shape[2], device=q.device)
+        distance = t[:, None] - t[None, :]
+        mask = (distance >= 0) & (distance < self.sliding_window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with separate q/k/v projections (so tensor parallelism and checkpoint
+    resharding split heads without de-interleaving a fused weight) and optional QK-norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.core = CausalAttention(cfg.sliding_window)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        # Head counts come from the weights, so a tensor-parallel shard runs the same code on its heads.
+        q = self.wq(x).view(b, t, -1, self.head_dim)
+        k = self.wk(x).view(b, t, -1, self.head_dim)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(q, k)
+        y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    """w_down(silu(w_gate x) * w_up x): gate and up are separate weights so a TP split keeps them paired."""
+
+    def __init__(self, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(d_model, d_ff, bias=False)
+        self.w_up = nn.Linear(d_model, d_ff, bias=False)
+        self.w_down = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LMLoss(nn.Module):
+    """Mean token cross-entropy in fp32 plus z_loss * mean(logsumexp(logits)^2) (PaLM), ignoring target -100.
+
+    Returns (loss, ce): `loss` is optimised, `ce` is what perplexity is computed from.
+    """
+
+    def __init__(self, z_loss: float = 0.0) -> None:
+        super().__init__()
+        self.z_loss = z_loss
+
+    def forward(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        logits = logits.reshape(-1, logits.shape[-1]).float()
+        targets = targets.reshape(-1)
+        ce = F.cross_entropy(logits, targets, ignore_index=-100)
+        if self.z_loss == 0.0:
+            return ce, ce.detach()
+        valid = targets != -100
+        lse = torch.logsumexp(logits[valid], dim=-1)
+        return ce + self.z_loss * lse.pow(2).mean(), ce.detach()
+
+
+class Transformer(nn.Module):
+    """Token embedding -> blocks -> final norm -> LM head.
+
+    Implements the parallel-plan protocol of `strategies.plan`: `blocks` (keyed by global layer index) and
+    `init_parameter(name, tensor)`, which initialises any parameter from its name alone so a block materialised
+    on one rank (ZeRO-3, pipeline stages) gets exactly the values a single-process model would.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.padded_vocab_size, config.d_model)
+        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+        self.loss_fn = LMLoss(config.z_loss)
+        self.init_seed = torch.initial_seed()
+        if not self.tok_embeddings.weight.is_meta:
+            self.init_weights()
+
+    # -- initialisation -------------------------------------------------------------------------------------
+    def init_parameter(self, name: str, tensor: Tensor) -> None:
+        """Fill `tensor` in place with the initial value of parameter `name` (a name of `named_parameters()`).
+
+        Norm weights are 1; output projections (wo, w_down) use std/sqrt(2 * n_layers) so the residual stream's
+        variance does not grow with depth (GPT-2); everything else N(0, std). The values come from a generator
+        seeded by (init seed, name), so they do not depend on device, order, or which rank builds the block.
+        """
+        if name.endswith("norm.weight"):
+            with torch.no_grad():
+                tensor.fill_(1.0)
+            return
+        std = self.config.init_std
+        if name.endswith(("wo.weight", "w_down.weight")):
+            std /= math.sqrt(2 * self.config.n_layers)
+        gen = torch.Generator().manual_seed((self.init_seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        values = torch.empty(tensor.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+        with torch.no_grad():
+            tensor.copy_(values)
+
+    def init_weights(self) -> None:
+        for name, param in self.named_parameters():
+            self.init_parameter(name, param)
+
+    # -- forward --------------------------------------------------------------------------------------------
+    def forward(self, idx: Tensor) -> Tensor:
+        """idx (B, T) token ids -> logits (B, T, padded_vocab_size)."""
+        x = self.tok_embeddings(idx)
+        for block in self.blocks.values():
+            x = block(x)
+        return self.lm_head(self.norm(x))
+
+    def loss(self, idx: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """(loss to optimise, detached cross-entropy) for next-token prediction."""
+        return self.loss_fn(self(idx), targets)
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 generator: Optional[torch.Generator] = None) -> Tensor:
+        """Sample continuations of idx (B, T): greedy when temperature == 0, else nucleus (top-p) sampling.
+        No KV cache: a sanity tool, not a server."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.max_seq_len:]
+            logits = self(context)[:, -1, : self.config.vocab_size].float()
+            if temperature == 0.0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                sorted_p, order = probs.sort(dim=-1, descending=True)
+                keep = sorted_p.cumsum(-1) - sorted_p < top_p  # smallest prefix whose mass reaches top_p
+                sorted_p = sorted_p * keep
+                choice = torch.multinomial(sorted_p / sorted_p.sum(-1, keepdim=True), 1, generator=generator)
+                nxt = order.gather(-1, choice)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
