@@ -1,0 +1,135 @@
+"""Every collective a strategy issues goes through here, so its volume can be counted and compared to theory.
+
+The accounting layer records (op, group name, bytes of the payload a rank contributes, elements) per call. Tests
+and benchmarks read `COMM_LOG`; the last entries also tell which collective a hung rank entered (a flight
+recorder). Recording is a list append: cheap enough to stay on in training.
+
+Bytes are counted per rank as the size of the *full* logical tensor of the op (the all-reduce input, the
+reduce-scatter input, the all-gather output), so the classic ring-algorithm volumes follow by the factors
+all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    op: str
+    group: str
+    world: int  # ranks in the group
+    numel: int  # elements of the full logical tensor
+    nbytes: int
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends under a ring algorithm."""
+        n = self.world
+        if n <= 1:
+            return 0.0
+        factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
+                  "all_to_all": (n - 1) / n, "broadcast": 1.0, "send": 1.0, "recv": 0.0}[self.op]
+        return factor * self.nbytes
+
+
+class CommLog:
+    """Counts collectives. `enabled` turns accounting off entirely; `history` keeps the last calls for hang reports."""
+
+    def __init__(self, history: int = 64) -> None:
+        self.enabled = True
+        self.records: list[CommRecord] = []
+        self.history: deque[CommRecord] = deque(maxlen=history)
+
+    def add(self, op: str, group: Optional[dist.ProcessGroup], numel: int, element_size: int) -> None:
+        if not self.enabled:
+            return
+        rec = CommRecord(op, group_name(group), dist.get_world_size(group), numel, numel * element_size)
+        self.records.append(rec)
+        self.history.append(rec)
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """{op: {"calls", "numel", "bytes", "wire_bytes"}} over the records since the last reset."""
+        out: dict[str, dict[str, float]] = {}
+        for r in self.records:
+            s = out.setdefault(r.op, {"calls": 0, "numel": 0, "bytes": 0, "wire_bytes": 0.0})
+            s["calls"] += 1
+            s["numel"] += r.numel
+            s["bytes"] += r.nbytes
+            s["wire_bytes"] += r.wire_bytes
+        return out
+
+
+COMM_LOG = CommLog()
+_GROUP_NAMES: dict[int, str] = {}
+
+
+def name_group(group: dist.ProcessGroup, name: str) -> None:
+    """Give a process group a readable name ("dp", "tp", "pp", ...) for the accounting records."""
+    _GROUP_NAMES[id(group)] = name
+
+
+def group_name(group: Optional[dist.ProcessGroup]) -> str:
+    return "world" if group is None else _GROUP_NAMES.get(id(group), "group")
+
+
+def all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup] = None, op: dist.ReduceOp = dist.ReduceOp.SUM,
+               async_op: bool = False) -> Optional[dist.Work]:
+    COMM_LOG.add("all_reduce", group, tensor.numel(), tensor.element_size())
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
+                   op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False) -> Optional[dist.Work]:
+    """`input` is the concatenation of N equal chunks; rank r receives the reduced chunk r in `output`."""
+    COMM_LOG.add("reduce_scatter", group, input.numel(), input.element_size())
+    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_gather(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
+               async_op: bool = False) -> Optional[dist.Work]:
+    """`output` is the concatenation of every rank's equal-size `input`."""
+    COMM_LOG.add("all_gather", group, output.numel(), output.element_size())
+    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
+def broadcast(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup] = None,
+              async_op: bool = False) -> Optional[dist.Work]:
+    """`src` is a global rank, as in torch.distributed."""
+    COMM_LOG.add("broadcast", group, tensor.numel(), tensor.element_size())
+    return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def all_to_all(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
+               output_split_sizes: Optional[list[int]] = None, input_split_sizes: Optional[list[int]] = None,
+               async_op: bool = False) -> Optional[dist.Work]:
+    COMM_LOG.add("all_to_all", group, input.numel(), input.element_size())
+    return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                  async_op=async_op)
+
+
+def send(tensor: Tensor, dst: int, group: Optional[dist.ProcessGroup] = None) -> dist.Work:
+    COMM_LOG.add("send", group, tensor.numel(), tensor.element_size())
+    return dist.isend(tensor, dst, group=group)
+
+
+def recv(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup] = None) -> dist.Work:
+    COMM_LOG.add("recv", group, tensor.numel(), tensor.element_size())
+    return dist.irecv(tensor, src, group=group)
+
+
+def scalar_all_reduce(value: Tensor, group: Optional[dist.ProcessGroup] = None,
+                      op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
+    """All-reduce a small tensor (norms, flags) in fp32 and return it: the "plus scalars" of the volume theory."""
+    out = value.detach().to(torch.float32).clone()
+    all_reduce(out, group, op)
+    return out
