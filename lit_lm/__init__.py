@@ -1,0 +1,7 @@
+"""lit-lm: what is trained (model, tokenizer, data, LightningModule, CLI). How it is parallelised lives in
+`strategies/`, kernels in `kernels/`, callbacks in `callbacks/`."""
+
+from lit_lm.config import ConfigError, ModelConfig
+from lit_lm.model import Transformer
+
+__all__ = ["ConfigError", "ModelConfig", "Transformer"]

@@ -1,0 +1,3 @@
+from lit_lm.cli import main
+
+main()

@@ -1,0 +1,61 @@
+"""`lit-lm fit|validate|test|predict`: LightningCLI with the model and the data in subclass mode.
+
+`lit-lm fit` with no `--config` runs `configs/default.yaml`; more `--config` fragments compose on top of it
+(later files win; lists such as callbacks are replaced unless a fragment uses jsonargparse's `callbacks+:` form).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+import strategies  # noqa: F401  (registers lm_ddp, zero1/2/3, ... by name before any Trainer is built)
+from lit_lm.data import TextDataModule
+from lit_lm.module import LanguageModel
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+class LitLMCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # One vocabulary and one context length: the data decides, the model follows.
+        parser.link_arguments("data.init_args.vocab_size", "model.init_args.config.vocab_size")
+        parser.link_arguments("data.init_args.seq_len", "model.init_args.config.max_seq_len")
+
+    def before_instantiate_classes(self) -> None:
+        """Route the default logger into `trainer.default_root_dir`, so one directory holds every output."""
+        cfg = self.config[self.subcommand].trainer
+        if cfg.logger in (None, True):
+            root = cfg.default_root_dir or "."
+            cfg.logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": root}}
+
+    def after_fit(self) -> None:
+        trainer = self.trainer
+        if not trainer.is_global_zero:
+            return
+        ckpt = trainer.checkpoint_callback
+        val = trainer.callback_metrics.get("val_loss")
+        if val is not None:
+            print(f"[lit-lm] final val_loss {float(val):.4f}")
+        if ckpt is not None and (ckpt.last_model_path or ckpt.best_model_path):
+            print(f"[lit-lm] checkpoint: {ckpt.last_model_path or ckpt.best_model_path}")
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    defaults = [str(DEFAULT_CONFIG)] if DEFAULT_CONFIG.is_file() else []
+    LitLMCLI(
+        LanguageModel,
+        TextDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={cmd: {"default_config_files": defaults} for cmd in SUBCOMMANDS},
+        args=args,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""Text corpus -> BPE tokens in a memory-mapped file -> fixed-length (B, T+1) windows, as a LightningDataModule.
+
+The corpus is read through `datasets` (text / jsonl / parquet files, or a dataset saved with `save_to_disk`);
+the default corpus is the Python standard library's source, which exists on every machine with no download.
+Tokenizing happens once: the tokenizer and the token file are cached under `data_dir`, keyed by a hash of the
+inputs (paths, sizes, modification times, field, vocabulary size), and reused while the inputs are unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lit_lm.config import ConfigError
+from lit_lm.sampler import ResumableSampler
+from lit_lm.tokenizer import BPETokenizer
+
+EOT = "<|endoftext|>"
+_TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".text", ""}
+_JSON_SUFFIXES = {".json", ".jsonl"}
+_CACHE_VERSION = 1
+
+
+def stdlib_corpus(max_mb: float) -> list[str]:
+    """The first `max_mb` MB of the standard library's .py files, in sorted path order (stable across runs)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or not path.is_file():
+            continue
+        files.append(str(path))
+        total += path.stat().st_size
+        if total >= max_mb * 2**20:
+            break
+    return files
+
+
+def _builder_for(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix in _JSON_SUFFIXES:
+        return "json"
+    if suffix == ".parquet":
+        return "parquet"
+    return "text"
+
+
+def load_documents(files: list[str], text_field: str, cache_dir: Path) -> list[str]:
+    """Read every document of `files` through `datasets`; each text file is one document."""
+    import datasets  # heavy import, only when the corpus is (re)built
+
+    datasets.disable_progress_bars()
+    paths = [Path(f) for f in files]
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        raise ConfigError(f"data.init_args.files: {missing[:3]} do not exist; fix the paths or leave `files` "
+                          "null to train on the default corpus")
+    if len(paths) == 1 and paths[0].is_dir():
+        ds = datasets.load_from_disk(str(paths[0]))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+    else:
+        builders = {_builder_for(p) for p in paths}
+        if len(builders) > 1:
+            raise ConfigError(f"data.init_args.files mixes formats {sorted(builders)}: use one kind per run")
+        builder = builders.pop()
+        kwargs: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
+        ds = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train",
+                                   cache_dir=str(cache_dir), **kwargs)
+    if text_field not in ds.column_names:
+        raise ConfigError(f"data.init_args.text_field={text_field!r} is not a column of the dataset; "
+                          f"available columns: {ds.column_names}")
+    docs = [d for d in ds[text_field] if d]
+    if not docs:
+        raise ConfigError(f"data.init_args.files {files[:3]}... contain no text in field {text_field!r}")
+    return docs
+
+
+def _fingerprint(files: list[str], text_field: str, vocab_size: int) -> str:
+    h = hashlib.sha256(f"v{_CACHE_VERSION}|{text_field}|{vocab_size}".encode())
+    for f in files:
+        p = Path(f)
+        stats = [(str(q), q.stat().st_size, q.stat().st_mtime_ns) for q in sorted(p.rglob("*") if p.is_dir() else [p])
+                 if q.is_file()]
+        h.update(repr(stats).encode())
+    return h.hexdigest()[:16]
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of T+1 tokens: window i is tokens[i*T : i*T + T + 1] (inputs and shifted targets)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return max((len(self.tokens) - 1) // self.seq_len, 0)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start = i * self.seq_len
+        return torch.from_numpy(self.tokens[start: start + self.seq_len + 1].astype(np.int64))
+
+
+class TextDataModule(L.LightningDataModule):
+    """Trains (or reuses) a BPE tokenizer, tokenizes the corpus once into `data_dir`, serves (B, T+1) windows.
+
+    Args:
+        files: text/markdown/source files, `.jsonl`/`.json`, `.parquet`, or one directory saved with
+            `datasets.Dataset.save_to_disk`. None = the Python standard library's source (no download).
+        text_field: column holding the text (the `text` builder names it "text").
+        data_dir: where the tokenizer and token cache live.
+        vocab_size: tokenizer size, linked to the model's `config.vocab_size` by the CLI.
+        seq_len: tokens per training window (T).
+        batch_size: windows per device per step (the global batch is this × DP size).
+        val_fraction: the tail of the token stream held out for validation.
+        corpus_mb: how much of the default corpus to use.
+        tokenizer_dir: use this saved tokenizer instead of training one.
+        num_workers: DataLoader workers; tokenizer_workers: processes for BPE pre-tokenization.
+        seed: shuffling seed (the order is a function of seed and epoch only).
+    """
+
+    def __init__(self, files: Optional[list[str]] = None, text_field: str = "text", data_dir: str = "data",
+                 vocab_size: int = 4096, seq_len: int = 256, batch_size: int = 16, val_fraction: float = 0.05,
+                 corpus_mb: float = 4.0, tokenizer_dir: Optional[str] = None, num_workers: int = 0,
+                 tokenizer_workers: int = 2, seed: int = 1234) -> None:
+        super().__init__()
+        if not 0.0 < val_fraction < 1.0:
+            raise ConfigError(f"data.init_args.val_fraction must be in (0, 1), got {val_fraction}")
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("vocab_size", vocab_size)):
+            if value <= 0:
+                raise ConfigError(f"data.init_args.{name} must be a positive integer, got {value}")
+        if files is not None and not files:
+            raise ConfigError("data.init_args.files is an empty list: give at least one file, or null for the "
+                              "default corpus")
+        self.files = files
+        self.text_field = text_field
+        self.data_dir = Path(data_dir)
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.corpus_mb = corpus_mb
+        self.tokenizer_dir = tokenizer_dir
+        self.num_workers = num_workers
+        self.tokenizer_workers = tokenizer_workers
+        self.seed = seed
+        self.tokenizer: Optional[BPETokenizer] = None
+        self.train_set: Optional[TokenWindows] = None
+        self.val_set: Optional[TokenWindows] = None
+        self._resume: Optional[dict[str, int]] = None
+
+    # -- corpus and cache ----------------------------------------------------------------------------------
+    @cached_property
+    def source_files(self) -> list[str]:
+        return self.files if self.files is not None else stdlib_corpus(self.corpus_mb)
+
+    @cached_property
+    def cache_dir(self) -> Path:
+        """Fixed at first use, so an edit of the inputs mid-run cannot move the cache under a running job."""
+        files = self.source_files
+        key = _fingerprint(files, self.text_field, self.vocab_size)
+        if self.tokenizer_dir is not None:
+            key = hashlib.sha256(f"{key}|{Path(self.tokenizer_dir).resolve()}".encode()).hexdigest()[:16]
+        return self.data_dir / "cache" / key
+
+    def prepare_data(self) -> None:
+        """Build the tokenizer and the token file once (Lightning runs this on one process per node)."""
+        cache = self.cache_dir
+        if (cache / "tokens.json").exists():
+            return
+        cache.mkdir(parents=True, exist_ok=True)
+        docs = load_documents(self.source_files, self.text_field, self.data_dir / "hf_cache")
+        if self.tokenizer_dir is not None:
+            tokenizer = BPETokenizer.load(self.tokenizer_dir)
+        else:
+            _log(f"training a {self.vocab_size}-token BPE tokenizer on {len(docs)} documents")
+            tokenizer = BPETokenizer.train(docs, self.vocab_size, special_tokens=[EOT],
+                                           num_workers=self.tokenizer_workers)
+            tokenizer.save(cache / "tokenizer")
+        if tokenizer.vocab_size > self.vocab_size:
+            raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but data.init_args.vocab_size is "
+                              f"{self.vocab_size}: raise vocab_size (the model's vocabulary is linked to it)")
+        _write_tokens(docs, tokenizer, cache)
+
+    def setup(self, stage: str) -> None:
+        cache = self.cache_dir
+        if not (cache / "tokens.json").exists():  # e.g. setup() called without a Trainer
+            self.prepare_data()
+        meta = json.loads((cache / "tokens.json").read_text())
+        tokens = np.memmap(cache / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(meta["n_tokens"],))
+        tok_dir = Path(self.tokenizer_dir) if self.tokenizer_dir is not None else cache / "tokenizer"
+        self.tokenizer = BPETokenizer.load(tok_dir)
+        if meta["max_id"] >= self.vocab_size:
+            raise ConfigError(f"token id {meta['max_id']} in {cache} is >= data.init_args.vocab_size="
+                              f"{self.vocab_size}: the tokenizer does not fit the vocabulary; raise vocab_size")
+        n_val = int(len(tokens) * self.val_fraction)
+        self.train_set = TokenWindows(tokens[: len(tokens) - n_val], self.seq_len)
+        self.val_set = TokenWindows(tokens[len(tokens) - n_val:], self.seq_len)
+        for split, ds, n in (("train", self.train_set, len(tokens) - n_val), ("val", self.val_set, n_val)):
+            if len(ds) == 0:
+                raise ConfigError(f"data.init_args.seq_len={self.seq_len} is larger than the {split} split "
+                                  f"({n} tokens): lower seq_len, add data, or change val_fraction")
+
+    # -- loaders -------------------------------------------------------------------------------------------
+    def _dp(self) -> tuple[int, int]:
+        """(DP size, DP rank) from the strategy: TP/PP peers of one replica must see the same batch."""
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
+        if not kwargs:
+            return 1, 0
+        return kwargs["num_replicas"], kwargs["rank"]
+
+    def _loader(self, dataset: Dataset, sampler: ResumableSampler) -> DataLoader:
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True,
+                          num_workers=self.num_workers, pin_memory=torch.cuda.is_available(),
+                          persistent_workers=self.num_workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        size, rank = self._dp()
+        sampler = ResumableSampler(len(self.train_set), size, rank, shuffle=True, seed=self.seed)
+        if self._resume is not None:
+            sampler.resume(self._resume["epoch"], self._resume["samples_consumed"])
+            self._resume = None
+        return self._loader(self.train_set, sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        size, rank = self._dp()
+        return self._loader(self.val_set, ResumableSampler(len(self.val_set), size, rank, shuffle=False))
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+    # -- resumable position --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        """Global samples consumed in the current epoch: rank-independent, so resume works on any DP size."""
+        if self.trainer is None:
+            return {}
+        size, _ = self._dp()
+        batches = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return {"epoch": self.trainer.current_epoch, "samples_consumed": batches * self.batch_size * size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state:
+            self._resume = dict(state)
+
+
+def _write_tokens(docs: list[str], tokenizer: BPETokenizer, cache: Path) -> None:
+    """Encode documents separated by <|endoftext|> into tokens.bin; tokens.json is written last, as the marker."""
+    from rich.progress import track
+
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    eot = tokenizer.special_tokens[EOT]
+    chunks = []
+    for doc in track(docs, description="tokenizing", transient=True, disable=not _is_tty()):
+        chunks.append(np.asarray(tokenizer.encode(doc) + [eot], dtype=dtype))
+    tokens = np.concatenate(chunks)
+    tmp = cache / "tokens.bin.tmp"
+    tokens.tofile(tmp)
+    os.replace(tmp, cache / "tokens.bin")
+    meta = {"n_tokens": int(len(tokens)), "dtype": np.dtype(dtype).name, "max_id": int(tokens.max()),
+            "documents": len(docs), "vocab_size": tokenizer.vocab_size}
+    (cache / "tokens.json").write_text(json.dumps(meta, indent=1))
+    _log(f"tokenized {len(docs)} documents into {len(tokens):,} tokens ({cache})")
+
+
+def _is_tty() -> bool:
+    import sys
+
+    return sys.stderr.isatty()
+
+
+def _log(msg: str) -> None:
+    from lightning.pytorch.utilities import rank_zero_info
+
+    rank_zero_info(f"[lit-lm data] {msg}")

@@ -1,0 +1,140 @@
+"""`LanguageModel`: the LightningModule that trains a `Transformer` on (B, T+1) token windows."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch import Tensor
+from torchmetrics import MeanMetric
+
+from lit_lm.config import ConfigError, ModelConfig
+from lit_lm.model import Transformer
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1 over `warmup_steps`, then cosine decay to `min_lr_ratio` at `total_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class LanguageModel(L.LightningModule):
+    """Next-token prediction with AdamW (decoupled weight decay, none on norms and embeddings) and warmup+cosine.
+
+    The Transformer is built in `configure_model`, not `__init__`, so a sharding strategy can build it under its
+    own context (meta device, shard-local allocation) once the process groups exist.
+
+    Args:
+        config: the model's shape (`model.init_args.config.*`; `vocab_size` is linked to the data's).
+        lr, betas, eps, weight_decay: AdamW.
+        warmup_steps, min_lr_ratio: the schedule; it ends at the trainer's `max_steps` (or the epochs' steps).
+        kernels: modules to swap for `kernels/` implementations (e.g. [rmsnorm, swiglu]); "auto" picks Triton
+            on CUDA and the PyTorch references elsewhere.
+    """
+
+    def __init__(self, config: ModelConfig = ModelConfig(), lr: float = 3e-3, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, weight_decay: float = 0.1, warmup_steps: int = 100, min_lr_ratio: float = 0.1,
+                 kernels: Optional[list[str]] = None) -> None:
+        super().__init__()
+        if isinstance(config, dict):  # from a checkpoint's hyper-parameters (stored as plain types)
+            config = ModelConfig(**config)
+        if lr <= 0 or warmup_steps < 0 or not 0 <= min_lr_ratio <= 1:
+            raise ConfigError(f"model.init_args: need lr > 0, warmup_steps >= 0 and 0 <= min_lr_ratio <= 1; got "
+                              f"lr={lr}, warmup_steps={warmup_steps}, min_lr_ratio={min_lr_ratio}")
+        self.config = config
+        self.kernels = list(kernels or [])
+        # Plain types only, so `torch.load(weights_only=True)` (LightningCLI's ckpt parsing) can read them.
+        self.save_hyperparameters({"config": asdict(config), "lr": lr, "betas": tuple(betas), "eps": eps,
+                                   "weight_decay": weight_decay, "warmup_steps": warmup_steps,
+                                   "min_lr_ratio": min_lr_ratio, "kernels": self.kernels})
+        self.model: Optional[Transformer] = None
+        self.val_loss = MeanMetric()
+        self._step_started: Optional[float] = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self.model = Transformer(self.config)
+        if self.kernels:
+            import kernels
+
+            kernels.apply(self.model, self.kernels)
+
+    # -- steps ---------------------------------------------------------------------------------------------
+    def _split(self, batch: Tensor, batch_idx: int) -> tuple[Tensor, Tensor]:
+        if batch_idx == 0:  # one check per loop: a sync on GPU, so not every step
+            top = int(batch.max())
+            if top >= self.config.vocab_size:
+                raise ConfigError(f"token id {top} >= model.init_args.config.vocab_size={self.config.vocab_size}: "
+                                  "the data's tokenizer is larger than the model's vocabulary; make them equal")
+        return batch[:, :-1], batch[:, 1:]
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        x, y = self._split(batch, batch_idx)
+        loss, _ = self.model.loss(x, y)
+        self.log("train_loss", loss.detach(), prog_bar=True, sync_dist=True)
+        return loss
+
+    def _eval_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        x, y = self._split(batch, batch_idx)
+        _, ce = self.model.loss(x, y)
+        self.val_loss.update(ce, weight=y.numel())
+        return ce
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        return self._eval_step(batch, batch_idx)
+
+    def test_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        return self._eval_step(batch, batch_idx)
+
+    def _log_eval(self, prefix: str) -> None:
+        loss = self.val_loss.compute()
+        self.log(f"{prefix}_loss", loss, prog_bar=True)
+        self.log(f"{prefix}_ppl", torch.exp(loss))
+        self.val_loss.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval("test")
+
+    def predict_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        """Greedy continuation of the first quarter of each window (a sanity check of what the model learnt)."""
+        prompt = batch[:, : max(batch.shape[1] // 4, 1)]
+        return self.model.generate(prompt, max_new_tokens=batch.shape[1] // 4, temperature=0.0)
+
+    # -- throughput and lr ---------------------------------------------------------------------------------
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._step_started = time.perf_counter()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        elapsed = time.perf_counter() - self._step_started
+        dp = (getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1)
+        tokens = (batch.shape[1] - 1) * batch.shape[0] * dp
+        self.log("tokens_per_s", tokens / max(elapsed, 1e-9), prog_bar=True)
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    # -- optimisation --------------------------------------------------------------------------------------
+    def configure_optimizers(self) -> dict[str, Any]:
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            (no_decay if p.ndim < 2 or "tok_embeddings" in name else decay).append(p)
+        hp = self.hparams
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps)
+        total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, total, hp.min_lr_ratio))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+__all__ = ["LanguageModel", "warmup_cosine"]

@@ -1,0 +1,62 @@
+"""`lit-lm` end to end: a few steps of fit, then validate from the checkpoint gives the same val loss."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CORPUS = "import os\n\ndef main(argv):\n    for arg in argv:\n        print(arg.upper())\n    return 0\n" * 30
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "lit_lm", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def tiny_args(tmp_path: Path) -> list[str]:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(CORPUS)
+    return ["--config", str(REPO / "configs/default.yaml"),
+            "--trainer.default_root_dir", str(tmp_path / "run"),
+            "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",
+            "--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateMonitor",
+            "--data.init_args.files", f"[{corpus}]", "--data.init_args.data_dir", str(tmp_path / "data"),
+            "--data.init_args.vocab_size", "300", "--data.init_args.seq_len", "16",
+            "--data.init_args.batch_size", "4", "--data.init_args.val_fraction", "0.2",
+            "--model.init_args.config.d_model", "32", "--model.init_args.config.n_layers", "1",
+            "--model.init_args.config.n_heads", "4", "--model.init_args.warmup_steps", "2"]
+
+
+def read_metrics(run_dir: Path, version: int) -> list[dict[str, str]]:
+    with open(run_dir / "lightning_logs" / f"version_{version}" / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_fit_then_validate_from_checkpoint(tmp_path):
+    fit = run_cli("fit", *tiny_args(tmp_path), cwd=tmp_path)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    rows = read_metrics(tmp_path / "run", 0)
+    train = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
+    val = [float(r["val_loss"]) for r in rows if r.get("val_loss")]
+    assert len(train) == 6 and len(val) == 2
+    assert all(r["val_ppl"] for r in rows if r.get("val_loss"))
+    ckpt = tmp_path / "run/lightning_logs/version_0/checkpoints/last.ckpt"
+    assert ckpt.is_file() and f"checkpoint: {ckpt}" in fit.stdout
+    # everything the run wrote is under default_root_dir (the data cache is under data_dir)
+    assert {p.name for p in tmp_path.iterdir()} == {"corpus.txt", "run", "data"}
+
+    validate = run_cli("validate", *tiny_args(tmp_path), "--ckpt_path", str(ckpt), cwd=tmp_path)
+    assert validate.returncode == 0, validate.stderr[-3000:]
+    again = [float(r["val_loss"]) for r in read_metrics(tmp_path / "run", 1) if r.get("val_loss")]
+    assert again == pytest.approx([val[-1]], rel=1e-6)
+
+
+def test_bad_model_config_is_reported_by_field(tmp_path):
+    bad = run_cli("fit", *tiny_args(tmp_path), "--model.init_args.config.n_heads", "5", cwd=tmp_path)
+    assert bad.returncode != 0
+    assert "n_heads" in bad.stderr and "divide" in bad.stderr
