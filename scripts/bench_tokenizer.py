@@ -6,24 +6,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sysconfig
 import time
 from pathlib import Path
 
+from lit_lm.data import stdlib_corpus
 from lit_lm.tokenizer import EOT, BPETokenizer
 
 
-def stdlib_corpus(mb: float) -> str:
-    """The first `mb` MB (UTF-8) of the stdlib's .py files in sorted path order, joined with <|endoftext|>."""
-    texts, size = [], 0
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
-        with open(path, encoding="utf-8", errors="replace", newline="") as f:
-            text = f.read()
-        texts.append(text)
-        size += len(text.encode("utf-8"))
-        if size >= mb * 1e6:
-            break
-    return EOT.join(texts)
+def corpus_text(mb: float) -> str:
+    """The default training corpus (the stdlib's .py files, as `lit_lm.data` picks them) joined with <|endoftext|>."""
+    return EOT.join(Path(p).read_text(encoding="utf-8", errors="replace") for p in stdlib_corpus(mb))
 
 
 def timed(fn, *args):
@@ -40,7 +32,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the results to this file")
     args = parser.parse_args()
 
-    text = stdlib_corpus(args.mb)
+    text = corpus_text(args.mb)
     n_bytes = len(text.encode("utf-8"))
     tokenizer, train_s = timed(BPETokenizer.train, [text], args.vocab_size, [EOT], args.workers)
     ids, encode_s = timed(tokenizer.encode, text)  # cold cache: every distinct pre-token is merged once
