@@ -1,0 +1,54 @@
+"""LanguageModel: schedule, weight-decay groups, vocabulary check, checkpoint hyper-parameters."""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+
+from lit_lm.config import ConfigError, ModelConfig
+from lit_lm.module import LanguageModel, warmup_cosine
+
+CFG = ModelConfig(vocab_size=61, d_model=32, n_layers=1, n_heads=4, max_seq_len=16)
+
+
+def test_warmup_then_cosine_to_the_floor():
+    lrs = [warmup_cosine(s, warmup_steps=10, total_steps=110, min_lr_ratio=0.1) for s in range(120)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert lrs[60] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lrs[110] == pytest.approx(0.1) and lrs[119] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+
+
+def test_no_weight_decay_on_norms_and_embeddings():
+    module = LanguageModel(CFG)
+    module.configure_model()
+    opt = module.configure_optimizers()["optimizer"]
+    decay, no_decay = opt.param_groups
+    names = {id(p): n for n, p in module.model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.ndim == 2 and "tok_embeddings" not in names[id(p)] for p in decay["params"])
+    assert {names[id(p)] for p in no_decay["params"]} >= {"tok_embeddings.weight", "norm.weight"}
+    assert len(decay["params"]) + len(no_decay["params"]) == len(names)
+
+
+def test_token_ids_over_the_vocabulary_are_reported():
+    module = LanguageModel(CFG)
+    module.configure_model()
+    batch = torch.randint(0, 61, (2, 17))
+    batch[1, 5] = 70
+    with pytest.raises(ConfigError, match="token id 70 >= model.init_args.config.vocab_size=61"):
+        module.training_step(batch, 0)
+
+
+def test_checkpoint_hyperparameters_are_plain_and_reload(tmp_path):
+    module = LanguageModel(CFG, lr=1e-3)
+    module.configure_model()
+    trainer = L.Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer.strategy.connect(module)
+    path = tmp_path / "m.ckpt"
+    trainer.save_checkpoint(path)
+    ckpt = torch.load(path, weights_only=True)  # what LightningCLI does with --ckpt_path
+    assert ckpt["hyper_parameters"]["config"]["d_model"] == 32
+    restored = LanguageModel.load_from_checkpoint(path)
+    assert restored.config == module.config and restored.hparams.lr == 1e-3
