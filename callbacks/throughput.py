@@ -1,0 +1,103 @@
+"""Throughput callback: tokens/s, model FLOPs per token, MFU and peak memory, logged every `window` batches."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from typing import Any, Optional
+
+import lightning as L
+import torch
+
+# Dense bf16 tensor-core peak FLOP/s per GPU (NVIDIA datasheets, no sparsity), matched by substring of the CUDA
+# device name, first match wins (so "H100 PCIe" is tested before "H100", "L40S" before "L4").
+PEAK_FLOPS: list[tuple[str, float]] = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10", 125e12),
+]
+
+
+def peak_flops_for(device_name: str) -> Optional[float]:
+    """Peak bf16 FLOP/s of a device from its name (e.g. `torch.cuda.get_device_name()`), None if unknown."""
+    return next((flops for key, flops in PEAK_FLOPS if key in device_name), None)
+
+
+def flops_per_token(num_params: int, n_layers: int, d_model: int, seq_len: int) -> int:
+    """Training FLOPs per token, forward + backward: 6N + 12 L d T (PaLM, appendix B).
+
+    6N: each parameter that takes part in a matmul costs 2 FLOPs (multiply-add) per token forward and 4 backward
+    (gradients of input and weight); N excludes the input embedding (a lookup), includes the LM head.
+    12 L d T: per layer, q k^T and (softmax) v are 2 * 2 * T * d FLOPs per token forward, x3 with backward. The
+    causal mask halves the work actually needed but, as in PaLM and most MFU reports, it is not discounted.
+    """
+    return 6 * num_params + 12 * n_layers * d_model * seq_len
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak CUDA memory allocated by tensors, or on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, KiB on Linux
+
+
+class Throughput(L.Callback):
+    """Logs `throughput/{tokens_per_sec, flops_per_token, mfu, peak_memory_gb}` every `window` training batches.
+
+    Reads the model shape from `pl_module.model.config` (a `lit_lm` ModelConfig: `num_params`, `n_layers`,
+    `d_model`) and the sequence length from the batch, a (B, T + 1) LongTensor. Time runs from batch start to
+    batch start (data loading and optimizer step included) with CUDA synchronised at both ends, so it measures what
+    a run achieves, not one kernel. tokens/s is summed over `trainer.world_size` ranks, i.e. it assumes every rank
+    consumes its own tokens (data parallelism); MFU = achieved model FLOP/s per device / `peak_flops` (looked up
+    from the device name when not given; without a peak, MFU is not logged).
+    """
+
+    def __init__(self, peak_flops: Optional[float] = None, window: int = 10) -> None:
+        super().__init__()
+        self.peak_flops = peak_flops
+        self.window = window
+        self._start: Optional[float] = None
+        self._tokens = 0
+        self._batches = 0
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.peak_flops is None and pl_module.device.type == "cuda":
+            self.peak_flops = peak_flops_for(torch.cuda.get_device_name(pl_module.device))
+
+    @staticmethod
+    def _now(device: torch.device) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._start is None:
+            self._start = self._now(pl_module.device)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        seq_len = batch.shape[1] - 1
+        self._tokens += batch.shape[0] * seq_len
+        self._batches += 1
+        if self._batches < self.window:
+            return
+        now = self._now(pl_module.device)
+        tokens_per_sec = self._tokens / (now - self._start)
+        cfg = pl_module.model.config
+        flops = flops_per_token(cfg.num_params(include_embedding=False), cfg.n_layers, cfg.d_model, seq_len)
+        metrics = {
+            "throughput/tokens_per_sec": tokens_per_sec * trainer.world_size,
+            "throughput/flops_per_token": float(flops),
+            "throughput/peak_memory_gb": peak_memory_bytes(pl_module.device) / 1e9,
+        }
+        if self.peak_flops:
+            metrics["throughput/mfu"] = tokens_per_sec * flops / self.peak_flops
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+        self._start, self._tokens, self._batches = now, 0, 0

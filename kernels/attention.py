@@ -1,0 +1,278 @@
+"""FlashAttention-2: softmax(q k^T / sqrt(D) + mask) v without ever materialising the (T x T) score matrix.
+
+Forward (one program per block of BLOCK_M query rows of one head): stream over key/value blocks keeping a running
+row max m, row sum l and output accumulator, rescaled by exp(m_old - m_new) whenever the max grows (online
+softmax). Only the output and the per-row logsumexp L = m + log(l) are saved. Scores are kept in base 2
+(s * scale * log2(e), so exp is the GPU's native exp2) and so is L.
+
+Backward recomputes P = exp(q k^T * scale - L) block by block instead of storing it. With D_i = rowsum(dO ∘ O)
+(a cheap pre-pass): dV = P^T dO, dP = dO V^T, dS = P ∘ (dP - D), dQ = dS K * scale, dK = dS^T Q * scale.
+dK/dV are computed by one program per key block (looping over query blocks, and over the query heads sharing that
+kv head under GQA) and dQ by one program per query block, so every gradient element has one writer: no atomics.
+
+Causal attention skips the key blocks entirely above the diagonal, and a sliding window of W also skips the
+blocks entirely older than W; the masks are applied inside the blocks. GQA reads kv head `q_head // group`
+without repeating k, v in memory. Any sequence length (masked tails) and any head_dim (padded to a power of 2).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kernels.runtime import cdiv, check_backend, jit, next_power_of_2, use_triton
+
+tl: Any = None  # triton.language, bound by `kernels.runtime.jit` at the first launch
+
+LOG2E = 1.4426950408889634
+
+
+def attention_reference(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
+                        window: Optional[int] = None) -> Tensor:
+    """SDPA with the same masking: q (B, Hq, T, D), k/v (B, Hkv, T, D); `window` counts the query itself."""
+    gqa = q.shape[1] != k.shape[1]
+    if window is None or window >= q.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    t = torch.arange(q.shape[2], device=q.device)
+    distance = t[:, None] - t[None, :]
+    mask = (distance >= 0) & (distance < window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+@jit
+def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+              sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
+              n_heads, group, seq_len, head_dim, window, qk_scale,
+              CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b, h = bh // n_heads, bh % n_heads
+    hk = h // group
+    rows = start_m + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_mask = (rows[:, None] < seq_len) & (dims[None, :] < head_dim)
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_t + dims[None, :], mask=row_mask, other=0.0)
+    k_base = k_ptr + b * sk_b + hk * sk_h
+    v_base = v_ptr + b * sv_b + hk * sv_h
+
+    m = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # finite: a row fully masked in one block gives p = 0
+    l = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    if CAUSAL:  # only key blocks that hold a (row >= col > row - window) pair
+        lo = tl.maximum(start_m - window + 1, 0) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(start_m + BLOCK_M, seq_len)
+    else:
+        lo = 0
+        hi = seq_len
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_mask = (cols[:, None] < seq_len) & (dims[None, :] < head_dim)
+        k = tl.load(k_base + cols[:, None] * sk_t + dims[None, :], mask=col_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * sv_t + dims[None, :], mask=col_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        keep = cols[None, :] < seq_len
+        if CAUSAL:
+            keep = keep & (rows[:, None] >= cols[None, :]) & (rows[:, None] - cols[None, :] < window)
+        s = tl.where(keep, s, -float("inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    acc = acc / l[:, None]
+    tl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_t + dims[None, :], acc.to(o_ptr.dtype.element_ty),
+             mask=row_mask)
+    tl.store(lse_ptr + bh * seq_len + rows, m + tl.log2(l), mask=rows < seq_len)
+
+
+@jit
+def _attn_bwd_delta(o_ptr, do_ptr, delta_ptr, so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, n_heads, seq_len, head_dim,
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    bh = tl.program_id(1)
+    b, h = bh // n_heads, bh % n_heads
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < seq_len) & (dims[None, :] < head_dim)
+    o = tl.load(o_ptr + b * so_b + h * so_h + rows[:, None] * so_t + dims[None, :], mask=mask, other=0.0)
+    do = tl.load(do_ptr + b * sdo_b + h * sdo_h + rows[:, None] * sdo_t + dims[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(delta_ptr + bh * seq_len + rows, delta, mask=rows < seq_len)
+
+
+@jit
+def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                   sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                   n_heads, group, seq_len, head_dim, window, qk_scale, scale,
+                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # q and dO share strides (dO is made contiguous like q); so do k/dk and v/dv.
+    start_n = tl.program_id(0) * BLOCK_N
+    bhk = tl.program_id(1)
+    n_kv_heads = n_heads // group
+    b, hk = bhk // n_kv_heads, bhk % n_kv_heads
+    cols = start_n + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    col_mask = (cols[:, None] < seq_len) & (dims[None, :] < head_dim)
+    k_offs = b * sk_b + hk * sk_h + cols[:, None] * sk_t + dims[None, :]
+    v_offs = b * sv_b + hk * sv_h + cols[:, None] * sv_t + dims[None, :]
+    k = tl.load(k_ptr + k_offs, mask=col_mask, other=0.0)
+    v = tl.load(v_ptr + v_offs, mask=col_mask, other=0.0)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    if CAUSAL:  # only query blocks that hold a (row >= col > row - window) pair
+        lo = start_n // BLOCK_M * BLOCK_M
+        hi = tl.minimum(start_n + BLOCK_N + window - 1, seq_len)
+    else:
+        lo = 0
+        hi = seq_len
+    for g in range(group):  # the query heads that share this kv head
+        bh = b * n_heads + hk * group + g
+        q_base = q_ptr + b * sq_b + (hk * group + g) * sq_h
+        do_base = do_ptr + b * sq_b + (hk * group + g) * sq_h
+        for start_m in range(lo, hi, BLOCK_M):
+            rows = start_m + tl.arange(0, BLOCK_M)
+            row_mask = (rows[:, None] < seq_len) & (dims[None, :] < head_dim)
+            q = tl.load(q_base + rows[:, None] * sq_t + dims[None, :], mask=row_mask, other=0.0)
+            do = tl.load(do_base + rows[:, None] * sq_t + dims[None, :], mask=row_mask, other=0.0)
+            lse = tl.load(lse_ptr + bh * seq_len + rows, mask=rows < seq_len, other=float("inf"))
+            delta = tl.load(delta_ptr + bh * seq_len + rows, mask=rows < seq_len, other=0.0)
+            p_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # P^T: (BLOCK_N, BLOCK_M)
+            if CAUSAL:
+                keep = (rows[None, :] >= cols[:, None]) & (rows[None, :] - cols[:, None] < window)
+                p_t = tl.where(keep, p_t, 0.0)
+            dv += tl.dot(p_t.to(do.dtype), do)
+            ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q)
+    tl.store(dk_ptr + k_offs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_mask)
+    tl.store(dv_ptr + v_offs, dv.to(dv_ptr.dtype.element_ty), mask=col_mask)
+
+
+@jit
+def _attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                 n_heads, group, seq_len, head_dim, window, qk_scale, scale,
+                 CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # q, dO and dQ share strides.
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b, h = bh // n_heads, bh % n_heads
+    hk = h // group
+    rows = start_m + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_mask = (rows[:, None] < seq_len) & (dims[None, :] < head_dim)
+    q_offs = b * sq_b + h * sq_h + rows[:, None] * sq_t + dims[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_mask, other=0.0)
+    do = tl.load(do_ptr + q_offs, mask=row_mask, other=0.0)
+    lse = tl.load(lse_ptr + bh * seq_len + rows, mask=rows < seq_len, other=float("inf"))
+    delta = tl.load(delta_ptr + bh * seq_len + rows, mask=rows < seq_len, other=0.0)
+    k_base = k_ptr + b * sk_b + hk * sk_h
+    v_base = v_ptr + b * sv_b + hk * sv_h
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    if CAUSAL:
+        lo = tl.maximum(start_m - window + 1, 0) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(start_m + BLOCK_M, seq_len)
+    else:
+        lo = 0
+        hi = seq_len
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        col_mask = (cols[:, None] < seq_len) & (dims[None, :] < head_dim)
+        k = tl.load(k_base + cols[:, None] * sk_t + dims[None, :], mask=col_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * sv_t + dims[None, :], mask=col_mask, other=0.0)
+        p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+        keep = cols[None, :] < seq_len
+        if CAUSAL:
+            keep = keep & (rows[:, None] >= cols[None, :]) & (rows[:, None] - cols[None, :] < window)
+        p = tl.where(keep, p, 0.0)
+        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    tl.store(dq_ptr + q_offs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask)
+
+
+def _launch_config(q: Tensor) -> dict[str, int]:
+    """Tile sizes: 16 in the interpreter (so small tests still cross tile edges), FA2-like on a GPU.
+    head_dim is padded to a power of 2 and at least 16 (the smallest tl.dot)."""
+    block_d = max(next_power_of_2(q.shape[-1]), 16)
+    if not q.is_cuda:
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=block_d)
+    big = block_d > 64
+    return dict(BLOCK_M=64 if big else 128, BLOCK_N=64, BLOCK_D=block_d, num_warps=8 if big else 4,
+                num_stages=2 if big else 3)
+
+
+def _strides(*tensors: Tensor) -> list[int]:
+    """(batch, head, time) strides of each (B, H, T, D) tensor; the head dimension must be contiguous."""
+    return [s for t in tensors for s in t.stride()[:3]]
+
+
+def _last_dim_contiguous(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int) -> Tensor:
+        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+        b, n_heads, seq_len, head_dim = q.shape
+        group = n_heads // k.shape[1]
+        cfg = _launch_config(q)
+        o = torch.empty_like(q)  # empty_like keeps q's strides: a (B, T, H, D) layout stays one
+        lse = torch.empty(b, n_heads, seq_len, dtype=torch.float32, device=q.device)  # base 2
+        scale = 1.0 / math.sqrt(head_dim)
+        _attn_fwd[(cdiv(seq_len, cfg["BLOCK_M"]), b * n_heads)](
+            q, k, v, o, lse, *_strides(q, k, v, o), n_heads, group, seq_len, head_dim, window, scale * LOG2E,
+            CAUSAL=causal, **cfg)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.window, ctx.scale = causal, window, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
+        q, k, v, o, lse = ctx.saved_tensors
+        b, n_heads, seq_len, head_dim = q.shape
+        group = n_heads // k.shape[1]
+        cfg = _launch_config(q)
+        do = torch.empty_like(q).copy_(do)  # same strides as q, so the kernels share q's
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        delta = torch.empty_like(lse)
+        _attn_bwd_delta[(cdiv(seq_len, cfg["BLOCK_M"]), b * n_heads)](
+            o, do, delta, *_strides(o, do), n_heads, seq_len, head_dim,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"])
+        args = (*_strides(q, k, v), n_heads, group, seq_len, head_dim, ctx.window, ctx.scale * LOG2E, ctx.scale)
+        _attn_bwd_dkdv[(cdiv(seq_len, cfg["BLOCK_N"]), b * k.shape[1])](
+            q, k, v, do, lse, delta, dk, dv, *args, CAUSAL=ctx.causal, **cfg)
+        _attn_bwd_dq[(cdiv(seq_len, cfg["BLOCK_M"]), b * n_heads)](
+            q, k, v, do, lse, delta, dq, *args, CAUSAL=ctx.causal, **cfg)
+        return dq, dk, dv, None, None
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, window: Optional[int] = None) -> Tensor:
+    """Triton attention for q (B, Hq, T, D), k/v (B, Hkv, T, D), Hkv dividing Hq; `window` needs `causal`."""
+    if window is not None and not causal:
+        raise ValueError("a sliding window is only defined for causal attention")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"kv heads ({k.shape[1]}) must divide query heads ({q.shape[1]})")
+    return FlashAttentionFunction.apply(q, k, v, causal, window or q.shape[2])
+
+
+class CausalAttention(nn.Module):
+    """Drop-in for `lit_lm.model.CausalAttention`: no parameters, same `sliding_window`, `core(q, k, v)`."""
+
+    def __init__(self, sliding_window: Optional[int] = None, backend: str = "auto") -> None:
+        super().__init__()
+        self.sliding_window = sliding_window
+        self.backend = check_backend(backend)
+
+    @classmethod
+    def from_reference(cls, ref: nn.Module, backend: str) -> "CausalAttention":
+        return cls(ref.sliding_window, backend)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if use_triton(self.backend, q):
+            return flash_attention(q, k, v, causal=True, window=self.sliding_window)
+        return attention_reference(q, k, v, causal=True, window=self.sliding_window)

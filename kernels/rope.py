@@ -1,0 +1,100 @@
+"""Rotary position embedding (rotate-half convention) for q and k of shape (B, T, H, D), in one pass each.
+
+Position t rotates the pair (x_i, x_{i+D/2}) by angle t * theta^(-2i/D). A rotation is orthogonal, so the
+backward is the same kernel rotating the output gradient by the opposite angle (sin -> -sin): nothing but the
+cos/sin tables is saved.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from kernels.runtime import check_backend, jit, next_power_of_2, use_triton
+
+tl: Any = None  # triton.language, bound by `kernels.runtime.jit` at the first launch
+
+
+def rope_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x (B, T, H, D) with cos/sin tables (T, D/2), computing in fp32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
+
+
+@jit
+def _rope(x_ptr, cos_ptr, sin_ptr, y_ptr, seq_len, n_heads, half,
+          INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0)  # one (batch, position) row: all heads at once
+    t = row % seq_len
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < n_heads) & (cols < half)
+    cos = tl.load(cos_ptr + t * half + cols, mask=cols < half, other=0.0)
+    sin = tl.load(sin_ptr + t * half + cols, mask=cols < half, other=0.0)
+    if INVERSE:
+        sin = -sin
+    offs = row.to(tl.int64) * n_heads * 2 * half + heads * 2 * half + cols
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, (x1 * cos - x2 * sin).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + offs + half, (x1 * sin + x2 * cos).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
+    x = x.contiguous()
+    b, t, h, d = x.shape
+    y = torch.empty_like(x)
+    _rope[(b * t,)](x, cos, sin, y, t, h, d // 2, INVERSE=inverse,
+                    BLOCK_H=next_power_of_2(h), BLOCK_D=next_power_of_2(d // 2))
+    return y
+
+
+class RoPEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(q, cos, sin, False), _rotate(k, cos, sin, False)
+
+    @staticmethod
+    def backward(ctx, dq: Tensor, dk: Tensor) -> tuple[Tensor, Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        return _rotate(dq, cos, sin, True), _rotate(dk, cos, sin, True), None, None
+
+
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Triton rotation of q (B, T, Hq, D) and k (B, T, Hkv, D) by fp32 tables cos, sin (T, D/2)."""
+    return RoPEFunction.apply(q, k, cos.contiguous(), sin.contiguous())
+
+
+class RotaryEmbedding(nn.Module):
+    """Drop-in for `lit_lm.model.RotaryEmbedding`: no parameters, the same tables, `rope(q, k)` interface."""
+
+    def __init__(self, head_dim: int, theta: float = 10000.0, backend: str = "auto") -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.backend = check_backend(backend)
+        self._cache: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
+
+    @classmethod
+    def from_reference(cls, ref: nn.Module, backend: str) -> "RotaryEmbedding":
+        return cls(ref.head_dim, ref.theta, backend)
+
+    def cos_sin(self, seq_len: int, device: torch.device, offset: int = 0) -> tuple[Tensor, Tensor]:
+        """fp32 (T, D/2) tables for positions offset..offset+T-1, built in fp64 and cached per device."""
+        key = (seq_len, offset, device)
+        if key not in self._cache:
+            inv_freq = self.theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
+            angles = torch.outer(torch.arange(offset, offset + seq_len, dtype=torch.float64), inv_freq)
+            self._cache[key] = (angles.cos().float().to(device), angles.sin().float().to(device))
+        return self._cache[key]
+
+    def forward(self, q: Tensor, k: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
+        cos, sin = self.cos_sin(q.shape[1], q.device, offset)
+        if use_triton(self.backend, q):
+            return rope(q, k, cos, sin)
+        return rope_reference(q, cos, sin), rope_reference(k, cos, sin)

@@ -1,0 +1,150 @@
+"""Collective bandwidth: all_reduce, reduce_scatter, all_gather, all_to_all from 1 KiB to 1 GiB (nccl-tests style).
+
+    torchrun --nproc-per-node 8 scripts/bench_allreduce.py          # one process per GPU, NCCL
+    python scripts/bench_allreduce.py --nproc 2 --max-bytes 1M        # spawns itself (gloo on CPU, NCCL on GPU)
+
+`size` is the whole buffer (the gathered tensor for all_gather, the input for reduce_scatter). Algorithm
+bandwidth = size / time. Bus bandwidth rescales it to what each link carries in a ring, so it is comparable
+across world sizes and ops and with the hardware's link speed: x 2(n-1)/n for all_reduce (reduce-scatter then
+all-gather), x (n-1)/n for reduce_scatter, all_gather and all_to_all (each rank sends all but its own 1/n).
+Time per op is the mean over `--iters` after `--warmup`, synchronised, and the slowest rank's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+BUS_FACTOR: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+}
+# torch >= 2.10 names; older releases have the *_tensor spellings.
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def parse_bytes(text: str) -> int:
+    """'1G', '256M', '4K' or a plain number of bytes (powers of 1024)."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def make_op(op: str, numel: int, world: int, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
+    full = torch.ones(numel, device=device, dtype=dtype)
+    shard = torch.ones(numel // world, device=device, dtype=dtype)
+    out = torch.empty_like(full)
+    return {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "reduce_scatter": lambda: reduce_scatter(shard, full),
+        "all_gather": lambda: all_gather(full, shard),
+        "all_to_all": lambda: dist.all_to_all_single(out, full),
+    }[op]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_op(fn: Callable[[], None], device: torch.device, warmup: int, iters: int) -> float:
+    """Seconds per call: wall clock between synchronised start and end, the slowest rank's."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    slowest = torch.tensor([(time.perf_counter() - start) / iters], device=device, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item()
+
+
+def sizes(max_bytes: int) -> list[int]:
+    """1 KiB, 2 KiB, ... up to max_bytes (powers of two)."""
+    return [2**p for p in range(10, 31) if 2**p <= max_bytes]
+
+
+def benchmark(args: argparse.Namespace) -> list[dict]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    dtype = getattr(torch, args.dtype)
+    elem = torch.empty((), dtype=dtype).element_size()
+    results = []
+    for op in args.ops:
+        for size in sizes(args.max_bytes):
+            numel = size // elem // world * world  # divisible into world shards
+            if numel == 0:
+                continue
+            seconds = time_op(make_op(op, numel, world, device, dtype), device, args.warmup, args.iters)
+            algbw = numel * elem / seconds / 1e9
+            results.append(dict(op=op, bytes=numel * elem, world_size=world, backend=dist.get_backend(),
+                                time_us=seconds * 1e6, algbw_gbps=algbw, busbw_gbps=algbw * BUS_FACTOR[op](world)))
+            if rank == 0:
+                print_row(results[-1])
+    return results
+
+
+def print_row(row: dict) -> None:
+    print(f"{row['op']:>15} {row['bytes']:>12} {row['time_us']:>12.1f} {row['algbw_gbps']:>10.3f} "
+          f"{row['busbw_gbps']:>10.3f}", flush=True)
+
+
+def worker(rank: int, world: int, args: argparse.Namespace) -> None:
+    """One rank: join the group (env:// from torchrun, or the spawner's address), run, write results on rank 0."""
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
+    try:
+        if rank == 0:
+            print(f"{dist.get_backend()} world_size={world} dtype={args.dtype}")
+            print(f"{'op':>15} {'bytes':>12} {'time_us':>12} {'algbw GB/s':>10} {'busbw GB/s':>10}")
+        results = benchmark(args)
+        if rank == 0 and args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+            print(f"wrote {args.json}")
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=max(torch.cuda.device_count(), 2),
+                        help="processes to spawn when not launched by torchrun")
+    parser.add_argument("--max-bytes", type=parse_bytes, default=2**30, help="largest buffer, e.g. 64M (default 1G)")
+    parser.add_argument("--ops", nargs="+", choices=list(BUS_FACTOR), default=list(BUS_FACTOR))
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--json", default="bench_allreduce.json", help="results file (empty: do not write)")
+    args = parser.parse_args()
+    if "RANK" in os.environ:  # under torchrun: the environment already names this rank and the rendezvous
+        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+    else:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        mp.spawn(worker, args=(args.nproc, args), nprocs=args.nproc)
+
+
+if __name__ == "__main__":
+    main()

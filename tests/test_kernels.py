@@ -1,0 +1,158 @@
+"""Each Triton kernel against its PyTorch reference, forward and backward, under the Triton interpreter.
+
+Shapes are tiny and deliberately awkward (non-powers of two, tails that do not fill a tile, batch 1, GQA ratios
+1/2/4). The low-precision kernels are compared with the reference evaluated in fp32 on the same rounded inputs.
+bf16 is not run through `tl.dot` here: the interpreter (Triton 3.x) multiplies bf16 tiles as raw uint16 bits,
+so attention and matmul are checked in fp32 and fp16 on CPU and in bf16 only on a GPU.
+"""
+
+import os
+from typing import Callable, Sequence
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (kernels import it lazily)
+
+import pytest
+
+from kernels.runtime import interpreting
+
+if not interpreting():  # triton was imported before this line, in compiled mode (`import lightning` does that)
+    pytest.skip("needs TRITON_INTERPRET=1 before triton is imported: set it in the environment or tests/conftest.py",
+                allow_module_level=True)
+
+import torch
+
+from kernels.attention import attention_reference, flash_attention
+from kernels.cross_entropy import cross_entropy, cross_entropy_reference
+from kernels.gelu import gelu, gelu_reference
+from kernels.matmul import matmul, matmul_reference
+from kernels.rmsnorm import rmsnorm, rmsnorm_reference
+from kernels.rope import RotaryEmbedding, rope, rope_reference
+from kernels.softmax import softmax, softmax_reference
+from kernels.swiglu import swiglu, swiglu_reference
+
+TOLERANCE = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=1e-2, rtol=1e-2),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+
+
+def assert_matches(kernel: Callable, reference: Callable, inputs: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
+    """kernel(*inputs in dtype) == reference(*same values in fp32): every output and every input gradient."""
+    torch.manual_seed(1)
+    low = [x.to(dtype).requires_grad_() for x in inputs]
+    high = [x.detach().float().requires_grad_() for x in low]
+    outs, ref_outs = kernel(*low), reference(*high)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    ref_outs = ref_outs if isinstance(ref_outs, tuple) else (ref_outs,)
+    for out, ref in zip(outs, ref_outs):
+        assert out.dtype == dtype or out.dtype == torch.float32
+        torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
+    cotangents = [torch.randn_like(ref) for ref in ref_outs if ref.requires_grad]
+    grads = torch.autograd.grad([o for o in outs if o.requires_grad], low, [c.to(dtype) for c in cotangents])
+    ref_grads = torch.autograd.grad([o for o in ref_outs if o.requires_grad], high, cotangents)
+    for grad, ref, x in zip(grads, ref_grads, low):
+        assert grad.dtype == x.dtype and grad.shape == x.shape
+        torch.testing.assert_close(grad.float(), ref, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 37), (2, 5, 100), (3, 4, 2, 8)])
+def test_rmsnorm(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    x = torch.randn(shape)
+    w = 1 + 0.1 * torch.randn(shape[-1])
+    assert_matches(lambda x, w: rmsnorm(x, w, 1e-5), lambda x, w: rmsnorm_reference(x, w, 1e-5), [x, w], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 37, 50), (3, 700)])  # 2100 elements: three 1024-blocks, masked tail
+def test_swiglu(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    assert_matches(swiglu, swiglu_reference, [torch.randn(shape), torch.randn(shape)], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,t,hq,hkv,d", [(1, 37, 4, 2, 8), (1, 100, 3, 3, 6), (2, 5, 4, 1, 32)])
+def test_rope(b: int, t: int, hq: int, hkv: int, d: int, dtype: torch.dtype) -> None:
+    cos, sin = RotaryEmbedding(d).cos_sin(t, torch.device("cpu"))
+    assert_matches(lambda q, k: rope(q, k, cos, sin),
+                   lambda q, k: (rope_reference(q, cos, sin), rope_reference(k, cos, sin)),
+                   [torch.randn(b, t, hq, d), torch.randn(b, t, hkv, d)], dtype)
+
+
+def test_rope_backward_is_inverse_rotation() -> None:
+    """Rotating by the angle and then back is the identity: the backward kernel is the forward with -sin."""
+    q, k = torch.randn(2, 37, 4, 8, requires_grad=True), torch.randn(2, 37, 2, 8, requires_grad=True)
+    cos, sin = RotaryEmbedding(8).cos_sin(37, torch.device("cpu"))
+    rq, rk = rope(q, k, cos, sin)
+    dq, dk = torch.autograd.grad((rq, rk), (q, k), (rq.detach(), rk.detach()))
+    torch.testing.assert_close(dq, q.detach(), **TOLERANCE[torch.float32])
+    torch.testing.assert_close(dk, k.detach(), **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("z_loss", [0.0, 1e-3])
+@pytest.mark.parametrize("vocab,block_v", [(100, 32), (61, None)])  # 4 chunks with a tail; one masked chunk
+def test_cross_entropy(vocab: int, block_v: int, z_loss: float, dtype: torch.dtype) -> None:
+    targets = torch.randint(0, vocab, (2, 9))
+    targets[0, :4] = -100
+    assert_matches(lambda x: cross_entropy(x, targets, z_loss, block_v),
+                   lambda x: cross_entropy_reference(x, targets, z_loss), [3 * torch.randn(2, 9, vocab)], dtype)
+
+
+def test_cross_entropy_gradient_keeps_logits_dtype() -> None:
+    logits = torch.randn(5, 70, dtype=torch.bfloat16, requires_grad=True)
+    loss, ce = cross_entropy(logits, torch.randint(0, 70, (5,)), 1e-4, block_v=16)
+    loss.backward()
+    assert logits.grad.dtype == torch.bfloat16 and not ce.requires_grad
+
+
+ATTENTION_CASES = [  # batch, q heads, kv heads, seq len, head dim, causal, window
+    (1, 2, 2, 37, 16, True, None),
+    (2, 4, 2, 100, 32, True, None),
+    (1, 4, 1, 37, 8, False, None),
+    (1, 4, 2, 100, 16, True, 20),
+    (1, 2, 1, 33, 64, True, 5),
+    (1, 1, 1, 20, 128, True, None),
+]
+SMALL_ATTENTION_CASES = [case for case in ATTENTION_CASES if case[3] * case[4] <= 2000]  # fp16 dots are slow here
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy: padded tail rows divide by 0, masked afterwards
+@pytest.mark.parametrize("b,hq,hkv,t,d,causal,window,dtype",
+                         [(*case, torch.float32) for case in ATTENTION_CASES]
+                         + [(*case, torch.float16) for case in SMALL_ATTENTION_CASES])
+def test_flash_attention(b: int, hq: int, hkv: int, t: int, d: int, causal: bool, window: int,
+                         dtype: torch.dtype) -> None:
+    # q/k/v as the model produces them: (B, T, H, D) storage viewed as (B, H, T, D).
+    q, k, v = (torch.randn(b, t, h, d).transpose(1, 2) for h in (hq, hkv, hkv))
+    assert_matches(lambda q, k, v: flash_attention(q, k, v, causal, window),
+                   lambda q, k, v: attention_reference(q, k, v, causal, window), [q, k, v], dtype)
+
+
+def test_flash_attention_rejects_bad_shapes() -> None:
+    q, k = torch.randn(1, 3, 8, 16), torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="divide"):
+        flash_attention(q, k, k)
+    with pytest.raises(ValueError, match="causal"):
+        flash_attention(q, q, q, causal=False, window=4)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy: exp overflows to inf in sigmoid, giving 0
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu(dtype: torch.dtype) -> None:
+    assert_matches(gelu, gelu_reference, [3 * torch.randn(3, 700)], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 37), (2, 3, 100)])
+def test_softmax(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    assert_matches(softmax, softmax_reference, [3 * torch.randn(shape)], dtype)
+
+
+@pytest.mark.parametrize("m,k,n,dtype", [
+    (37, 20, 50, torch.float32),
+    (200, 20, 40, torch.float32),  # 13 x 3 tiles: more tile rows than GROUP_M, a partial last group
+    (70, 33, 100, torch.float16),
+])
+def test_matmul(m: int, k: int, n: int, dtype: torch.dtype) -> None:
+    assert_matches(matmul, matmul_reference, [torch.randn(m, k), torch.randn(k, n)], dtype)

@@ -1,0 +1,58 @@
+"""The Throughput callback: the FLOPs formula by hand, the peak table, and the keys it logs in a real CPU fit."""
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from callbacks.throughput import Throughput, flops_per_token, peak_flops_for
+from lit_lm.config import ModelConfig
+from lit_lm.model import Transformer
+
+CONFIG = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16)
+
+
+def test_flops_per_token_by_hand() -> None:
+    cfg = ModelConfig(**CONFIG)
+    # Per block: q, k, v, o 4 * 32 * 32 + gate/up/down 3 * 32 * 64 + two norms 2 * 32; final norm 32; LM head 64 * 32.
+    n = 2 * (4 * 32 * 32 + 3 * 32 * 64 + 2 * 32) + 32 + 64 * 32
+    assert cfg.num_params(include_embedding=False) == n
+    assert flops_per_token(n, n_layers=2, d_model=32, seq_len=16) == 6 * n + 12 * 2 * 32 * 16
+
+
+def test_peak_flops_table() -> None:
+    assert peak_flops_for("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops_for("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops_for("NVIDIA L40S") == 362e12 and peak_flops_for("NVIDIA L4") == 121e12
+    assert peak_flops_for("cpu") is None
+
+
+class ToyLM(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Transformer(ModelConfig(**CONFIG))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model.loss(batch[:, :-1], batch[:, 1:])[0]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("peak_flops", [1e12, None])
+def test_logs_throughput_keys(peak_flops: float) -> None:
+    data = DataLoader(torch.randint(0, 64, (8, 17)), batch_size=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Throughput(peak_flops=peak_flops, window=2)])
+    trainer.fit(ToyLM(), data)
+    metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
+    expected = {"throughput/tokens_per_sec", "throughput/flops_per_token", "throughput/peak_memory_gb"}
+    assert expected <= metrics.keys()
+    assert ("throughput/mfu" in metrics) == (peak_flops is not None)  # no peak known for a CPU
+    assert metrics["throughput/tokens_per_sec"] > 0 and metrics["throughput/peak_memory_gb"] > 0
+    cfg = ModelConfig(**CONFIG)
+    assert metrics["throughput/flops_per_token"] == flops_per_token(cfg.num_params(False), 2, 32, 16)
+    if peak_flops:
+        mfu = metrics["throughput/tokens_per_sec"] * metrics["throughput/flops_per_token"] / peak_flops
+        assert metrics["throughput/mfu"] == pytest.approx(mfu, rel=1e-4)
