@@ -156,7 +156,9 @@ class TextDataModule(L.LightningDataModule):
         self.tokenizer: Optional[BPETokenizer] = None
         self.train_set: Optional[TokenWindows] = None
         self.val_set: Optional[TokenWindows] = None
-        self._resume: Optional[dict[str, int]] = None
+        self._base_samples = 0  # global samples consumed when the current train loader was made
+        self._base_batches = 0  # Lightning's processed-batch counter at that moment
+        self._resumed_samples: Optional[int] = None  # from a checkpoint, applied when the loader is made
 
     # -- corpus and cache ----------------------------------------------------------------------------------
     @cached_property
@@ -219,21 +221,26 @@ class TextDataModule(L.LightningDataModule):
         return kwargs["num_replicas"], kwargs["rank"]
 
     def _loader(self, dataset: Dataset, sampler: ResumableSampler) -> DataLoader:
-        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, drop_last=True,
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler,
                           num_workers=self.num_workers, pin_memory=torch.cuda.is_available(),
                           persistent_workers=self.num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:
         size, rank = self._dp()
-        sampler = ResumableSampler(len(self.train_set), size, rank, shuffle=True, seed=self.seed)
-        if self._resume is not None:
-            sampler.resume(self._resume["epoch"], self._resume["samples_consumed"])
-            self._resume = None
+        # Rebase: consumed = base samples + (batches processed since now) × B × R, with B × R of this run.
+        if self._resumed_samples is not None:  # Lightning has restored its batch counter by now
+            self._base_samples, self._resumed_samples = self._resumed_samples, None
+        else:
+            self._base_samples = self.samples_consumed()
+        self._base_batches = self._batches_processed()
+        sampler = ResumableSampler(len(self.train_set), self.batch_size, size, rank, seed=self.seed,
+                                   start=self._base_samples)
         return self._loader(self.train_set, sampler)
 
     def val_dataloader(self) -> DataLoader:
         size, rank = self._dp()
-        return self._loader(self.val_set, ResumableSampler(len(self.val_set), size, rank, shuffle=False))
+        sampler = ResumableSampler(len(self.val_set), self.batch_size, size, rank, shuffle=False, advance=False)
+        return self._loader(self.val_set, sampler)
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
@@ -242,17 +249,22 @@ class TextDataModule(L.LightningDataModule):
         return self.val_dataloader()
 
     # -- resumable position --------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, int]:
-        """Global samples consumed in the current epoch: rank-independent, so resume works on any DP size."""
+    def _batches_processed(self) -> int:
+        """Training batches processed since the run began (Lightning restores this counter on resume)."""
         if self.trainer is None:
-            return {}
+            return 0
+        return self.trainer.fit_loop.epoch_loop.batch_progress.total.processed
+
+    def samples_consumed(self) -> int:
+        """Global samples consumed since the run began, counted across resumes with any DP sizes."""
         size, _ = self._dp()
-        batches = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return {"epoch": self.trainer.current_epoch, "samples_consumed": batches * self.batch_size * size}
+        return self._base_samples + (self._batches_processed() - self._base_batches) * self.batch_size * size
+
+    def state_dict(self) -> dict[str, int]:
+        return {"samples_consumed": self.samples_consumed()}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        if state:
-            self._resume = dict(state)
+        self._resumed_samples = int(state["samples_consumed"])
 
 
 def _write_tokens(docs: list[str], tokenizer: BPETokenizer, cache: Path) -> None:

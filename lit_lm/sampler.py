@@ -1,9 +1,10 @@
-"""A data-parallel sampler that is deterministic from the seed and resumable from "global samples consumed".
+"""A data-parallel sampler over one endless, seeded stream of samples, resumable from "global samples consumed".
 
-The sample order of an epoch is one global permutation. DP rank r of R takes global positions
-start + r, start + r + R, ... so a global batch of B·R consecutive positions is spread over the ranks. The only
-state needed to resume is `start`, the number of global samples already consumed in the epoch: it does not depend
-on R, so a run saved with 4 ranks continues the same token stream on 2.
+Global stream position p is sample `perm_e[p mod N]` of epoch e = p div N, where perm_e is a permutation seeded by
+(seed, e). DP rank r of R takes positions start + r, start + r + R, ... so each global batch is B·R consecutive
+positions spread over the ranks. The only state is `start`, the number of global samples consumed so far: it does
+not depend on R, so a run saved with 4 ranks continues the same stream on 2, and it does not depend on where
+Lightning's epochs begin and end (a run stopped by `max_steps` counts as a finished epoch there).
 
 It subclasses `DistributedSampler` only so that Lightning leaves it in place instead of wrapping it.
 """
@@ -17,44 +18,49 @@ from torch.utils.data import DistributedSampler
 
 
 class ResumableSampler(DistributedSampler):
-    """Global-order sampler over `num_samples` indices.
+    """Yields `batches_per_pass · batch_size` indices per pass and rank, then advances the stream by as many
+    global samples, so no partial batch is ever dropped and every rank runs the same number of batches
+    (strategies that communicate inside forward, e.g. ZeRO-3, would otherwise hang on a short last batch).
+    With `advance=False` every pass replays the same positions (validation: the same samples each time)."""
 
-    The epoch is trimmed to a multiple of `num_replicas`, so every rank runs the same number of batches
-    (strategies that communicate inside forward, e.g. ZeRO-3, would otherwise hang on the last one).
-    """
-
-    def __init__(self, num_samples: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
-                 seed: int = 0) -> None:
+    def __init__(self, num_samples: int, batch_size: int, num_replicas: int = 1, rank: int = 0,
+                 shuffle: bool = True, seed: int = 0, start: int = 0, advance: bool = True) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"sampler rank {rank} is outside [0, num_replicas={num_replicas})")
-        # DistributedSampler's own __init__ would query torch.distributed; set its attributes ourselves.
+        # DistributedSampler's own __init__ would query torch.distributed: set its attributes ourselves.
         self.num_samples_total = num_samples
+        self.batch_size = batch_size
         self.num_replicas = num_replicas
         self.rank = rank
         self.shuffle = shuffle
         self.seed = seed
-        self.epoch = 0
-        self.start = 0  # global samples of `self.epoch` already consumed
+        self.start = start
+        self.advance = advance
 
     def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.start = 0  # a resume offset applies to the epoch it was saved in only
-        self.epoch = epoch
-
-    def resume(self, epoch: int, samples_consumed: int) -> None:
-        self.epoch = epoch
-        self.start = samples_consumed
-
-    def _order(self) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(self.num_samples_total)
-        gen = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.num_samples_total, generator=gen)
+        """Ignored: the stream position, not Lightning's epoch counter, decides what comes next."""
 
     def __len__(self) -> int:
-        return max(self.num_samples_total - self.start, 0) // self.num_replicas
+        return self.num_samples_total // (self.batch_size * self.num_replicas) * self.batch_size
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_samples_total)
+        return torch.randperm(self.num_samples_total, generator=torch.Generator().manual_seed(self.seed + epoch))
+
+    def indices(self, start: int, count: int) -> list[int]:
+        """This rank's `count` samples of the stream from global position `start`."""
+        positions = start + self.rank + self.num_replicas * torch.arange(count)
+        epochs = positions // self.num_samples_total
+        out = torch.empty_like(positions)
+        for epoch in epochs.unique().tolist():
+            here = epochs == epoch
+            out[here] = self._epoch_order(epoch)[positions[here] % self.num_samples_total]
+        return out.tolist()
 
     def __iter__(self) -> Iterator[int]:
-        order = self._order()
-        positions = self.start + self.rank + self.num_replicas * torch.arange(len(self))
-        return iter(order[positions].tolist())
+        count = len(self)
+        chunk = self.indices(self.start, count)
+        if self.advance:
+            self.start += count * self.num_replicas
+        return iter(chunk)

@@ -70,6 +70,9 @@ class CommLog:
 
 
 COMM_LOG = CommLog()
+# torch 2.13 renamed the single-tensor collectives (the old names warn); older releases only have the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _GROUP_NAMES: dict[int, str] = {}
 
 
@@ -92,14 +95,14 @@ def reduce_scatter(output: Tensor, input: Tensor, group: Optional[dist.ProcessGr
                    op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False) -> Optional[dist.Work]:
     """`input` is the concatenation of N equal chunks; rank r receives the reduced chunk r in `output`."""
     COMM_LOG.add("reduce_scatter", group, input.numel(), input.element_size())
-    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
 def all_gather(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
                async_op: bool = False) -> Optional[dist.Work]:
     """`output` is the concatenation of every rank's equal-size `input`."""
     COMM_LOG.add("all_gather", group, output.numel(), output.element_size())
-    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
 def broadcast(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup] = None,

@@ -60,3 +60,29 @@ def test_bad_model_config_is_reported_by_field(tmp_path):
     bad = run_cli("fit", *tiny_args(tmp_path), "--model.init_args.config.n_heads", "5", cwd=tmp_path)
     assert bad.returncode != 0
     assert "n_heads" in bad.stderr and "divide" in bad.stderr
+
+
+def test_zero2_on_two_ranks_resumes_exactly_on_one(tmp_path):
+    """The issue's acceptance run, small: fit under zero2 with 2 ranks (per-device batch 2), resume the step-4
+    checkpoint with 1 rank (batch 4, the same global batch): steps 5-8 repeat the uninterrupted run's losses."""
+    base = tiny_args(tmp_path) + ["--config", str(REPO / "configs/strategies/zero2.yaml"),
+                                  "--trainer.max_steps", "8", "--trainer.val_check_interval", "4"]
+    ckpt_every = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=4",
+                  "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename=at_{step}"]
+    full = run_cli("fit", *base, "--trainer.devices", "2", "--data.init_args.batch_size", "2", *ckpt_every,
+                   cwd=tmp_path)
+    assert full.returncode == 0, full.stderr[-3000:]
+    ckpt = tmp_path / "run/lightning_logs/version_0/checkpoints/at_step=4.ckpt"
+    assert (ckpt / "meta.pt").is_file()  # a sharded (DCP) checkpoint directory
+    resumed = run_cli("fit", *base, "--trainer.devices", "1", "--data.init_args.batch_size", "4",
+                      "--ckpt_path", str(ckpt), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    def losses(version: int) -> dict[int, float]:
+        return {int(r["step"]): float(r["train_loss"]) for r in read_metrics(tmp_path / "run", version)
+                if r.get("train_loss")}
+
+    before, after = losses(0), losses(1)
+    assert sorted(after) == [4, 5, 6, 7]
+    for step in after:
+        assert after[step] == pytest.approx(before[step], rel=1e-5), step

@@ -1,6 +1,7 @@
 """TextDataModule: formats, caching, windows, DP-aware loaders, resumable position, and clear errors."""
 
 import json
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -75,15 +76,20 @@ def test_loaders_follow_the_dp_rank_and_resume(tmp_path, text_files):
 
     class FakeTrainer:
         strategy = FakeStrategy()
+        progress = SimpleNamespace(processed=0)  # Lightning's fit_loop.epoch_loop.batch_progress.total
+        fit_loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(total=progress)))
 
     dm.trainer = FakeTrainer()
     loader = dm.train_dataloader()
     assert loader.sampler.num_replicas == 2 and loader.sampler.rank == 1
     first = next(iter(loader))
     assert first.shape == (4, 17)
-    dm.load_state_dict({"epoch": 0, "samples_consumed": 8})
+    FakeTrainer.progress.processed = 5  # restored by Lightning from the checkpoint, before the loader is made
+    dm.load_state_dict({"samples_consumed": 8})
     resumed = dm.train_dataloader()
-    assert resumed.sampler.start == 8 and len(resumed.sampler) == len(loader.sampler) - 4
+    assert resumed.sampler.start == 8 and len(resumed.sampler) == len(loader.sampler)
+    FakeTrainer.progress.processed = 8  # three more steps of 4 samples on 2 ranks
+    assert dm.state_dict() == {"samples_consumed": 8 + 3 * 4 * 2}
 
 
 def test_missing_file_names_the_field(tmp_path):

@@ -1,0 +1,190 @@
+"""Benchmark the data-parallel strategies on one model in one run: Lightning's `ddp`, our `lm_ddp`, `zero1`,
+`zero2`, `zero3`, and torch FSDP2 (`fully_shard` through Lightning's ModelParallelStrategy) as the reference.
+
+    python scripts/bench_strategies.py                     # CPU/gloo, 2 processes
+    python scripts/bench_strategies.py --devices 4 --d-model 512 --n-layers 8   # GPUs/nccl when available
+
+Per strategy: tokens/s (median step after warm-up) and its ratio to Lightning's ddp, model-state bytes per rank
+(params + grads + optimizer state, walked just before the last update) against theory, and the bytes each rank
+sends per step (our strategies count them in `strategies.comm`; ddp and FSDP2 do not use it) against theory.
+Rank 0 prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.multiprocessing as mp
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lit_lm.config import ModelConfig  # noqa: E402
+from lit_lm.model import Transformer  # noqa: E402
+from strategies.comm import COMM_LOG  # noqa: E402
+from strategies.ddp import DataParallelStrategy  # noqa: E402
+from strategies.zero import ZeroStrategy  # noqa: E402
+from strategies.zero_engine import model_state_bytes  # noqa: E402
+
+STRATEGIES = ["ddp", "lm_ddp", "zero1", "zero2", "zero3", "fsdp2"]
+
+
+def theory(name: str, phi: int, n: int) -> tuple[float, float]:
+    """(model-state bytes per rank, wire bytes per rank per step) for fp32 Adam (see strategies/zero_engine.py)."""
+    memory = {"ddp": 16, "lm_ddp": 16, "zero1": 8 + 8 / n, "zero2": 4 + 12 / n, "zero3": 16 / n, "fsdp2": 16 / n}
+    gathers = 3 if name in ("zero3", "fsdp2") else 2  # all-reduce = reduce-scatter + all-gather
+    return memory[name] * phi, gathers * (n - 1) / n * phi * 4
+
+
+class BenchLM(L.LightningModule):
+    def __init__(self, config: ModelConfig, fsdp2: bool) -> None:
+        super().__init__()
+        self.config, self.fsdp2 = config, fsdp2
+        self.model: Transformer | None = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self.model = Transformer(self.config)
+        if self.fsdp2:  # the same units as zero3: each block, then the rest
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.model.blocks.values():
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tokens = batch[0]
+        return self.model.loss(tokens[:, :-1], tokens[:, 1:])[0]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class Probe(L.Callback):
+    """Step wall time, bytes sent through the accounting layer, and model-state bytes before the last update."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.times, self.wire, self.memory = device, [], [], {}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._sync()
+        COMM_LOG.reset()
+        self.t0 = time.perf_counter()
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.memory = model_state_bytes(pl_module, getattr(optimizer, "_optimizer", optimizer))
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self._sync()
+        self.times.append(time.perf_counter() - self.t0)
+        self.wire.append(sum(op["wire_bytes"] for op in COMM_LOG.summary().values()))
+
+
+def make_strategy(name: str, n: int) -> Any:
+    return {"ddp": lambda: "ddp", "lm_ddp": DataParallelStrategy,
+            "zero1": lambda: ZeroStrategy(stage=1), "zero2": lambda: ZeroStrategy(stage=2),
+            "zero3": lambda: ZeroStrategy(stage=3),
+            "fsdp2": lambda: ModelParallelStrategy(data_parallel_size=n, tensor_parallel_size=1)}[name]()
+
+
+def run_one(name: str, args: argparse.Namespace, config: ModelConfig, accelerator: str) -> dict[str, Any]:
+    rank, n = int(os.environ["LOCAL_RANK"]), args.devices
+    gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch of the global batch
+    local = args.global_batch // n
+    tokens = torch.randint(0, config.vocab_size, (local * args.steps, args.seq_len + 1), generator=gen)
+    loader = DataLoader(TensorDataset(tokens), batch_size=local)
+    L.seed_everything(0, verbose=False)
+    module = BenchLM(config, fsdp2=name == "fsdp2")
+    device = torch.device("cuda", rank) if accelerator == "gpu" else torch.device("cpu")
+    probe = Probe(device)
+    trainer = L.Trainer(accelerator=accelerator, devices=n, strategy=make_strategy(name, n), max_steps=args.steps,
+                        callbacks=[probe], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+                        precision=args.precision)
+    trainer.fit(module, loader)
+    steady = probe.times[args.warmup:]
+    out = {"step_s": statistics.median(steady), "memory": probe.memory,
+           "wire_bytes": statistics.median(probe.wire[args.warmup:])}
+    del trainer, module
+    gc.collect()
+    return out
+
+
+def worker(rank: int, args: argparse.Namespace, port: int, accelerator: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(args.devices), NODE_RANK="0",
+                      RANK=str(rank), LOCAL_RANK=str(rank))
+    if accelerator == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
+    config = ModelConfig(vocab_size=args.vocab_size, d_model=args.d_model, n_layers=args.n_layers,
+                         n_heads=args.n_heads, max_seq_len=args.seq_len)
+    phi = config.num_params()
+    results = {name: run_one(name, args, config, accelerator) for name in args.strategies}
+    if rank != 0:
+        return
+    tokens = args.global_batch * args.seq_len
+    base = tokens / results["ddp"]["step_s"] if "ddp" in results else None
+    rows = []
+    for name, r in results.items():
+        mem_theory, wire_theory = theory(name, phi, args.devices)
+        rows.append({"strategy": name, "tokens_per_s": tokens / r["step_s"],
+                     "vs_ddp": tokens / r["step_s"] / base if base else None,
+                     "state_bytes": r["memory"].get("total"), "state_bytes_theory": mem_theory,
+                     "wire_bytes_per_step": r["wire_bytes"] if name not in ("ddp", "fsdp2") else None,
+                     "wire_bytes_theory": wire_theory})
+    print(f"\n{args.devices} x {accelerator}, Φ = {phi:,} params, {tokens} tokens/step, {args.precision}, "
+          f"median of {args.steps - args.warmup} steps")
+    print(f"{'strategy':<8} {'tokens/s':>10} {'vs ddp':>7} {'state MB':>9} {'theory':>8} {'sent MB/step':>13} "
+          f"{'theory':>8}")
+    for row in rows:
+        sent = "-" if row["wire_bytes_per_step"] is None else f"{row['wire_bytes_per_step'] / 1e6:.3f}"
+        ratio = "-" if row["vs_ddp"] is None else f"{row['vs_ddp']:.2f}x"
+        print(f"{row['strategy']:<8} {row['tokens_per_s']:>10.0f} {ratio:>7} {row['state_bytes'] / 1e6:>9.2f} "
+              f"{row['state_bytes_theory'] / 1e6:>8.2f} {sent:>13} {row['wire_bytes_theory'] / 1e6:>8.3f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "phi": phi, "accelerator": accelerator, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--devices", type=int, default=torch.cuda.device_count() if gpu else 2)
+    p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--n-heads", type=int, default=8)
+    p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
+    p.add_argument("--out", default="runs/bench_strategies.json")
+    args = p.parse_args()
+    if args.global_batch % args.devices:
+        p.error(f"--global-batch {args.global_batch} must be divisible by --devices {args.devices}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(args, port, "gpu" if gpu else "cpu"), nprocs=args.devices, join=True)
+
+
+if __name__ == "__main__":
+    main()

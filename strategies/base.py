@@ -1,0 +1,329 @@
+"""`BaseStrategy`: everything lit-lm's parallel strategies share, plugged into Lightning's `ParallelStrategy`.
+
+Not a subclass of `DDPStrategy`: its setup, `block_backward_sync` and teardown all assume torch's DDP wrapper.
+The base owns the plumbing; a parallel kind (DDP, ZeRO, TP, PP) overrides a few hooks.
+
+What the base does
+    launcher        always `_SubprocessScriptLauncher`: spawns the local ranks under plain `python`, does nothing
+                    under torchrun/SLURM but still checks `devices x num_nodes` against the cluster's world size.
+    layout          `self.layout`: the cached `ParallelLayout` (dp x pp x tp; `.dp_group`, `.dp_rank`, `.dp_size`,
+                    `.pp_*`, `.tp_*`, `.device_mesh(type)`), built in `setup_environment` after the default group.
+                    Sizes: `tensor_parallel_size`, `pipeline_parallel_size` (default 1); dp is what is left.
+    sampler         `distributed_sampler_kwargs` = dp size and rank: tp/pp peers of a replica get the same batch.
+    precision       32-true, bf16-mixed, bf16-true; fp16 is refused (its GradScaler's inf check is per rank).
+                    The plugin is swapped for one whose `clip_grad_by_norm` calls `self.clip_grad_norm_`.
+    optimizer_step  wraps Lightning's closure: closure() (forward + backward) -> `finish_grad_sync()` -> then
+                    Lightning's `on_before_optimizer_step` and clipping -> optimizer.step -> `after_optimizer_step`.
+    accumulation    `block_backward_sync()` sets `self._sync_enabled = False` for the micro-steps that must not
+                    communicate (Lightning enters it on all but the last micro-batch of `accumulate_grad_batches`).
+    clipping        `clip_grad_norm_(max_norm)`: the global norm over `grad_norm_shards()`, logged as `grad_norm`
+                    (pre-clip).
+    checkpoints     a `torch.distributed.checkpoint` directory {"model": ..., "optimizer_<i>": ...} keyed by FQNs
+                    relative to the LightningModule, plus a rank-0 `meta.pt` with the rest of Lightning's
+                    checkpoint; restored after setup (`restore_checkpoint_after_setup`), so the live (possibly
+                    sharded) tensors are the load destination and DCP reshards across world sizes. A single-file
+                    Lightning checkpoint is accepted too.
+
+Hooks for subclasses (all optional)
+    parallelize(fitting)            after the module is precision-converted and on its device, before the
+                                    optimizers exist: broadcast replicas, shard, register gradient hooks (when
+                                    `fitting`; they must be removed again in `teardown()`).
+    finish_grad_sync()              after backward, before clipping and the step: wait for gradient collectives
+                                    and put the reduced gradients where the optimizer reads them.
+    after_optimizer_step(optimizer) after the update: e.g. all-gather updated shards, free gradients.
+    grad_norm_shards() -> GradShards the gradients this rank holds, which of them it owns uniquely, and the groups
+                                    to sum the squares over (default: all local grads, no collective).
+    lightning_module_state_dict()   what is saved as "model" (FQN -> Tensor or DTensor) and, on load, the
+                                    destination `dcp.load` writes into (default: the module's full state dict).
+    optimizer_state(optimizer)      likewise for "optimizer_<i>": {"state": {fqn: {...}}, "param_groups": [...]}
+                                    (default: torch's optimizer state re-keyed by FQN).
+    init_optimizer_state(optimizer) make the (lazily created) optimizer state exist before loading into it.
+    load_sharded_state(state)       apply a loaded {"model", "optimizer_<i>"} dict (DCP-filled in place, or
+                                    whole tensors from a single-file checkpoint) to the module and optimizers.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Generator, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import _init_optim_state
+from torch.optim import Optimizer
+
+from strategies import checkpoint as ckpt
+from strategies.clip import GradShards, clip_grad_norm_, local_grad_shards, with_global_norm_clip
+from strategies.layout import ParallelLayout
+
+
+class BaseStrategy(ParallelStrategy):
+    """Shared plumbing of lit-lm's hand-written parallel strategies (see the module docstring for the hooks)."""
+
+    def __init__(
+        self,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+    ) -> None:
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
+        self.num_nodes = 1  # the connector only sets num_nodes on strategies that have the attribute
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._tp_size = tensor_parallel_size
+        self._pp_size = pipeline_parallel_size
+        self._layout: Optional[ParallelLayout] = None
+        self._sync_enabled = True
+
+    # -- processes and groups ---------------------------------------------------------------------------------
+    @property
+    def is_distributed(self) -> bool:
+        # Without this Lightning injects no DistributedSampler and ignores `self.log(..., sync_dist=True)`.
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str:
+        return self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+
+    @property
+    def layout(self) -> ParallelLayout:
+        if self._layout is None:
+            raise RuntimeError(f"{type(self).__name__}.layout is built in setup_environment(); it is not ready yet")
+        return self._layout
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.layout.dp_size, "rank": self.layout.dp_rank}
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        # Some environments' setters are no-ops: read the rank back through the getter.
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        expected = self.num_processes * self.num_nodes
+        declared = os.environ.get("WORLD_SIZE")
+        if self.cluster_environment.creates_processes_externally and declared and int(declared) != expected:
+            raise ValueError(
+                f"the launcher started WORLD_SIZE={declared} processes, but `trainer.devices` "
+                f"({self.num_processes}) x `trainer.num_nodes` ({self.num_nodes}) = {expected}: set them so their "
+                f"product is {declared} (e.g. devices = processes per node, num_nodes = nodes)"
+            )
+        # Always a launcher: under torchrun/SLURM it spawns nothing but validates devices x num_nodes.
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout,
+                              device_id=device_id)
+        self._layout = ParallelLayout.get(pp=self._pp_size, tp=self._tp_size)
+
+    # -- precision --------------------------------------------------------------------------------------------
+    @property
+    def precision_plugin(self) -> Precision:
+        # Never cache a default here: the connector reads `_precision_plugin` to see whether the user set one.
+        plugin = self._precision_plugin if self._precision_plugin is not None else Precision()
+        return with_global_norm_clip(plugin, self.clip_grad_norm_)
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._precision_plugin = None if plugin is None else with_global_norm_clip(plugin, self.clip_grad_norm_)
+
+    # -- setup and teardown -------------------------------------------------------------------------------------
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self.parallelize(fitting)
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        self._reset_optimizers_and_schedulers()  # a second fit() must not keep the first one's optimizers
+        super().setup_optimizers(trainer)
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def parallelize(self, fitting: bool) -> None:
+        """Hook: make the module parallel (see the module docstring). The base keeps it as it is."""
+
+    # -- the training step ----------------------------------------------------------------------------------------
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = True
+
+    def optimizer_step(self, optimizer: Union[Optimizer, LightningOptimizer], closure: Callable[[], Any],
+                       model: Optional[Union[LightningModule, nn.Module]] = None, **kwargs: Any) -> Any:
+        def closure_then_sync() -> Any:
+            # Lightning runs on_before_optimizer_step and clipping right after this returns: the grads must be
+            # final by then.
+            result = closure()
+            self.finish_grad_sync()
+            return result
+
+        output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+        self.after_optimizer_step(optimizer)
+        return output
+
+    def finish_grad_sync(self) -> None:
+        """Hook: complete the gradient collectives started during backward."""
+
+    def after_optimizer_step(self, optimizer: Union[Optimizer, LightningOptimizer]) -> None:
+        """Hook: work after the parameter update."""
+
+    # -- clipping -----------------------------------------------------------------------------------------------
+    def grad_norm_shards(self) -> GradShards:
+        """Hook: the gradients this rank holds for the global norm (default: all local, no collective)."""
+        return local_grad_shards(self.lightning_module, self.root_device)
+
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Clip to a global L2 norm of `max_norm`; logs and returns the pre-clip norm."""
+        norm = clip_grad_norm_(self.grad_norm_shards(), max_norm)
+        self.lightning_module.log("grad_norm", norm)
+        return norm
+
+    # -- collectives for Lightning (logging, callbacks): objects and metrics, not model traffic -----------------
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
+
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the (sharded) parameters and optimizer state must exist to be loaded into
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # done in load_checkpoint, by FQN
+
+    def param_names(self) -> dict[Tensor, str]:
+        """Parameter -> FQN relative to the LightningModule (a tied parameter gets its first name)."""
+        return {p: name for name, p in self.lightning_module.named_parameters()}
+
+    def optimizer_state(self, optimizer: Union[Optimizer, LightningOptimizer]) -> dict[str, Any]:
+        return ckpt.optimizer_state_by_fqn(_unwrap(optimizer), self.param_names())
+
+    def init_optimizer_state(self, optimizer: Optimizer) -> None:
+        _init_optim_state(optimizer)
+
+    def load_sharded_state(self, state: dict[str, Any]) -> None:
+        module = self.lightning_module
+        module.load_state_dict(state["model"], strict=module.strict_loading)
+        for i, optimizer in enumerate(self.optimizers):
+            if f"optimizer_{i}" in state:
+                ckpt.load_optimizer_state_by_fqn(_unwrap(optimizer), state[f"optimizer_{i}"], self.param_names())
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Union[str, Path],
+                        storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint writes with torch.distributed.checkpoint and "
+                            "takes no storage_options")
+        path = Path(self.broadcast(filepath))  # every rank must write to the same directory
+        state = {"model": checkpoint.pop("state_dict")}
+        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+        ckpt.save(path, state, checkpoint)
+
+    def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if not ckpt.is_sharded_checkpoint(path):
+            return self._load_single_file(path, weights_only)
+        optimizers = [_unwrap(o) for o in self.optimizers]
+        for optimizer in optimizers:
+            self.init_optimizer_state(optimizer)
+        state = {"model": self.lightning_module_state_dict()}
+        state.update({f"optimizer_{i}": self.optimizer_state(o) for i, o in enumerate(optimizers)})
+        meta = ckpt.load(path, state, weights_only=bool(weights_only))
+        self.load_sharded_state(state)
+        return meta
+
+    def _load_single_file(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
+        """A plain Lightning checkpoint (e.g. from a single-device run): whole tensors, index-keyed optimizers."""
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        state = {"model": checkpoint["state_dict"]}
+        names = self.param_names()
+        for i, (optimizer, saved) in enumerate(zip(self.optimizers, checkpoint.get("optimizer_states", []))):
+            groups = [[names[p] for p in g["params"]] for g in _unwrap(optimizer).param_groups]
+            state[f"optimizer_{i}"] = ckpt.fqn_keyed(saved, groups)
+        self.load_sharded_state(state)
+        return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint, into the live tensors
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # loaded in load_checkpoint, by FQN
+
+
+def _unwrap(optimizer: Union[Optimizer, LightningOptimizer]) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

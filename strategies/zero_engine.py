@@ -1,0 +1,454 @@
+"""ZeRO stages 1-3 on plain torch.distributed (Rajbhandari et al., 2020): one engine, a `stage` knob.
+
+Model-state bytes per rank (params + grads + Adam m, v), Φ parameters, N data-parallel ranks:
+
+    stage   sharded                            fp32 and bf16-mixed (fp32 weights)   bf16-true (ZeRO paper, K = 12)
+    DP      -                                  4Φ + 4Φ + 8Φ      = 16Φ               2Φ + 2Φ + 12Φ     = 16Φ
+    1       optimizer state, master weights    4Φ + 4Φ + 8Φ/N                        2Φ + 2Φ + 12Φ/N
+    2       + gradients                        4Φ + (4 + 8)Φ/N                       2Φ + (2 + 12)Φ/N
+    3       + parameters                       (4 + 4 + 8)Φ/N                        (2 + 2 + 12)Φ/N
+
+With fp32 parameters the master weight *is* the parameter (its shard is a view), so it costs nothing; bf16-true
+parameters get a separate fp32 master shard (the paper's K = 12: master, m, v).
+
+Communication per rank per step (ring algorithm; reduce-scatter and all-gather each move (N-1)/N·Φ):
+stages 1 and 2 reduce-scatter the gradients and all-gather the updated parameters: 2(N-1)/N·Φ, as much as DDP's
+all-reduce. Stage 3 all-gathers each unit before its forward and again before its backward: 3(N-1)/N·Φ.
+
+Layout: every parameter is split along dim 0 with `torch.chunk` semantics (ceil-sized chunks; the tail chunk may be
+short or empty). A rank's shard is then exactly the local part of a `DTensor` with `Shard(0)`, so checkpoints are
+keyed by global name and global shape and reshard to any world size. For communication the parameters of a *unit*
+(one of the model's `blocks`, or the rest of the model) are packed rank-major into one buffer,
+`[rank 0: chunk 0 of p1 | chunk 0 of p2 ...][rank 1: ...]`, each chunk padded to the ceil size, so a unit costs one
+collective. Stage 2 launches a unit's reduce-scatter as soon as its last gradient is accumulated (overlapping the
+rest of the backward); stage 3 gathers a unit in a forward pre-hook and, through an identity autograd function on
+its output, again just before its backward, prefetching the next unit, and frees it right after.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from strategies import comm
+from strategies.plan import find_block_model
+
+STAGES = {1: "optimizer state", 2: "optimizer state + gradients", 3: "optimizer state + gradients + parameters"}
+
+
+def check_stage(stage: int) -> int:
+    if stage not in STAGES:
+        raise ValueError(
+            f"unknown ZeRO stage {stage!r}: choose 1 (shard {STAGES[1]}), 2 (shard {STAGES[2]}) "
+            f"or 3 (shard {STAGES[3]})"
+        )
+    return stage
+
+
+@dataclass(eq=False)
+class ShardedParam:
+    """One parameter, its `torch.chunk` rows on this rank and its fp32 master shard."""
+
+    fqn: str
+    param: nn.Parameter
+    rank: int
+    world: int
+    offset: int  # start of this parameter's slot inside one rank's segment of the unit buffer
+    master: Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.param.dim() == 0:
+            raise ValueError(f"ZeRO shards along dim 0; parameter {self.fqn} is a scalar: give it shape (1,)")
+        self.rows = self.param.shape[0]
+        self.row_numel = math.prod(self.param.shape[1:])
+        self.chunk_rows = -(-self.rows // self.world)  # ceil: torch.chunk's chunk size
+        self.start = min(self.rank * self.chunk_rows, self.rows)
+        self.end = min(self.start + self.chunk_rows, self.rows)
+
+    @property
+    def slot_numel(self) -> int:
+        return self.chunk_rows * self.row_numel
+
+    @property
+    def local_numel(self) -> int:
+        return (self.end - self.start) * self.row_numel
+
+    def full_2d(self) -> Tensor:
+        """The parameter's storage as (rows, row_numel), outside autograd's version tracking."""
+        return self.param.data.view(self.rows, self.row_numel)
+
+
+@dataclass(eq=False)
+class Unit:
+    """The parameters gathered and reduced together: one block, or the rest of the model."""
+
+    name: str
+    params: list[ShardedParam]
+    module: Optional[nn.Module]
+    segment_numel: int  # one rank's share of the packed buffer (padded)
+    gathered: bool = True
+    pending_gather: Optional[tuple[dist.Work, Tensor]] = None
+    pending_reduce: Optional[tuple[dist.Work, Tensor, Tensor]] = None
+    ready: set = field(default_factory=set)  # parameters whose gradient is accumulated in this backward
+
+
+def _slots(buffer: Tensor, world: int, sp: ShardedParam) -> Tensor:
+    """(world, chunk_rows, row_numel) view of `sp`'s padded chunk in every rank's segment of a packed buffer."""
+    return buffer.view(world, -1)[:, sp.offset: sp.offset + sp.slot_numel].view(world, sp.chunk_rows, sp.row_numel)
+
+
+def _copy_rows(full: Tensor, slots: Tensor, into_full: bool) -> None:
+    """Copy between a (rows, row_numel) tensor and its `torch.chunk` slots (world, chunk_rows, row_numel)."""
+    chunk = slots.shape[1]
+    whole, rem = divmod(full.shape[0], chunk)  # `whole` complete chunks, then one short chunk of `rem` rows
+    pairs = [(full[: whole * chunk].view(whole, chunk, -1), slots[:whole])]
+    if rem:
+        pairs.append((full[whole * chunk:], slots[whole, :rem]))
+    for f, s in pairs:
+        (f if into_full else s).copy_(s if into_full else f)
+
+
+def _free_storage(t: Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+class _BeforeBackward(torch.autograd.Function):
+    """Identity; its backward runs `hook` before the gradient flows into the unit that produced the tensors."""
+
+    @staticmethod
+    def forward(ctx: Any, hook: Callable[[], None], *tensors: Tensor) -> tuple[Tensor, ...]:
+        ctx.hook = hook
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
+        ctx.hook()
+        return (None, *grads)
+
+
+def _before_backward(output: Any, hook: Callable[[], None]) -> Any:
+    flat, spec = tree_flatten(output)
+    idx = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t.requires_grad]
+    if not idx:
+        return output
+    for i, t in zip(idx, _BeforeBackward.apply(hook, *(flat[i] for i in idx))):
+        flat[i] = t
+    return tree_unflatten(flat, spec)
+
+
+class ZeroEngine:
+    """Shards `module`'s training state over `group` (the data-parallel group) according to `stage`.
+
+    Use: build (meta parameters are materialised here with the model's `init_parameter`), `shard_optimizer(opt)`,
+    then per step: forward/backward (with `sync_enabled = False` on accumulation micro-steps),
+    `finish_grad_sync()`, clip `owned_grads()`, `optimizer.step()`, `after_step()`.
+    """
+
+    def __init__(self, module: nn.Module, stage: int, group: Optional[dist.ProcessGroup] = None,
+                 device: Optional[torch.device] = None) -> None:
+        self.stage = check_stage(stage)
+        self.module = module
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.device = device
+        self.sync_enabled = True
+        self._hooks: list[Any] = []
+        self._prefix, self._model = find_block_model(module)
+        self.root, self.blocks = self._build_units(module)
+        self.units = [self.root, *self.blocks]
+        self._materialize(module)
+        self.attach()
+
+    def attach(self) -> None:
+        """Register the hooks (stage 2: gradients; stage 3: gradients and gathers). `detach()` removes them."""
+        self.detach()
+        if self.stage >= 2:
+            self._register_grad_hooks()
+        if self.stage == 3:
+            self._register_gather_hooks()
+
+    def detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    @contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Accumulation micro-steps: gradients accumulate locally in full and are reduced once, at the last one."""
+        self.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.sync_enabled = True
+
+    # -- construction ---------------------------------------------------------------------------------------
+    def _build_units(self, module: nn.Module) -> tuple[Unit, list[Unit]]:
+        params = dict(module.named_parameters())  # tied parameters appear once
+        for fqn, b in module.named_buffers():
+            if b.is_meta:
+                raise ValueError(f"ZeRO cannot initialise the meta buffer {fqn}: the model protocol initialises "
+                                 "parameters only; create buffers on a real device in `configure_model`")
+        dot = f"{self._prefix}." if self._prefix else ""
+        blocks: list[Unit] = []
+        if self._model is not None:
+            for key, block in self._model.blocks.items():
+                head = f"{dot}blocks.{key}."
+                blocks.append(self._unit(f"blocks.{key}", [n for n in params if n.startswith(head)], params, block))
+        taken = {sp.fqn for u in blocks for sp in u.params}
+        rest = [n for n in params if n not in taken]
+        if self.stage == 3:
+            if self._model is None:
+                raise ValueError("ZeRO-3 gathers the model unit by unit and needs a submodule with `blocks` and "
+                                 "`init_parameter` (strategies.plan.BlockModel); none found: use zero1 or zero2")
+            outside = [n for n in rest if not n.startswith(dot)]
+            if outside:
+                raise ValueError(f"ZeRO-3 only gathers parameters of the block model `{self._prefix}`; move "
+                                 f"{outside} into it or use zero1/zero2")
+        root_module = self._model if isinstance(self._model, nn.Module) else module
+        return self._unit("root", rest, params, root_module), blocks
+
+    def _unit(self, name: str, fqns: list[str], params: dict[str, nn.Parameter], module: nn.Module) -> Unit:
+        dtypes = {params[n].dtype for n in fqns}
+        if len(dtypes) > 1:
+            raise ValueError(f"ZeRO unit {name} mixes parameter dtypes {dtypes}: use one dtype per block")
+        sps, offset = [], 0
+        for n in fqns:
+            sp = ShardedParam(n, params[n], self.rank, self.world, offset)
+            sps.append(sp)
+            offset += sp.slot_numel
+        return Unit(name, sps, module, offset)
+
+    def _materialize(self, module: nn.Module) -> None:
+        """Give meta parameters their values one at a time; keep the local rows as the fp32 master shard."""
+        dot = f"{self._prefix}." if self._prefix else ""
+        owners: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
+        for mod in module.modules():
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    owners.setdefault(p, []).append((mod, name))
+        for unit in self.units:
+            for sp in unit.params:
+                if sp.param.is_meta:  # a meta tensor cannot take real data in place: swap in a new Parameter
+                    if self._model is None or not sp.fqn.startswith(dot):
+                        raise ValueError(f"parameter {sp.fqn} is on the meta device and outside any block model: "
+                                         "ZeRO cannot initialise it")
+                    new = nn.Parameter(torch.empty(sp.param.shape, dtype=sp.param.dtype, device=self.device),
+                                       requires_grad=sp.param.requires_grad)
+                    for mod, name in owners[sp.param]:  # every owner: tied weights stay tied
+                        setattr(mod, name, new)
+                    sp.param = new
+                    self._model.init_parameter(sp.fqn[len(dot):], new.data)
+                p = sp.param
+                rows = p.data[sp.start: sp.end]
+                if self.stage == 3:
+                    sp.master = rows.to(torch.float32, copy=True)
+                    _free_storage(p.data)
+                else:  # fp32 params are their own master weights (a view); lower precision gets an fp32 copy
+                    sp.master = rows if p.dtype == torch.float32 else rows.float()
+                sp.master.requires_grad_(p.requires_grad)  # a leaf the optimizer (and its state init) accepts
+            unit.gathered = self.stage < 3
+        if self.stage < 3:  # replicas start equal whatever each rank's seed was
+            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+            for unit in self.units:
+                for sp in unit.params:
+                    comm.broadcast(sp.param.data, src, self.group)
+
+    # -- parameters: all-gather -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _launch_gather(self, unit: Unit) -> None:
+        if unit.pending_gather is not None or not unit.params:
+            return
+        dtype, device = unit.params[0].param.dtype, unit.params[0].master.device
+        send = torch.empty(unit.segment_numel, dtype=dtype, device=device)
+        for sp in unit.params:
+            send[sp.offset: sp.offset + sp.local_numel].copy_(sp.master.view(-1))
+        recv = torch.empty(self.world * unit.segment_numel, dtype=dtype, device=device)
+        unit.pending_gather = (comm.all_gather(recv, send, self.group, async_op=True), recv)
+
+    @torch.no_grad()
+    def _complete_gather(self, unit: Unit) -> None:
+        self._launch_gather(unit)
+        if unit.pending_gather is None:
+            return
+        work, recv = unit.pending_gather
+        work.wait()
+        unit.pending_gather = None
+        for sp in unit.params:
+            storage = sp.param.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(sp.param.numel() * sp.param.element_size())
+            _copy_rows(sp.full_2d(), _slots(recv, self.world, sp), into_full=True)
+
+    def unshard(self, unit: Unit) -> None:
+        if not unit.gathered:
+            self._complete_gather(unit)
+            unit.gathered = True
+
+    def prefetch(self, unit: Optional[Unit]) -> None:
+        if unit is not None and not unit.gathered:
+            self._launch_gather(unit)
+
+    def reshard(self, unit: Unit) -> None:
+        if self.stage == 3 and unit.gathered:
+            for sp in unit.params:
+                _free_storage(sp.param.data)
+            unit.gathered = False
+
+    # -- gradients: reduce-scatter ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _launch_reduce(self, unit: Unit) -> None:
+        if not unit.params:
+            return
+        first = unit.params[0].param
+        send = torch.empty(self.world * unit.segment_numel, dtype=first.dtype, device=first.device)
+        for sp in unit.params:
+            slots = _slots(send, self.world, sp)
+            if sp.param.grad is None:  # unused in this step: contributes zeros
+                slots.zero_()
+            else:
+                _copy_rows(sp.param.grad.view(sp.rows, sp.row_numel), slots, into_full=False)
+            if self.stage >= 2:
+                sp.param.grad = None  # packed: the full gradient is not kept (stage 1 keeps it)
+        recv = torch.empty(unit.segment_numel, dtype=send.dtype, device=send.device)
+        unit.pending_reduce = (comm.reduce_scatter(recv, send, self.group, async_op=True), send, recv)
+
+    @torch.no_grad()
+    def _complete_reduce(self, unit: Unit) -> None:
+        if unit.pending_reduce is None:
+            return
+        work, _send, recv = unit.pending_reduce
+        work.wait()
+        unit.pending_reduce = None
+        recv.div_(self.world)  # the mean over ranks of per-rank mean losses = the global-batch mean
+        for sp in unit.params:
+            shard = recv[sp.offset: sp.offset + sp.local_numel].view(sp.master.shape)
+            if self.stage == 1 and sp.param.grad is not None:  # the owned rows of the full gradient
+                shard = sp.param.grad[sp.start: sp.end].copy_(shard)
+            sp.master.grad = shard if shard.dtype == sp.master.dtype else shard.to(sp.master.dtype)
+
+    def _on_grad_ready(self, unit: Unit, sp: ShardedParam) -> None:
+        unit.ready.add(sp)
+        if len(unit.ready) < sum(s.param.requires_grad for s in unit.params):
+            return
+        unit.ready.clear()
+        if self.sync_enabled:
+            self._launch_reduce(unit)
+        self.reshard(unit)
+
+    def _register_grad_hooks(self) -> None:
+        for unit in self.units:
+            for sp in (s for s in unit.params if s.param.requires_grad):
+                hook = (lambda u, s: lambda _p: self._on_grad_ready(u, s))(unit, sp)
+                self._hooks.append(sp.param.register_post_accumulate_grad_hook(hook))
+
+    # -- stage 3: gather around forward and backward ----------------------------------------------------------
+    def _register_gather_hooks(self) -> None:
+        order = self.units  # forward order: root (embedding) first, then the blocks
+        for i, unit in enumerate(order):
+            after = order[i + 1] if i + 1 < len(order) else None
+            before = self.blocks[-1] if unit is self.root and self.blocks else (order[i - 1] if i > 1 else None)
+            self._hooks.append(unit.module.register_forward_pre_hook(
+                lambda _m, _args, u=unit, nxt=after: self._gather(u, nxt)))
+            self._hooks.append(unit.module.register_forward_hook(
+                lambda _m, _args, out, u=unit, prev=before: self._after_forward(u, prev, out)))
+
+    def _gather(self, unit: Unit, upcoming: Optional[Unit]) -> None:
+        self.unshard(unit)
+        self.prefetch(upcoming)
+
+    def _after_forward(self, unit: Unit, prev: Optional[Unit], output: Any) -> Any:
+        self.reshard(unit)
+        if not torch.is_grad_enabled():
+            return output
+        return _before_backward(output, lambda: self._gather(unit, prev))
+
+    # -- the step -------------------------------------------------------------------------------------------
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point the optimizer's param groups at the master shards, in place: schedulers and hyper-parameters
+        stay attached to the same optimizer object, and its state (m, v) is created at shard size."""
+        if optimizer.state:
+            raise ValueError("shard the optimizer before its first step: it already holds state")
+        masters = {sp.param: sp.master for u in self.units for sp in u.params}
+        for group in optimizer.param_groups:
+            unknown = [p for p in group["params"] if p not in masters]
+            if unknown:
+                raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not parameters of the "
+                                 "sharded module: build param groups from the model's parameters")
+            group["params"] = [masters[p] for p in group["params"]]
+
+    def finish_grad_sync(self) -> None:
+        """After the last backward of an accumulation window: every unit's gradient shard is in `master.grad`."""
+        for unit in self.units:  # stage 1 (and units whose hooks did not all fire) reduce here, in a fixed order
+            if unit.pending_reduce is None:
+                self._launch_reduce(unit)
+            unit.ready.clear()
+        for unit in self.units:
+            self._complete_reduce(unit)
+            self.reshard(unit)
+
+    def owned_grads(self) -> list[Tensor]:
+        """The gradient shards this rank owns: disjoint across the group, together the full gradient."""
+        return [sp.master.grad for u in self.units for sp in u.params if sp.master.grad is not None]
+
+    def refresh_params(self) -> None:
+        """Stages 1 and 2: all-gather the master shards into the replicated parameters (stage 3 gathers lazily)."""
+        if self.stage < 3:
+            for unit in self.units:
+                self._launch_gather(unit)
+            for unit in self.units:
+                self._complete_gather(unit)
+
+    def after_step(self) -> None:
+        """After the update: bring the replicas up to date and drop the full gradients (stage 1 kept them)."""
+        self.refresh_params()
+        for unit in self.units:
+            for sp in unit.params:
+                sp.param.grad = None
+
+    def consolidate(self, device: torch.device) -> None:
+        """Stage 3: make every parameter whole again on `device`, one unit at a time (peak: one unit on the
+        accelerator). Lightning moves the module to the CPU after fit; whole weights keep `state_dict()` valid."""
+        for unit in self.units:
+            self.unshard(unit)
+            for sp in unit.params:
+                sp.param.data = sp.param.data.to(device)
+
+    def sharded_params(self) -> Iterable[ShardedParam]:
+        for unit in self.units:
+            yield from unit.params
+
+
+def model_state_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state allocated on this rank, by walking the tensors.
+
+    Storage is counted once (a master shard that is a view of its parameter is free) and in full (padding
+    counts); DTensors count their local shard.
+    """
+    seen: set[int] = set()
+
+    def nbytes(tensors: Iterable[Optional[Tensor]]) -> int:
+        total = 0
+        for t in tensors:
+            if t is None:
+                continue
+            t = t._local_tensor if hasattr(t, "_local_tensor") else t
+            storage = t.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
+    params = nbytes([*module.parameters(), *opt_params])
+    grads = nbytes([*(p.grad for p in module.parameters()), *(p.grad for p in opt_params)])
+    state = nbytes(t for s in (optimizer.state.values() if optimizer else ()) for t in s.values()
+                   if isinstance(t, Tensor))
+    return {"params": params, "grads": grads, "optimizer": state, "total": params + grads + state}

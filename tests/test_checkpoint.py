@@ -1,0 +1,63 @@
+"""Sharded checkpoints: resume continues the exact run on 2 ranks and on 1, and the single-file converter."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import strategies  # noqa: F401  (registers lm_ddp)
+from dist_utils import TinyLM, fit_tiny, run_distributed
+from strategies.checkpoint import is_sharded_checkpoint
+
+K = 4  # optimizer steps per epoch: checkpoint at the end of epoch 0, train to 2K
+
+
+def _train(devices: int, ckpt_dir: str | None, resume: str | None) -> dict:
+    saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1, save_last=True)
+    callbacks = (saver,) if ckpt_dir else ()
+    return fit_tiny("lm_ddp", devices=devices, steps_per_epoch=K, max_steps=2 * K, ckpt_path=resume,
+                    callbacks=callbacks, one_batch=True)
+
+
+def _assert_same_run(resumed: dict, full: dict) -> None:
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][K:]), rtol=1e-5, atol=0)
+    for name, value in full["params"].items():
+        assert ((resumed["params"][name] - value).norm() / value.norm()).item() < 1e-5, name
+
+
+def _train_then_resume(ckpt_dir: str) -> tuple[dict, dict]:
+    full = _train(2, ckpt_dir, None)
+    return full, _train(2, None, str(Path(ckpt_dir) / f"epoch=0-step={K}.ckpt"))
+
+
+def _resume_twice(*ckpt_paths: str) -> list[dict]:
+    return [_train(1, None, path) for path in ckpt_paths]
+
+
+def test_resume_on_2_and_1_ranks_and_from_a_converted_file(tmp_path: Path) -> None:
+    full, resumed = run_distributed(_train_then_resume, 2, str(tmp_path), init_process_group=False)[0]
+    assert len(full["losses"]) == 2 * K
+    ckpt = tmp_path / f"epoch=0-step={K}.ckpt"
+    assert is_sharded_checkpoint(ckpt) and is_sharded_checkpoint(tmp_path / "last.ckpt")  # last: saved twice
+    _assert_same_run(resumed, full)
+
+    # the converter, through its CLI: a plain Lightning checkpoint
+    single = tmp_path / "single.ckpt"
+    subprocess.run([sys.executable, "scripts/convert_checkpoint.py", str(ckpt), str(single)], check=True,
+                   cwd=Path(__file__).parents[1])
+    module = TinyLM.load_from_checkpoint(single)
+    saved = torch.load(single, weights_only=False)["state_dict"]
+    assert module.hparams.lr == TinyLM().hparams.lr
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0)
+
+    # 1 rank under lm_ddp (DCP reshards; the global batch stays 8 = 1 x 8), from the directory and from the file
+    for run in run_distributed(_resume_twice, 1, str(ckpt), str(single), init_process_group=False)[0]:
+        _assert_same_run(run, full)
+    # Lightning's own single-device strategy, from the file
+    _assert_same_run(fit_tiny(devices=1, steps_per_epoch=K, max_steps=2 * K, ckpt_path=str(single), one_batch=True),
+                     full)

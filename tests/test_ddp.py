@@ -1,0 +1,183 @@
+"""The hand-written DDP: the GradSync engine without Lightning, then `lm_ddp` against single-process training."""
+
+from __future__ import annotations
+
+import os
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+
+import strategies  # noqa: F401  (registers lm_ddp)
+from callbacks.clip import GlobalNormClip
+from dist_utils import TinyLM, fit_tiny, run_distributed
+from strategies.comm import COMM_LOG
+from strategies.ddp import DataParallelStrategy, GradSync
+
+
+# -- engine ------------------------------------------------------------------------------------------------------
+class Toy(nn.Module):
+    """Tied embedding/head, a frozen layer, a layer nobody uses and one only rank 1 uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.body = nn.Linear(8, 8)
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(8, 8)
+        self.rank1_only = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor, use_rank1_layer: bool) -> torch.Tensor:
+        x = self.frozen(torch.tanh(self.body(self.emb(idx))))
+        if use_rank1_layer:
+            x = self.rank1_only(x)
+        return self.head(x).logsumexp(-1).mean()
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _engine_worker(bucket_caps_mb: list[float]) -> list[dict]:
+    return [_engine_case(cap) for cap in bucket_caps_mb]
+
+
+def _engine_case(bucket_cap_mb: float) -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(rank)  # different initial weights: GradSync must broadcast rank 0's
+    model = Toy()
+    sync = GradSync(model, bucket_cap_mb=bucket_cap_mb)
+    batches = [torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(10 * rank + k)) for k in range(3)]
+    out = {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}, "buckets": len(sync.buckets)}
+
+    # one synchronised step: local grads from a copy without hooks, then the synced ones
+    reference = Toy()
+    reference.load_state_dict(model.state_dict())
+    reference(batches[0], rank == 1).backward()
+    out["local"] = _grads(reference)
+    COMM_LOG.reset()
+    sync(batches[0], rank == 1).backward()
+    out["launched_in_backward"] = sync._next  # buckets already in flight before finish()
+    sync.finish()
+    out["synced"] = _grads(model)
+    out["reduced_numel"] = COMM_LOG.summary()["all_reduce"]["numel"]
+
+    # accumulation: a no_sync micro-step, then a synchronised one; the sum of both is averaged
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    for k in (1, 2):
+        reference(batches[k], rank == 1).backward()
+    with sync.no_sync():
+        sync(batches[1], rank == 1).backward()
+    sync(batches[2], rank == 1).backward()
+    sync.finish()
+    out["local_accum"], out["synced_accum"] = _grads(reference), _grads(model)
+    return out
+
+
+def _mean(per_rank: list[dict], name: str, like: torch.Tensor) -> torch.Tensor:
+    return torch.stack([torch.zeros_like(like) if r[name] is None else r[name] for r in per_rank]).mean(0)
+
+
+def test_grad_sync_averages_gradients() -> None:
+    caps = [1e-6, 1000.0]  # one bucket per parameter (7 trainable tensors); one bucket for all
+    per_rank = run_distributed(_engine_worker, 2, caps)
+    for case, buckets in enumerate((7, 1)):
+        results = [r[case] for r in per_rank]
+        assert results[0]["buckets"] == buckets
+        _check_engine_case(results)
+    # Reverse order: rank1_only's 2 tensors come first, then the unused layer, which holds every later bucket
+    # back (buckets launch in order). Rank 1 used rank1_only: 2 buckets left during backward; rank 0: none.
+    assert [r[0]["launched_in_backward"] for r in per_rank] == [0, 2]
+
+
+def _check_engine_case(results: list[dict]) -> None:
+    for name, w in results[0]["weights"].items():
+        torch.testing.assert_close(results[1]["weights"][name], w, rtol=0, atol=0)  # rank 0's broadcast
+    for local, synced in (("local", "synced"), ("local_accum", "synced_accum")):
+        for name, like in results[0]["weights"].items():
+            grads = [r[synced][name] for r in results]
+            if name.startswith("frozen"):
+                assert grads == [None, None]
+                continue
+            expected = _mean([r[local] for r in results], name, like)
+            for g in grads:
+                torch.testing.assert_close(g, expected, rtol=1e-6, atol=1e-7)
+            if name.startswith("unused"):
+                assert torch.count_nonzero(grads[0]) == 0
+    # named_parameters() lists the tied head weight once (as emb.weight): it is reduced once
+    trainable = sum(w.numel() for n, w in results[0]["weights"].items() if not n.startswith("frozen"))
+    assert results[0]["reduced_numel"] == trainable
+
+
+# -- lm_ddp against one process ------------------------------------------------------------------------------------
+PARITY_STEPS = 20
+
+
+class CommPerStep(L.Callback):
+    def on_train_batch_start(self, *args) -> None:
+        COMM_LOG.reset()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        self.__dict__.setdefault("steps", []).append(COMM_LOG.summary().get("all_reduce"))
+
+
+def _parity_worker(configs: list[dict]) -> list[dict]:
+    results = []
+    for config in configs:
+        comm = CommPerStep()
+        config = dict(config)
+        callbacks = (comm, *config.pop("callbacks", ()))
+        run = fit_tiny(DataParallelStrategy(bucket_cap_mb=0.01), devices=2, steps_per_epoch=PARITY_STEPS,
+                       max_steps=PARITY_STEPS, callbacks=callbacks, **config)
+        run["comm"] = comm.steps
+        results.append(run)
+    return results
+
+
+# plain; Trainer clipping (small enough to clip every step) with accumulation; the clipping callback
+PARITY_CONFIGS = [{}, {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}, {"callbacks": (GlobalNormClip(0.05),)}]
+
+
+def test_lm_ddp_matches_single_process() -> None:
+    ddp = run_distributed(_parity_worker, 2, PARITY_CONFIGS, init_process_group=False)[0]
+    for config, run in zip(PARITY_CONFIGS, ddp):
+        single = fit_tiny(steps_per_epoch=PARITY_STEPS, max_steps=PARITY_STEPS, **config)
+        assert len(run["losses"]) == len(single["losses"]) == PARITY_STEPS * config.get("accumulate_grad_batches", 1)
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
+        for name, value in single["params"].items():
+            rel = ((run["params"][name] - value).norm() / value.norm()).item()
+            print(config, name, rel)
+            assert rel < 1e-5, (name, rel)
+        if config:
+            assert len(run["grad_norms"]) == PARITY_STEPS
+            assert min(run["grad_norms"]) > 0.05  # every step was clipped
+
+    # accounting: one all-reduce of the whole gradient (Φ elements) per optimizer step, nothing else
+    module = TinyLM()
+    module.configure_model()
+    phi = sum(p.numel() for p in module.parameters())
+    assert len(ddp[0]["comm"]) == PARITY_STEPS
+    for step in ddp[0]["comm"]:
+        assert step["numel"] == phi
+        assert step["wire_bytes"] == pytest.approx(2 * (2 - 1) / 2 * phi * 4, rel=0.02)
+
+
+# -- bad configurations --------------------------------------------------------------------------------------------
+def test_fp16_refused_with_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"trainer\.precision: bf16-mixed"):
+        L.Trainer(accelerator="cpu", devices=2, strategy="lm_ddp", plugins=[MixedPrecision("16-mixed", "cpu")])
+
+
+def test_world_size_mismatch_is_explained(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "0")  # processes started by an external launcher
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=3.*trainer\.devices"):
+        L.Trainer(accelerator="cpu", devices=2, strategy="lm_ddp")
+    assert os.environ["WORLD_SIZE"] == "3"
