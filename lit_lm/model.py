@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -212,6 +212,26 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             self.init_parameter(name, param)
 
+    def tensor_parallel_plan(self) -> dict:
+        """WHAT tensor parallelism splits (Megatron): heads in attention, the hidden features in the MLP, the
+        vocabulary in the embedding, head and loss; norms are replicated (sequence-parallel). See
+        `strategies.plan.TensorParallel` for the styles; the strategy decides HOW."""
+        from strategies.plan import TensorParallel as TP  # the protocol's types; strategies never import lit_lm
+
+        heads, kv_heads = (TP("column", self.config.head_dim, name) for name in ("query heads", "kv heads"))
+        plan = {"tok_embeddings": TP("vocab_embedding"), "norm": TP("sequence"), "lm_head": TP("vocab_head"),
+                "loss_fn": TP("vocab_loss")}
+        for i in self.blocks:
+            b = f"blocks.{i}"
+            plan.update({f"{b}.attn_norm": TP("sequence"), f"{b}.attn": TP("region"), f"{b}.attn.wq": heads,
+                         f"{b}.attn.wk": kv_heads, f"{b}.attn.wv": kv_heads,
+                         f"{b}.attn.wo": TP("row", self.config.head_dim, "query heads"),
+                         f"{b}.mlp_norm": TP("sequence"), f"{b}.mlp": TP("region"), f"{b}.mlp.w_gate": TP("column"),
+                         f"{b}.mlp.w_up": TP("column"), f"{b}.mlp.w_down": TP("row")})
+            if self.config.qk_norm:
+                plan.update({f"{b}.attn.q_norm": TP("per_head"), f"{b}.attn.k_norm": TP("per_head")})
+        return plan
+
     # -- forward --------------------------------------------------------------------------------------------
     def forward(self, idx: Tensor) -> Tensor:
         """idx (B, T) token ids -> logits (B, T, padded_vocab_size)."""
@@ -223,6 +243,35 @@ class Transformer(nn.Module):
     def loss(self, idx: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         """(loss to optimise, detached cross-entropy) for next-token prediction."""
         return self.loss_fn(self(idx), targets)
+
+    # -- pipeline protocol (strategies.plan.PipelineModel) --------------------------------------------------
+    def pipeline_split(self, stage_layers: list[int], is_first: bool, is_last: bool) -> None:
+        """Keep only what one pipeline stage owns: its blocks (still keyed by global index), the embedding on the
+        first stage, the final norm and head on the last. A tied head keeps its Parameter on the last stage."""
+        keep = {str(i) for i in stage_layers}
+        for key in [k for k in self.blocks if k not in keep]:
+            del self.blocks[key]
+        if not is_first:
+            self.tok_embeddings = None
+        if not is_last:
+            self.norm = self.lm_head = None
+
+    def pipeline_activation(self, batch: int, seq_len: int) -> tuple[torch.Size, torch.dtype]:
+        """Shape and dtype of the hidden state between stages, so receivers can allocate before data arrives.
+        The residual stream keeps the weights' dtype (under bf16 autocast the residual add promotes to fp32)."""
+        return torch.Size((batch, seq_len, self.config.d_model)), next(self.parameters()).dtype
+
+    def stage_forward(self, x: Tensor, layers: list[int], targets: Optional[Tensor] = None
+                      ) -> Union[Tensor, tuple[Tensor, Tensor]]:
+        """Run `layers` of a split model: embeds `x` when it holds token ids (integer dtype), and finishes with
+        norm, head and loss -> (loss, ce) when `targets` are given; otherwise returns the hidden state."""
+        if not x.is_floating_point():
+            x = self.tok_embeddings(x)
+        for i in layers:
+            x = self.blocks[str(i)](x)
+        if targets is None:
+            return x
+        return self.loss_fn(self.lm_head(self.norm(x)), targets)
 
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,

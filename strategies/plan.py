@@ -6,8 +6,10 @@ from its name; each strategy decides *how* to shard, gather, split or wrap it.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Literal, Optional, Protocol, Union, runtime_checkable
 
+import torch
 from torch import Tensor, nn
 
 
@@ -33,3 +35,61 @@ def find_block_model(root: nn.Module) -> tuple[str, Optional[BlockModel]]:
         if isinstance(module, BlockModel) and isinstance(getattr(module, "blocks", None), nn.ModuleDict):
             return prefix, module
     return "", None
+
+
+# -- tensor parallelism: what the model says about each submodule (the strategy decides how) -------------------
+TensorParallelStyle = Literal[
+    "column",  # nn.Linear split over its output features; its input is the whole (replicated) activation
+    "row",  # nn.Linear split over its input features; its output is a partial sum over the tp ranks
+    "region",  # a module made of column -> row linears: its input enters and its output leaves the tp region
+    "sequence",  # replicated weights applied token by token (norms): under sequence parallelism they see 1/t of
+    #              the tokens, so their gradients are partial and summed over tp
+    "per_head",  # replicated weights applied to every head (QK-norm): each rank sees its heads only, so their
+    #              gradients are partial and summed over tp
+    "vocab_embedding",  # nn.Embedding split over the vocabulary rows
+    "vocab_head",  # nn.Linear split over the vocabulary (output) rows; its logits stay split
+    "vocab_loss",  # the loss on vocab-split logits: forward(logits, targets) -> (loss, detached ce), as LMLoss
+]
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """How one submodule is tensor-parallel. `unit`: a column/row split may only cut at multiples of this many
+    features (head_dim for attention projections, so whole heads stay on one rank); `unit_name` names a unit in
+    errors ("query heads")."""
+
+    style: TensorParallelStyle
+    unit: int = 1
+    unit_name: str = "features"
+
+
+@runtime_checkable
+class TensorParallelModel(Protocol):
+    """A model that can be tensor-parallel: `tensor_parallel_plan()` maps submodule names (relative to the model)
+    to a `TensorParallel` style. Modules not named are replicated and see the same data on every tp rank."""
+
+    def tensor_parallel_plan(self) -> dict[str, TensorParallel]: ...
+
+
+@runtime_checkable
+class PipelineModel(BlockModel, Protocol):
+    """A `BlockModel` that can be cut into pipeline stages (used by `strategies.pp`).
+
+    - `pipeline_split(stage_layers, is_first, is_last)`: delete what the stage does not own (blocks not in
+      `stage_layers`, the embedding unless first, norm/head unless last), keeping the global names.
+    - `pipeline_activation(batch, seq_len)`: shape and dtype of the tensor passed between stages, so a stage can
+      post its receive before the data exists.
+    - `stage_forward(x, layers, targets)`: token ids or a hidden state through `layers` (in order); with
+      `targets`, finish the model and return (loss, detached cross-entropy).
+    - `loss(inputs, targets)`: the whole model's (loss, ce); the LightningModule calls it once per step, and
+      the pipeline strategy runs its schedule in its place.
+    """
+
+    def pipeline_split(self, stage_layers: list[int], is_first: bool, is_last: bool) -> None: ...
+
+    def pipeline_activation(self, batch: int, seq_len: int) -> tuple[torch.Size, torch.dtype]: ...
+
+    def stage_forward(self, x: Tensor, layers: list[int], targets: Optional[Tensor] = None
+                      ) -> Union[Tensor, tuple[Tensor, Tensor]]: ...
+
+    def loss(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]: ...

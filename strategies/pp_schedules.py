@@ -1,0 +1,277 @@
+"""Pipeline schedules as data: for each rank, the ordered list of actions one runner executes.
+
+    schedule = build_schedule("1f1b", stages=4, microbatches=8)
+    schedule.actions[rank]   -> [RECV_F0, F0, SEND_F0, RECV_F1, ...]   (what pp_runner.PipelineRunner runs)
+    schedule.validate()      -> raises if an action list is inconsistent (F before B before W, sends = recvs)
+    schedule.peak_in_flight() -> per rank, most microbatches whose activations are held at once
+    print_timeline(schedule) -> a rich table, one row per rank, one column per unit of time
+
+Vocabulary. Stage `s` of `S = p * v` runs on rank `s % p` as its chunk `s // p` (Megatron's interleaving: with
+v > 1 a rank holds v non-adjacent slices of the model). F = forward of one microbatch through one chunk, B = its
+backward (the input gradient only, when the schedule splits backward), W = the weight gradient of a split
+backward. SEND_F/RECV_F carry activations to the next stage, SEND_B/RECV_B input gradients to the previous one.
+
+How a schedule is made. A *policy* decides each rank's order of compute actions: GPipe (all forwards, then all
+backwards), 1F1B (at most p - r microbatches in flight on rank r, backward first), ZB-H1 (1F1B with backward split
+in B and W; W waits and fills the time a rank would idle) or Megatron's interleaved order. The order is played
+on a unit-time simulation (F = 1, B = 2, or B = W = 1 when split), which proves it free of deadlock (or raises)
+and fixes where the messages go: a send right after the action that produced it, and the receiver posts its recv
+at the time of that send. So between any two ranks, recvs are posted in exactly the order sends are issued: the
+non-blocking point-to-point messages pair up by order alone (no tags), whatever the real timing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+COMPUTE = ("F", "B", "W")
+COSTS = {"F": 1, "B": 2, "W": 1}  # unit time of the simulation; B is 1 when the backward is split
+
+
+@dataclass(frozen=True)
+class Action:
+    op: str  # F, B, W, SEND_F, RECV_F, SEND_B, RECV_B
+    mb: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.op}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+@dataclass
+class Schedule:
+    name: str
+    stages: int  # p, the pipeline ranks
+    microbatches: int  # m
+    chunks: int  # v, model chunks per rank
+    split_backward: bool  # B computes input gradients only; W the weight gradients
+    actions: list[list[Action]]  # per rank, in execution order
+    timeline: list[list[tuple[int, int, Action]]]  # per rank: (start, end, compute action) in simulated time
+
+    @property
+    def num_stages(self) -> int:
+        return self.stages * self.chunks
+
+    def stage(self, rank: int, chunk: int) -> int:
+        return chunk * self.stages + rank
+
+    def place(self, stage: int) -> tuple[int, int]:
+        """(rank, chunk) running a global stage."""
+        return stage % self.stages, stage // self.stages
+
+    def forward_only(self) -> "Schedule":
+        """The same order without backward: dropping actions only removes dependencies, so it stays valid."""
+        keep = ("F", "SEND_F", "RECV_F")
+        return Schedule(self.name, self.stages, self.microbatches, self.chunks, False,
+                        [[a for a in acts if a.op in keep] for acts in self.actions],
+                        [[e for e in line if e[2].op == "F"] for line in self.timeline])
+
+    def peak_in_flight(self) -> list[int]:
+        """Per rank: the most microbatch-chunks whose activations are held (forward done, backward not finished)."""
+        release = "W" if self.split_backward else "B"
+        peaks = []
+        for acts in self.actions:
+            held = peak = 0
+            for a in acts:
+                held += (a.op == "F") - (a.op == release)
+                peak = max(peak, held)
+            peaks.append(peak)
+        return peaks
+
+    def validate(self) -> None:
+        """Raise ValueError unless every rank runs each (microbatch, chunk) once through F, B (and W) in that
+        order, receives before it computes, sends after, and every pair of ranks posts sends and recvs alike."""
+        ops = ("F", "B", "W") if self.split_backward else ("F", "B")
+        if self.actions and not any(a.op == "B" for acts in self.actions for a in acts):
+            ops = ("F",)  # a forward-only schedule
+        sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+        received: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+        for rank, acts in enumerate(self.actions):
+            position = {(a.op, a.mb, a.chunk): i for i, a in enumerate(acts)}
+            if len(position) != len(acts):
+                raise ValueError(f"rank {rank}: an action appears twice")
+            for mb, chunk in itertools.product(range(self.microbatches), range(self.chunks)):
+                s = self.stage(rank, chunk)
+                at = [position.get((op, mb, chunk)) for op in ops]
+                if None in at or at != sorted(at):
+                    raise ValueError(f"rank {rank}: microbatch {mb} chunk {chunk} needs {'<'.join(ops)}, got {at}")
+                needs = [("RECV_F", s > 0, "F", True), ("SEND_F", s < self.num_stages - 1, "F", False)]
+                if "B" in ops:
+                    needs += [("RECV_B", s < self.num_stages - 1, "B", True), ("SEND_B", s > 0, "B", False)]
+                for comm, wanted, compute, before in needs:
+                    i = position.get((comm, mb, chunk))
+                    if (i is not None) != wanted or (i is not None and (i < position[(compute, mb, chunk)]) != before):
+                        raise ValueError(f"rank {rank}: {comm}{mb}.{chunk} missing, extra or on the wrong side of "
+                                         f"{compute}")
+            for a in acts:
+                if a.op.startswith(("SEND", "RECV")):
+                    s = self.stage(rank, a.chunk)
+                    other = s + 1 if a.op in ("SEND_F", "RECV_B") else s - 1  # the stage at the other end
+                    receiver = other if a.op.startswith("SEND") else s
+                    book, key = (sent, (rank, other % self.stages)) if a.op.startswith("SEND") else \
+                        (received, (other % self.stages, rank))
+                    book.setdefault(key, []).append((a.op[-1], a.mb, receiver))
+        if sent != received:
+            raise ValueError(f"sends and recvs do not pair up in order: sent {sent}, received {received}")
+
+
+def bubble_theory(name: str, stages: int, microbatches: int, chunks: int = 1) -> float:
+    """Idle fraction of a rank in theory, with F = W and B = 2F (B + W = 2F when split)."""
+    p, m = stages, microbatches
+    if name in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if name == "interleaved_1f1b":
+        return (p - 1) / chunks / (m + (p - 1) / chunks)
+    # ZB-H1: the cool-down bubble is filled with W; what remains is (p-1)(F + B - W) = (p-1) F out of 3mF per rank
+    return (p - 1) / (3 * m + p - 1)
+
+
+# -- building ------------------------------------------------------------------------------------------------------
+Pick = Callable[[int, list[Action]], Optional[Action]]  # (rank, ready actions) -> the one to start, or None
+
+
+def build_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
+    p, m, v = stages, microbatches, chunks
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule: unknown {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"need pipeline_parallel_size, microbatches and virtual_stages >= 1, got {p}, {m}, {v}")
+    if v > 1 and name != "interleaved_1f1b":
+        raise ValueError(f"virtual_stages={v} needs schedule: interleaved_1f1b (got {name!r}); set virtual_stages: 1")
+    if name == "interleaved_1f1b" and (p < 2 or m % p):
+        raise ValueError(f"interleaved_1f1b needs pipeline_parallel_size >= 2 dividing microbatches (Megatron's "
+                         f"order goes round the ranks in groups of p); got pipeline_parallel_size={p}, "
+                         f"microbatches={m}")
+    split = name == "zb_h1"
+    if name == "interleaved_1f1b":
+        orders = [_interleaved_order(p, m, v, r) for r in range(p)]
+
+        def pick(rank: int, ready: list[Action]) -> Optional[Action]:
+            nxt = orders[rank][0] if orders[rank] else None
+            if nxt in ready:
+                return orders[rank].pop(0)
+            return None
+    else:
+        # GPipe holds every microbatch; 1F1B at most p - r on rank r (the first stage most). ZB-H1 keeps 1F1B's
+        # bound on microbatches waiting for B and lets one more wait for W: with fewer, a W is forced into every
+        # steady-state slot and half the bubble stays; without a bound, all W's drift to the end (memory m).
+        waiting_b = [m if name == "gpipe" else p - r for r in range(p)]
+        pick = _greedy(waiting_b, p + 1 if split else m, backward_first=name != "gpipe")
+    timeline = _simulate(p, m, v, split, pick)
+    return Schedule(name, p, m, v, split, _with_messages(p, v, timeline), timeline)
+
+
+def _interleaved_order(p: int, m: int, v: int, rank: int) -> list[Action]:
+    """Megatron-LM's interleaved 1F1B: forwards go round the chunks in groups of p microbatches, backwards the
+    same way with the chunks reversed; rank r warms up with 2(p - r - 1) + (v - 1)p forwards."""
+    total = m * v
+
+    def unit(k: int, op: str) -> Action:
+        chunk = (k // p) % v
+        return Action(op, (k // (p * v)) * p + k % p, v - 1 - chunk if op == "B" else chunk)
+
+    warmup = total if m == p else min(total, 2 * (p - rank - 1) + (v - 1) * p)
+    order = [unit(k, "F") for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [unit(warmup + k, "F"), unit(k, "B")]
+    return order + [unit(k, "B") for k in range(total - warmup, total)]
+
+
+def _greedy(waiting_b: list[int], waiting_w: int, backward_first: bool) -> Pick:
+    """Start a backward when one is ready (or a forward first, GPipe); a forward while fewer than
+    `waiting_b[rank]` microbatches wait for their B and fewer than `waiting_w` for their W; otherwise a deferred W,
+    so that weight gradients fill what would be idle time."""
+    held_b = [0] * len(waiting_b)
+    held_w = [0] * len(waiting_b)
+
+    def pick(rank: int, ready: list[Action]) -> Optional[Action]:
+        by_op = {op: min((a for a in ready if a.op == op), key=lambda a: a.mb, default=None) for op in COMPUTE}
+        if held_b[rank] >= waiting_b[rank] or held_w[rank] >= waiting_w:
+            by_op["F"] = None
+        order = ("B", "F", "W") if backward_first else ("F", "B", "W")
+        action = next((by_op[op] for op in order if by_op[op] is not None), None)
+        if action is not None:
+            held_b[rank] += (action.op == "F") - (action.op == "B")
+            held_w[rank] += (action.op == "F") - (action.op == "W")
+        return action
+
+    return pick
+
+
+def _simulate(p: int, m: int, v: int, split: bool, pick: Pick) -> list[list[tuple[int, int, Action]]]:
+    """Play the policy in unit time; a (stage, op, microbatch) may start once what it depends on has finished."""
+    ops = ("F", "B", "W") if split else ("F", "B")
+    cost = {**COSTS, "B": 1 if split else COSTS["B"]}
+    num_stages = p * v
+    finish: dict[tuple[str, int, int], int] = {}  # (op, mb, stage) -> end time
+    todo = [[Action(op, mb, c) for c in range(v) for mb in range(m) for op in ops] for _ in range(p)]
+    busy = [0] * p
+    timeline: list[list[tuple[int, int, Action]]] = [[] for _ in range(p)]
+
+    def done_by(key: tuple[str, int, int], t: int) -> bool:
+        return key in finish and finish[key] <= t
+
+    def is_ready(rank: int, a: Action, t: int) -> bool:
+        s = a.chunk * p + rank
+        if a.op == "F":
+            return s == 0 or done_by(("F", a.mb, s - 1), t)
+        if a.op == "B":
+            return done_by(("F", a.mb, s), t) and (s == num_stages - 1 or done_by(("B", a.mb, s + 1), t))
+        return done_by(("B", a.mb, s), t)
+
+    t, horizon = 0, 4 * sum(cost.values()) * m * num_stages + 4
+    while any(todo):
+        if t > horizon:
+            raise RuntimeError(f"schedule deadlocks: ranks still hold {[list(map(str, x[:3])) for x in todo]}")
+        for rank in range(p):
+            if busy[rank] > t or not todo[rank]:
+                continue
+            action = pick(rank, [a for a in todo[rank] if is_ready(rank, a, t)])
+            if action is None:
+                continue
+            todo[rank].remove(action)
+            busy[rank] = t + cost[action.op]
+            finish[(action.op, action.mb, action.chunk * p + rank)] = busy[rank]
+            timeline[rank].append((t, busy[rank], action))
+        t += 1
+    return timeline
+
+
+def _with_messages(p: int, v: int, timeline: list[list[tuple[int, int, Action]]]) -> list[list[Action]]:
+    """Insert sends after the producing action and the matching recvs, at the same simulated time, on the peer."""
+    num_stages = p * v
+    events: list[list[tuple[int, int, Action]]] = [[] for _ in range(p)]  # (time, 0 = message / 1 = compute, ...)
+    for rank, line in enumerate(timeline):
+        for start, end, a in line:
+            events[rank].append((start, 1, a))
+            s = a.chunk * p + rank
+            target = s + 1 if a.op == "F" else s - 1
+            if a.op == "W" or not 0 <= target < num_stages:
+                continue
+            peer, peer_chunk = target % p, target // p
+            events[rank].append((end, 0, Action(f"SEND_{a.op}", a.mb, a.chunk)))
+            events[peer].append((end, 0, Action(f"RECV_{a.op}", a.mb, peer_chunk)))
+    # A stable sort keeps a rank's sends in time order and its recvs in its peers' send order.
+    return [[a for _, _, a in sorted(evs, key=lambda e: e[:2])] for evs in events]
+
+
+def print_timeline(schedule: Schedule, console: Optional["rich.console.Console"] = None) -> None:  # noqa: F821
+    """One row per rank, one column per simulated time unit: F green, B blue, W magenta, idle '.'."""
+    from rich.console import Console
+    from rich.table import Table
+
+    colours = {"F": "green", "B": "blue", "W": "magenta"}
+    width = max((end for line in schedule.timeline for _, end, _ in line), default=0)
+    table = Table(title=f"{schedule.name}  p={schedule.stages} m={schedule.microbatches} v={schedule.chunks}  "
+                        f"peak in flight {schedule.peak_in_flight()}", show_header=False, box=None, padding=0)
+    for rank, line in enumerate(schedule.timeline):
+        cells = ["[dim] . [/dim]"] * width
+        for start, end, a in line:
+            label = f"{a.op}{a.mb}" + ("'" * a.chunk)
+            for t in range(start, end):
+                cells[t] = f"[{colours[a.op]}]{label:^4}[/]"
+        table.add_row(f"rank {rank} ", *cells)
+    (console or Console()).print(table)
