@@ -34,12 +34,26 @@ class ModelConfig:
     z_loss: float = 0.0  # weight of the z-loss term mean(logsumexp(logits)^2)
     init_std: float = 0.02
     vocab_multiple_of: int = 64  # pad the embedding/head rows; independent of any parallel degree
+    # -- Mixture-of-Experts (lit_lm.moe); moe_experts = 0 keeps every block dense --------------------------------
+    moe_experts: int = 0  # routed experts per MoE layer
+    moe_top_k: int = 2  # experts chosen per token
+    moe_every: int = 1  # block i is MoE when i >= moe_first_dense and i % moe_every == 0 (DeepSeek's layer_freq)
+    moe_first_dense: int = 0  # the first blocks stay dense (DeepSeek's first_k_dense_replace)
+    moe_d_ff: Optional[int] = None  # hidden size of each (fine-grained) expert; None = d_ff
+    moe_shared_experts: int = 0  # always-on experts, fused into one SwiGLU of moe_shared_experts * moe_d_ff
+    moe_score: str = "softmax"  # router scores: softmax (Switch, Mixtral) or sigmoid (DeepSeek-V3)
+    moe_capacity_factor: Optional[float] = None  # None = dropless; else capacity = ceil(cf * tokens * top_k / E)
+    moe_aux_loss: float = 0.0  # weight of the Switch load-balancing loss E * sum_i f_i * P_i
+    moe_z_loss: float = 0.0  # weight of the router z-loss mean(logsumexp(router logits)^2)
+    moe_bias_update: float = 0.0  # gamma of auxiliary-loss-free balancing (DeepSeek-V3); 0 = off
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.d_ff is None:
             self.d_ff = round_up(int(8 * self.d_model / 3), self.ffn_multiple_of)
+        if self.moe_d_ff is None:
+            self.moe_d_ff = self.d_ff
         self.validate()
 
     def validate(self) -> None:
@@ -64,6 +78,34 @@ class ModelConfig:
             raise ConfigError(f"model config `sliding_window` must be positive or null, got {self.sliding_window}")
         if self.z_loss < 0:
             raise ConfigError(f"model config `z_loss` must be >= 0, got {self.z_loss}")
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        if self.moe_experts < 0:
+            raise ConfigError(f"model config `moe_experts` must be >= 0 (0 = dense), got {self.moe_experts}")
+        if not self.moe_experts:
+            return
+        for name in ("moe_top_k", "moe_every", "moe_d_ff"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model config `{name}` must be a positive integer, got {getattr(self, name)}")
+        if self.moe_top_k > self.moe_experts:
+            raise ConfigError(f"model config `moe_top_k`={self.moe_top_k} must be <= `moe_experts`="
+                              f"{self.moe_experts}: a token cannot choose more experts than exist")
+        if self.moe_score not in ("softmax", "sigmoid"):
+            raise ConfigError(f"model config `moe_score` must be softmax or sigmoid, got {self.moe_score!r}")
+        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+            raise ConfigError(f"model config `moe_capacity_factor` must be > 0 or null (dropless), "
+                              f"got {self.moe_capacity_factor}")
+        for name in ("moe_first_dense", "moe_shared_experts", "moe_aux_loss", "moe_z_loss", "moe_bias_update"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"model config `{name}` must be >= 0, got {getattr(self, name)}")
+        if not any(self.is_moe_layer(i) for i in range(self.n_layers)):
+            raise ConfigError(f"model config `moe_experts`={self.moe_experts} but no block is MoE: "
+                              f"`moe_first_dense`={self.moe_first_dense} and `moe_every`={self.moe_every} "
+                              f"skip all {self.n_layers} layers")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe_experts > 0 and layer >= self.moe_first_dense and layer % self.moe_every == 0
 
     @property
     def head_dim(self) -> int:

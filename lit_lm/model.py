@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lit_lm.config import ModelConfig
+from lit_lm.config import ConfigError, ModelConfig
+from lit_lm.moe import MoE, moe_aux_loss, moe_layers
 
 
 class RMSNorm(nn.Module):
@@ -131,14 +132,19 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.)); the mlp is an MoE layer when the config
+    says block `layer` is one."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
+        if cfg.is_moe_layer(layer):
+            shared = SwiGLU(cfg.d_model, cfg.moe_shared_experts * cfg.moe_d_ff) if cfg.moe_shared_experts else None
+            self.mlp: nn.Module = MoE(cfg, shared)
+        else:
+            self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -178,7 +184,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.padded_vocab_size, config.d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
         if config.tie_embeddings:
@@ -192,8 +198,9 @@ class Transformer(nn.Module):
     def init_parameter(self, name: str, tensor: Tensor) -> None:
         """Fill `tensor` in place with the initial value of parameter `name` (a name of `named_parameters()`).
 
-        Norm weights are 1; output projections (wo, w_down) use std/sqrt(2 * n_layers) so the residual stream's
-        variance does not grow with depth (GPT-2); everything else N(0, std). The values come from a generator
+        Norm weights are 1; output projections (wo, w_down, the experts' stacked w_down) use std/sqrt(2 * n_layers)
+        so the residual stream's variance does not grow with depth (GPT-2); MoE routers std/10 (near-uniform
+        routing at the start); everything else N(0, std). The values come from a generator
         seeded by (init seed, name), so they do not depend on device, order, or which rank builds the block.
         """
         if name.endswith("norm.weight"):
@@ -201,8 +208,10 @@ class Transformer(nn.Module):
                 tensor.fill_(1.0)
             return
         std = self.config.init_std
-        if name.endswith(("wo.weight", "w_down.weight")):
+        if name.endswith(("wo.weight", "w_down.weight", "experts.w_down")):
             std /= math.sqrt(2 * self.config.n_layers)
+        elif name.endswith("router.weight"):
+            std /= 10
         gen = torch.Generator().manual_seed((self.init_seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
         values = torch.empty(tensor.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
         with torch.no_grad():
@@ -212,11 +221,18 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             self.init_parameter(name, param)
 
+    def _refuse_moe(self, what: str, why: str) -> None:
+        if moe_layers(self):
+            raise ConfigError(f"{what} does not support MoE layers yet ({why}): set "
+                              "model.init_args.config.moe_experts to 0 or use the `ep` strategy")
+
     def tensor_parallel_plan(self) -> dict:
         """WHAT tensor parallelism splits (Megatron): heads in attention, the hidden features in the MLP, the
         vocabulary in the embedding, head and loss; norms are replicated (sequence-parallel). See
         `strategies.plan.TensorParallel` for the styles; the strategy decides HOW."""
         from strategies.plan import TensorParallel as TP  # the protocol's types; strategies never import lit_lm
+
+        self._refuse_moe("tensor parallelism", "shard the experts with `ep` instead")
 
         heads, kv_heads = (TP("column", self.config.head_dim, name) for name in ("query heads", "kv heads"))
         plan = {"tok_embeddings": TP("vocab_embedding"), "norm": TP("sequence"), "lm_head": TP("vocab_head"),
@@ -241,13 +257,22 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x))
 
     def loss(self, idx: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        """(loss to optimise, detached cross-entropy) for next-token prediction."""
-        return self.loss_fn(self(idx), targets)
+        """(loss to optimise, detached cross-entropy) for next-token prediction; MoE balancing losses included."""
+        loss, ce = self.loss_fn(self(idx), targets)
+        return loss + moe_aux_loss(self), ce
+
+    def expert_plan(self) -> dict:
+        """WHAT expert parallelism shards (strategies.plan.ExpertModel): each MoE layer's `GroupedExperts`, whose
+        parameters are stacked over the expert dim and whose forward takes tokens grouped by expert."""
+        from strategies.plan import ExpertParallel  # the protocol's types; strategies never import lit_lm
+
+        return {f"{name}.experts": ExpertParallel(m.n_experts) for name, m in moe_layers(self).items()}
 
     # -- pipeline protocol (strategies.plan.PipelineModel) --------------------------------------------------
     def pipeline_split(self, stage_layers: list[int], is_first: bool, is_last: bool) -> None:
         """Keep only what one pipeline stage owns: its blocks (still keyed by global index), the embedding on the
         first stage, the final norm and head on the last. A tied head keeps its Parameter on the last stage."""
+        self._refuse_moe("pipeline parallelism", "the balancing losses of a stage's MoE layers would be lost")
         keep = {str(i) for i in stage_layers}
         for key in [k for k in self.blocks if k not in keep]:
             del self.blocks[key]

@@ -14,6 +14,7 @@ from torchmetrics import MeanMetric
 
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.model import Transformer
+from lit_lm.moe import moe_metrics, update_router_bias
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -79,6 +80,7 @@ class LanguageModel(L.LightningModule):
         x, y = self._split(batch, batch_idx)
         loss, _ = self.model.loss(x, y)
         self.log("train_loss", loss.detach(), prog_bar=True, sync_dist=True)
+        self.log_dict(moe_metrics(self.model))  # this rank's routing (no sync: E scalars per layer per step)
         return loss
 
     def _eval_step(self, batch: Tensor, batch_idx: int) -> Tensor:
@@ -122,6 +124,11 @@ class LanguageModel(L.LightningModule):
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
 
     # -- optimisation --------------------------------------------------------------------------------------
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """The step, then the MoE routers' auxiliary-loss-free bias update (counts summed over the dp ranks)."""
+        super().optimizer_step(*args, **kwargs)
+        update_router_bias(self.model, lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"))
+
     def configure_optimizers(self) -> dict[str, Any]:
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():

@@ -40,12 +40,18 @@ Hooks for subclasses (all optional)
     init_optimizer_state(optimizer) make the (lazily created) optimizer state exist before loading into it.
     load_sharded_state(state)       apply a loaded {"model", "optimizer_<i>"} dict (DCP-filled in place, or
                                     whole tensors from a single-file checkpoint) to the module and optimizers.
+
+Service for callbacks (pruning, QAT: they never touch strategy internals)
+    owned_weights() -> list[WeightShard]  every parameter as this rank holds it: the part the optimizer updates,
+                                    the tensor the forward reads, its global shape, where the part sits in the
+                                    global tensor and the group its parts are spread over (default: whole).
 """
 
 from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Generator, Optional, Union
@@ -80,6 +86,41 @@ from torch.optim import Optimizer
 from strategies import checkpoint as ckpt
 from strategies.clip import GradShards, clip_grad_norm_, local_grad_shards, with_global_norm_clip
 from strategies.layout import ParallelLayout
+
+
+@dataclass(frozen=True)
+class WeightShard:
+    """One parameter as this rank holds it, so a callback can compute over the *global* tensor (a pruning
+    threshold, an N:M group, a channel's scale) whether the weight is whole, ZeRO- or TP-sharded.
+
+    `local` is `global[start:end]` along `dim` and is what the optimizer updates (its state is keyed by it);
+    `param` is what the forward reads: `local` itself (whole or TP), or the whole replicated weight under ZeRO
+    (`param` then has the global shape, and storage only between steps at stages 1-2). The parts are spread over
+    `group` (None: the weight is whole on this rank, `local` is all of it).
+    """
+
+    name: str  # global FQN, relative to the LightningModule
+    local: Tensor
+    param: nn.Parameter
+    global_shape: torch.Size
+    dim: int = 0
+    start: int = 0
+    end: int = 0
+    group: Optional[dist.ProcessGroup] = None
+
+    @property
+    def replica(self) -> Optional[Tensor]:
+        """The whole weight the forward reads when it is a separate tensor with storage (ZeRO-1/2), else None:
+        a callback that edits `local` must edit this too, or the next forward sees the old values."""
+        if self.param is self.local or self.param.shape != self.global_shape:
+            return None
+        return self.param.data if self.param.untyped_storage().nbytes() else None
+
+
+def whole_weights(module: nn.Module) -> list[WeightShard]:
+    """Every parameter of `module` as a whole `WeightShard` (no strategy, or a strategy that does not shard)."""
+    return [WeightShard(name, p, p, p.shape, 0, 0, p.shape[0] if p.dim() else 1)
+            for name, p in module.named_parameters()]
 
 
 class BaseStrategy(ParallelStrategy):
@@ -239,6 +280,11 @@ class BaseStrategy(ParallelStrategy):
         norm = clip_grad_norm_(self.grad_norm_shards(), max_norm)
         self.lightning_module.log("grad_norm", norm)
         return norm
+
+    # -- service for callbacks -----------------------------------------------------------------------------------
+    def owned_weights(self) -> list[WeightShard]:
+        """Every parameter as this rank holds it (same order on all ranks; see `WeightShard`). Default: whole."""
+        return whole_weights(self.lightning_module)
 
     # -- collectives for Lightning (logging, callbacks): objects and metrics, not model traffic -----------------
     def barrier(self, name: Optional[str] = None) -> None:

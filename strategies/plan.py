@@ -93,3 +93,22 @@ class PipelineModel(BlockModel, Protocol):
                       ) -> Union[Tensor, tuple[Tensor, Tensor]]: ...
 
     def loss(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+# -- expert parallelism: which modules hold experts (the strategy decides how to shard and dispatch) -----------
+@dataclass(frozen=True)
+class ExpertParallel:
+    """A module holding `num_experts` experts: every parameter of it is stacked over the experts along dim 0, and
+    its `forward(x, counts)` takes tokens grouped by expert (`counts[e]` rows for expert e, in order, a tensor of
+    length `num_experts`) and returns one output row per input row. Expert parallelism gives each rank a slice of
+    the experts (the same parameter names, fewer rows) and moves the tokens to them and back."""
+
+    num_experts: int
+
+
+@runtime_checkable
+class ExpertModel(Protocol):
+    """A model with experts: `expert_plan()` maps module names (relative to the model) to `ExpertParallel`.
+    Everything not named is dense and replicated over the expert-parallel ranks."""
+
+    def expert_plan(self) -> dict[str, ExpertParallel]: ...

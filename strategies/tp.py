@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
+from strategies.base import WeightShard
 from strategies.clip import GradShards
 from strategies.ddp import DataParallelStrategy
 from strategies.plan import TensorParallelModel
@@ -84,6 +85,17 @@ class TensorParallelStrategy(DataParallelStrategy):
         params = [p for p in self.lightning_module.parameters() if p.grad is not None]
         owned = [p.grad for p in params if p in self.shards.sharded or self.layout.tp_rank == 0]
         return GradShards([p.grad for p in params], owned, groups=[self.layout.tp_group])
+
+    def owned_weights(self) -> list[WeightShard]:
+        """Sharded parameters are this rank's `torch.chunk` part along their split dim over tp; the rest whole."""
+        out = []
+        for ws in super().owned_weights():
+            if ws.param in self.shards.sharded:
+                dim, shape = self.shards.sharded[ws.param]
+                start, end = self.shards.tp.rows(shape[dim])
+                ws = WeightShard(ws.name, ws.local, ws.param, shape, dim, start, end, self.layout.tp_group)
+            out.append(ws)
+        return out
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def _sharded_names(self) -> dict[str, tuple[int, torch.Size]]:

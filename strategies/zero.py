@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
-from strategies.base import BaseStrategy, _unwrap
+from strategies.base import BaseStrategy, WeightShard, _unwrap
 from strategies.clip import GradShards
 from strategies.zero_engine import STAGES, ShardedParam, ZeroEngine, check_stage, model_state_bytes
 
@@ -99,6 +99,12 @@ class ZeroStrategy(BaseStrategy):
 
     def grad_norm_shards(self) -> GradShards:
         return GradShards(self.engine.owned_grads(), groups=[self.layout.dp_group])
+
+    def owned_weights(self) -> list[WeightShard]:
+        """The fp32 master rows (what the optimizer updates) and the parameter the forward reads (whole at
+        stages 1-2; storage-less between steps at stage 3), chunked along dim 0 over dp."""
+        return [WeightShard(sp.fqn, sp.master, sp.param, sp.param.shape, 0, sp.start, sp.end, self.layout.dp_group)
+                for sp in self.engine.sharded_params()]
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of params, grads and optimizer state on this rank (for the memory figures)."""

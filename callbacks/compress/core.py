@@ -1,0 +1,115 @@
+"""What pruning, QAT and k-means share: which weights to compress, and how to see a weight's *global* tensor
+from the part this rank holds (the strategy's `owned_weights()` service, see `strategies.base.WeightShard`).
+
+Every compression decision (a threshold, an N:M group, a channel's scale, a cluster's mean) is taken on the
+global tensor, identically on every rank, then applied to the local part: so the result does not depend on
+whether the weight is whole, ZeRO-sharded (dim 0 over dp) or TP-sharded (dim 0 or 1 over tp).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Iterable, Optional, Sequence
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lit_lm.config import ConfigError
+from strategies import comm
+from strategies.base import BaseStrategy, WeightShard, whole_weights
+
+# The token embedding and the LM head carry the most information per weight (and may be one tied tensor).
+DEFAULT_EXCLUDE = ("*tok_embeddings", "*lm_head")
+
+
+def owned_weights(trainer: L.Trainer, pl_module: L.LightningModule) -> list[WeightShard]:
+    """The strategy's service, or every parameter whole under a strategy that does not offer it."""
+    if isinstance(trainer.strategy, BaseStrategy):
+        return trainer.strategy.owned_weights()
+    return whole_weights(pl_module)
+
+
+def select(weights: Iterable[WeightShard], include: Optional[Sequence[str]], exclude: Sequence[str],
+           owner: str) -> list[WeightShard]:
+    """Linear weights (`<module>.weight`, 2-D) whose module name matches an `include` glob and no `exclude` one.
+    An include pattern that matches nothing is an error: a typo would otherwise silently compress nothing."""
+    linear = [ws for ws in weights if ws.name.endswith(".weight") and len(ws.global_shape) == 2]
+    modules = {ws.name[: -len(".weight")]: ws for ws in linear}
+    for pattern in include or ():  # (exclude may name what a model lacks, e.g. a head tied to the embedding)
+        if not fnmatch.filter(modules, pattern):
+            raise ConfigError(f"{owner}.include pattern {pattern!r} matches no linear module (names look like "
+                              f"{next(iter(modules), 'none')!r})")
+    return [ws for m, ws in modules.items()
+            if (include is None or any(fnmatch.fnmatch(m, p) for p in include))
+            and not any(fnmatch.fnmatch(m, p) for p in exclude)]
+
+
+def gather_global(ws: WeightShard) -> Tensor:
+    """The whole weight on every rank of `ws.group` (all-gather of the `torch.chunk` parts; a collective)."""
+    local = ws.local.detach()
+    if ws.group is None:
+        return local.clone()
+    world = dist.get_world_size(ws.group)
+    rows = ws.global_shape[ws.dim]
+    chunk = -(-rows // world)
+    part = local.movedim(ws.dim, 0)
+    padded = part.new_zeros((chunk, *part.shape[1:]))
+    padded[: part.shape[0]] = part
+    out = padded.new_empty((world * chunk, *part.shape[1:]))
+    comm.all_gather(out, padded.contiguous(), ws.group)
+    return out[:rows].movedim(0, ws.dim).contiguous()
+
+
+def local_part(full: Tensor, ws: WeightShard) -> Tensor:
+    """This rank's part of a global-shaped tensor (a mask, an assignment)."""
+    return full.narrow(ws.dim, ws.start, ws.end - ws.start) if ws.group is not None else full
+
+
+def all_reduce_(t: Tensor, group: Optional[dist.ProcessGroup], op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
+    """In place over `group` when the parts are spread (a no-op for whole weights)."""
+    if group is not None:
+        comm.all_reduce(t, group, op)
+    return t
+
+
+@torch.no_grad()
+def write(ws: WeightShard, full: Tensor, optimizers: Sequence[torch.optim.Optimizer] = (),
+          multiply: bool = False) -> None:
+    """Set (or, with `multiply`, scale) the weight to the global-shaped `full`: the optimizer's part, the whole
+    replica the forward reads (ZeRO-1/2), and with `multiply` also the optimizer state of the part (a pruned
+    weight's Adam moments stay zero, so it does not regrow)."""
+    full = full.to(ws.local.device)
+    local = local_part(full, ws).to(ws.local.dtype)
+    targets = [(ws.local, local)] + ([(ws.replica, full.to(ws.replica.dtype))] if ws.replica is not None else [])
+    for tensor, value in targets:  # under ZeRO-1/2 fp32 the part is a view of the replica: idempotent
+        if multiply:
+            tensor.mul_(value)
+        else:
+            tensor.copy_(value)
+    if multiply:
+        for optimizer in optimizers:
+            for value in optimizer.state.get(ws.local, {}).values():
+                if isinstance(value, Tensor) and value.shape == ws.local.shape:
+                    value.mul_(local)
+
+
+def check_bits(bits: int, owner: str) -> int:
+    if bits not in (2, 3, 4, 8):
+        raise ConfigError(f"{owner}.bits must be one of 2, 3, 4, 8, got {bits!r}")
+    return bits
+
+
+def pack_bits(values: Tensor, bits: int) -> Tensor:
+    """Unsigned `bits`-bit integers -> a dense uint8 stream (what an exported low-bit weight costs)."""
+    flat = values.reshape(-1).to(torch.int64)
+    planes = (flat[:, None] >> torch.arange(bits)) & 1  # (n, bits), least significant first
+    stream = planes.reshape(-1)
+    stream = torch.cat([stream, stream.new_zeros(-len(stream) % 8)]).view(-1, 8)
+    return (stream << torch.arange(8)).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: Tensor, bits: int, numel: int) -> Tensor:
+    stream = ((packed.to(torch.int64)[:, None] >> torch.arange(8)) & 1).reshape(-1)[: numel * bits]
+    return (stream.view(numel, bits) << torch.arange(bits)).sum(-1)

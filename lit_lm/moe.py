@@ -1,0 +1,183 @@
+"""Mixture-of-Experts: a top-k router and an MoE layer that replaces a block's SwiGLU (see `ModelConfig.moe_*`).
+
+    x (N, d) -> Router (fp32) -> top-k experts and gates per token
+             -> sort the (token, expert) pairs by expert (stable: token order inside an expert)
+             -> [capacity: keep the first `capacity` pairs of each expert, drop the rest]
+             -> GroupedExperts(x_sorted, counts): one SwiGLU per expert on its contiguous segment
+             -> gate-weighted scatter-add back to the tokens  (+ shared experts on every token)
+
+`GroupedExperts` is the expert-parallel seam: it takes tokens already grouped by expert plus the count per expert,
+so `strategies.ep` can wrap it with an all-to-all dispatch/combine without the layer knowing. Expert weights are
+stacked tensors (E, ...), so an expert-parallel shard is a slice along dim 0 under the same parameter name.
+
+Load balancing: the Switch auxiliary loss, the router z-loss, and DeepSeek-V3's auxiliary-loss-free balancing (a
+per-expert bias added to the scores for *selection only*, nudged after every optimizer step towards the mean load;
+`update_router_bias`). Each layer keeps its last statistics in `stats` for logging (`moe_metrics`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lit_lm.config import ModelConfig
+
+
+@dataclass
+class Routing:
+    experts: Tensor  # (N, k) chosen expert ids
+    gates: Tensor  # (N, k) fp32 weights of the chosen experts, summing to 1 per token
+    probs: Tensor  # (N, E) fp32 scores normalised over experts (P_i of the Switch loss)
+    logits: Tensor  # (N, E) fp32 router logits (for the z-loss)
+
+
+class Router(nn.Module):
+    """Linear scores over E experts, computed in fp32 (routing decisions are brittle in bf16), top-k selection.
+
+    `expert_bias` (a checkpointed buffer) shifts the scores used to *choose* experts, never the gate values, so
+    the balancing nudges which experts are picked without changing what a chosen expert contributes.
+    """
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int, score: str = "softmax") -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.score = score
+        self.weight = nn.Parameter(torch.empty(n_experts, d_model))
+        self.register_buffer("expert_bias", torch.zeros(n_experts))
+
+    def forward(self, x: Tensor) -> Routing:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float())
+        scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+        experts = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
+        chosen = scores.gather(-1, experts)
+        gates = chosen / chosen.sum(-1, keepdim=True)
+        probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return Routing(experts, gates, probs, logits)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts with stacked weights: w_gate, w_up (E, d_ff, d) and w_down (E, d, d_ff).
+
+    forward(x, counts): `x` holds the tokens grouped by expert, `counts[e]` rows for expert e (in order); one
+    matmul per expert segment, no loop over tokens. Empty segments still run (0-row matmuls), so every expert's
+    weights get a (zero) gradient and all ranks see the same parameters used.
+    """
+
+    def __init__(self, n_experts: int, d_model: int, d_ff: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
+        self.w_up = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
+        self.w_down = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        segments = x.split(counts.tolist())
+        out = [F.linear(F.silu(F.linear(xe, self.w_gate[e])) * F.linear(xe, self.w_up[e]), self.w_down[e])
+               for e, xe in enumerate(segments)]
+        return torch.cat(out)
+
+
+class MoE(nn.Module):
+    """Routed experts (+ optional shared experts) in place of a block's MLP.
+
+    After each forward: `aux_loss` (the weighted Switch and z-loss terms, to add to the LM loss) and `stats`
+    (detached: per-expert load fractions, max/mean load, dropped fraction, aux and z values). In training,
+    `step_counts` accumulates tokens per expert over the micro-steps of an optimizer step for the bias update.
+    """
+
+    def __init__(self, cfg: ModelConfig, shared: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        self.n_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
+        self.capacity_factor = cfg.moe_capacity_factor
+        self.aux_weight, self.z_weight, self.bias_update = cfg.moe_aux_loss, cfg.moe_z_loss, cfg.moe_bias_update
+        self.router = Router(cfg.d_model, cfg.moe_experts, cfg.moe_top_k, cfg.moe_score)
+        self.experts = GroupedExperts(cfg.moe_experts, cfg.d_model, cfg.moe_d_ff)
+        self.shared = shared
+        self.register_buffer("step_counts", torch.zeros(cfg.moe_experts), persistent=False)
+        self.aux_loss: Tensor = torch.zeros(())
+        self.stats: dict[str, Tensor] = {}
+
+    def capacity(self, n_tokens: int) -> Optional[int]:
+        """Slots per expert: ceil(capacity_factor * tokens * k / E); None when dropless."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        n = x.shape[0]
+        r = self.router(x)
+        flat_experts = r.experts.reshape(-1)
+        order = flat_experts.argsort(stable=True)  # (token, slot) pairs grouped by expert, token order inside
+        counts = torch.bincount(flat_experts, minlength=self.n_experts)
+        kept = counts
+        cap = self.capacity(n)
+        if cap is not None:
+            starts = counts.cumsum(0) - counts
+            position = torch.arange(order.numel(), device=x.device) - starts[flat_experts[order]]
+            order = order[position < cap]
+            kept = counts.clamp(max=cap)
+        tokens = order // self.top_k
+        y = self.experts(x[tokens], kept) * r.gates.reshape(-1)[order, None].to(x.dtype)
+        out = torch.zeros_like(x).index_add_(0, tokens, y)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        self._account(r, counts, kept)
+        return out.reshape(shape)
+
+    def _account(self, r: Routing, counts: Tensor, kept: Tensor) -> None:
+        """The balancing losses and the statistics of this forward."""
+        load = counts.float() / counts.sum()  # f_i: the fraction of (token, slot) pairs sent to expert i
+        aux = self.n_experts * (load * r.probs.mean(0)).sum()
+        z = torch.logsumexp(r.logits, dim=-1).pow(2).mean()
+        self.aux_loss = self.aux_weight * aux + self.z_weight * z
+        self.stats = {"load": load.detach(), "max_mean_load": (load.max() * self.n_experts).detach(),
+                      "dropped": (1 - kept.sum() / counts.sum()).detach().float(), "aux": aux.detach(),
+                      "z": z.detach()}
+        if self.training and torch.is_grad_enabled():
+            self.step_counts += counts.detach().float()
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoE]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+
+
+def moe_aux_loss(model: nn.Module) -> Tensor | float:
+    """The sum of every MoE layer's balancing losses from the last forward (0.0 for a dense model)."""
+    return sum((m.aux_loss for m in moe_layers(model).values() if m.aux_weight or m.z_weight), 0.0)
+
+
+@torch.no_grad()
+def update_router_bias(model: nn.Module, all_reduce_sum: Callable[[Tensor], Tensor] = lambda t: t) -> None:
+    """Auxiliary-loss-free balancing, once per optimizer step: bias += gamma * sign(mean load - load).
+
+    Counts are summed over the step's micro-steps (`step_counts`) and over data-parallel ranks (`all_reduce_sum`,
+    one collective for all layers), so every replica applies the same update. sign() ignores the scale, so a sum
+    over more ranks than dp (tensor-parallel peers see the same tokens) gives the same update.
+    """
+    layers = [m for m in moe_layers(model).values() if m.bias_update]
+    if not layers:
+        return
+    counts = all_reduce_sum(torch.stack([m.step_counts for m in layers]))
+    for m, c in zip(layers, counts):
+        m.router.expert_bias += m.bias_update * torch.sign(c.mean() - c)
+        m.step_counts.zero_()
+
+
+def moe_metrics(model: nn.Module) -> dict[str, Tensor]:
+    """`moe/<layer>/<stat>` for logging: load per expert, max/mean load, dropped fraction, aux and z-loss."""
+    out: dict[str, Tensor] = {}
+    for name, m in moe_layers(model).items():
+        layer = name.split(".")[-2]  # blocks.<i>.mlp
+        for key, value in m.stats.items():
+            if key == "load":
+                out.update({f"moe/{layer}/load_e{e}": v for e, v in enumerate(value)})
+            else:
+                out[f"moe/{layer}/{key}"] = value
+    return out

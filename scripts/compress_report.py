@@ -1,0 +1,106 @@
+"""Train the default model once dense and once with each `configs/compress/*.yaml`, for the same steps, and print
+one table: val loss, perplexity, sparsity, weight bits and exported bytes, each relative to the dense run.
+
+    python scripts/compress_report.py --steps 400          # the configs' own schedules (written for 400 steps)
+    python scripts/compress_report.py --steps 40 --val-batches 5   # a short run: the schedules are scaled
+
+Exported bytes: float weights of the unstructured/N:M layers as stored sparse (non-zeros + a 1-bit mask, or
++ 2-bit indices for N:M), structured pruning physically shrunk (`make_permanent`), QAT converted to packed integer
+weights + scales (`QAT.convert`); everything else (embedding, norms) fp32. Single process, CPU or one GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+from torch import nn
+
+from callbacks.compress import QAT, Pruning
+from callbacks.compress.qat import model_bytes
+from lit_lm.cli import DEFAULT_CONFIG, LitLMCLI
+from lit_lm.data import TextDataModule
+from lit_lm.module import LanguageModel
+
+CONFIGS = ["prune_unstructured", "prune_2of4", "prune_structured", "qat_int8", "qat_int4", "prune_then_qat"]
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_STEPS = 400  # what the fragments' schedules are written for
+
+
+def scaled_fragment(name: str, steps: int, out_dir: Path) -> Path:
+    """The fragment with every *_step and frequency scaled from DEFAULT_STEPS to `steps`."""
+    cfg = yaml.safe_load((ROOT / "configs" / "compress" / f"{name}.yaml").read_text())
+    for cb in cfg["trainer"]["callbacks+"]:
+        args = cb["init_args"]
+        for key in [k for k in args if k.endswith("_step") or k == "frequency"]:
+            args[key] = max(round(args[key] * steps / DEFAULT_STEPS), 1 if key == "frequency" else 0)
+    path = out_dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def exported_bytes(module: nn.Module, prunings: list[Pruning], qats: list[QAT]) -> int:
+    module = copy.deepcopy(module).cpu()
+    for p in prunings:
+        p.make_permanent(module)
+    for q in qats:
+        q.convert(module)
+    total = model_bytes(module)
+    params = dict(module.named_parameters())
+    for p in (p for p in prunings if p.method != "structured"):
+        for name in p.masks:
+            if name in params:  # still a float weight: stored sparse
+                w = params[name]
+                nnz = int((w != 0).sum())
+                index_bits = 2 * nnz if p.method == "nm" else w.numel()
+                total += nnz * w.element_size() + math.ceil(index_bits / 8) - w.numel() * w.element_size()
+    return total
+
+
+def run(name: str, fragment: list[str], steps: int, val_batches: int, root: Path) -> dict[str, float]:
+    args = ["fit", "--config", str(DEFAULT_CONFIG), *fragment, "--trainer.max_steps", str(steps),
+            "--trainer.val_check_interval", str(steps), "--trainer.limit_val_batches", str(val_batches),
+            "--trainer.default_root_dir", str(root / name),
+            "--model.init_args.warmup_steps", str(max(steps // 10, 1))]
+    cli = LitLMCLI(LanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True,
+                   save_config_kwargs={"overwrite": True}, args=[a for a in args if a])
+    trainer, module = cli.trainer, cli.model
+    prunings = [c for c in trainer.callbacks if isinstance(c, Pruning)]
+    qats = [c for c in trainer.callbacks if isinstance(c, QAT)]
+    val = float(trainer.callback_metrics["val_loss"])
+    linear = sum(p.numel() for n, p in module.named_parameters() if p.ndim == 2 and "tok_embeddings" not in n)
+    zeros = sum(int((~m).sum()) for p in prunings for m in p.masks.values())
+    return {"val_loss": val, "ppl": math.exp(val), "sparsity": zeros / linear,
+            "bits": min((q.bits for q in qats), default=32), "bytes": exported_bytes(module, prunings, qats)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
+    parser.add_argument("--val-batches", type=int, default=25)
+    parser.add_argument("--configs", nargs="*", default=CONFIGS)
+    opts = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = {"dense": run("dense", [], opts.steps, opts.val_batches, Path(tmp))}
+        for name in opts.configs:
+            frag = scaled_fragment(name, opts.steps, Path(tmp))
+            rows[name] = run(name, ["--config", str(frag)], opts.steps, opts.val_batches, Path(tmp))
+    dense = rows["dense"]
+    print(f"\n{opts.steps} steps, default model; relative to dense in parentheses (sparsity over the blocks' "
+          "matrices)\n")
+    print("| config | val loss | perplexity | sparsity | bits | exported bytes |")
+    print("|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['val_loss']:.4f} ({r['val_loss'] - dense['val_loss']:+.4f}) | {r['ppl']:.2f} "
+              f"({r['ppl'] / dense['ppl']:.3f}x) | {r['sparsity']:.3f} | {r['bits']} | {r['bytes']:,} "
+              f"({r['bytes'] / dense['bytes']:.3f}x) |")
+
+
+if __name__ == "__main__":
+    torch.set_float32_matmul_precision("high")
+    main()

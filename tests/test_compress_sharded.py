@@ -1,0 +1,92 @@
+"""Compression on sharded weights: masks and observers computed under zero2, zero3 and tp=2 (2 gloo ranks) are
+the single-process ones, weights and optimizer state stay zero on every shard, and a shard-local mask would differ."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from callbacks.compress import QAT, Pruning
+from callbacks.compress.core import local_part, owned_weights
+from dist_utils import TinyLM, rank_share, run_distributed, token_data
+from strategies.tp import TensorParallelStrategy
+from strategies.zero import ZeroStrategy
+
+
+class FrozenLM(TinyLM):
+    """lr = 0: every strategy keeps the deterministic initial weights, so masks must agree exactly (with
+    training, last-bit differences between strategies could flip a weight sitting on the threshold)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=0.0)
+
+
+class ZerosKept(L.Callback):
+    """At the end: on every rank, each pruned weight part and its Adam moments are zero outside the mask."""
+
+    def __init__(self, prunings: list[Pruning]) -> None:
+        self.prunings, self.ok = prunings, []
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        optimizer = trainer.optimizers[0]
+        for ws in owned_weights(trainer, pl_module):
+            for p in self.prunings:
+                if ws.name in p.masks:
+                    dropped = ~local_part(p.masks[ws.name], ws)
+                    moments = [optimizer.state[ws.local][k] for k in ("exp_avg", "exp_avg_sq")]
+                    self.ok.append(all(float(t.detach()[dropped].abs().sum()) == 0 for t in [ws.local, *moments]))
+
+
+def _fit(strategy: Any, devices: int, dp: int) -> dict[str, Any]:
+    prunings = [Pruning("unstructured", 0.6, start_step=1, scope="global", include=["*.attn.*"]),
+                Pruning("nm", start_step=1, include=["*.blocks.0.mlp.*"]),
+                Pruning("structured", 0.5, start_step=1, importance="l2", include=["*.blocks.1.mlp.*"])]
+    qat, check = QAT(8, start_step=0), ZerosKept(prunings)
+    data = rank_share(token_data(16), 8, int(os.environ.get("LOCAL_RANK", 0)) % dp, dp)  # tp peers: one batch
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, logger=False,
+                        callbacks=[*prunings, qat, check], enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0)
+    trainer.fit(FrozenLM(), DataLoader(TensorDataset(data), batch_size=8 // dp))
+    return {"masks": [p.masks for p in prunings], "observers": qat.observers, "ok": check.ok}
+
+
+def _sharded_runs() -> list[dict[str, Any]]:
+    return [_fit(ZeroStrategy(stage=2), 2, 2), _fit(ZeroStrategy(stage=3), 2, 2),
+            _fit(TensorParallelStrategy(tensor_parallel_size=2), 2, 1)]
+
+
+def test_masks_and_observers_match_single_process_under_zero_and_tp() -> None:
+    single = _fit("auto", 1, 1)
+    assert single["ok"] and all(single["ok"])
+    per_rank = run_distributed(_sharded_runs, 2, init_process_group=False)
+    for rank_runs in per_rank:
+        for tag, run in zip(("zero2", "zero3", "tp"), rank_runs):
+            assert run["ok"] and all(run["ok"]), tag
+            for got, want in zip(run["masks"], single["masks"]):
+                assert got.keys() == want.keys(), tag
+                for name in want:
+                    assert torch.equal(got[name], want[name]), (tag, name)
+            for name, observer in single["observers"].items():  # a range over the same global batch
+                torch.testing.assert_close(run["observers"][name], observer, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, t=tag, n=name: f"{t} {n}: {m}")
+
+
+def test_shard_local_masks_differ_from_global() -> None:
+    """What the service prevents: each ZeRO shard (rows) pruned to 50% on its own, or each TP row-parallel shard
+    (columns) taking its own channel scale, is not the global answer when the shards' magnitudes differ."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 16, generator=gen) * torch.tensor([1.0] * 4 + [3.0] * 4)[:, None]
+    from callbacks.compress.pruning import magnitude_masks
+    from callbacks.compress.qat import weight_scale
+
+    global_mask = magnitude_masks([w], 0.5)[0]
+    local = torch.cat([magnitude_masks([part], 0.5)[0] for part in w.chunk(2, 0)])
+    assert global_mask.sum() == local.sum() == 64 and not torch.equal(global_mask, local)
+    w[:, 8:] *= 0.1
+    shard_scale = weight_scale(w[:, 8:], 8)
+    assert not torch.allclose(shard_scale, weight_scale(w, 8))

@@ -1,0 +1,133 @@
+"""Expert parallelism (`strategies.ep`): the dispatch engine on its own, then `ep` and dp x ep against one process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from dist_utils import TINY, Recorder, rank_share, run_distributed, token_data
+from lit_lm.config import ModelConfig
+from lit_lm.module import LanguageModel
+from lit_lm.moe import GroupedExperts
+from strategies.checkpoint import to_single_file
+from strategies.comm import COMM_LOG
+from strategies.ep import ExpertLayout, ExpertParallelStrategy, ExpertShard, check_expert_parallel
+
+MOE = dict(TINY, moe_experts=4, moe_top_k=2, moe_d_ff=16, moe_shared_experts=1, moe_first_dense=1,
+           moe_z_loss=1e-3, moe_bias_update=1e-3)  # block 0 dense, block 1 MoE; dropless
+STEPS = 5  # odd: the sign updates cannot cancel to a zero bias
+
+
+# -- the engine: a rank that receives no tokens ------------------------------------------------------------------
+def _engine_case() -> dict:
+    """Every token of both ranks goes to experts 0 and 1 (rank 0's): rank 1's experts receive nothing."""
+    torch.manual_seed(0)
+    full = GroupedExperts(4, 8, 6)
+    for p in full.parameters():
+        torch.nn.init.normal_(p)
+    rank = dist.get_rank()
+    x = torch.randn(5 + rank, 8, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    counts = torch.tensor([2, 3 + rank, 0, 0])
+    expected = full(x, counts)
+    expected.square().sum().backward()
+    local_grads = {n: p.grad.clone() for n, p in full.named_parameters()}
+    x.grad = None
+    experts = GroupedExperts(4, 8, 6)
+    experts.load_state_dict(full.state_dict())
+    shard = ExpertShard(experts, 4, ExpertLayout.get(2).ep_group)
+    COMM_LOG.reset()
+    out = shard(x, counts)
+    out.square().sum().backward()
+    return {"out": out.detach(), "expected": expected.detach(), "x_grad": x.grad.clone(),
+            "grads": {n: p.grad.clone() for n, p in shard.named_parameters()}, "local_grads": local_grads,
+            "a2a": [r.numel for r in COMM_LOG.records if r.op == "all_to_all"]}
+
+
+# -- Lightning runs ----------------------------------------------------------------------------------------------
+def fit_moe(strategy: object = "auto", devices: int = 1, global_batch: int = 8, ckpt_dir: str | None = None) -> dict:
+    """LanguageModel with the MoE config on fixed tokens, the same global batch on any number of ranks."""
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    data = rank_share(token_data(STEPS * global_batch), global_batch, rank, devices)
+    loader = DataLoader(data, batch_size=global_batch // devices, shuffle=False)  # batches of (B, T+1) tensors
+    L.seed_everything(0, verbose=False)
+    module, recorder = LanguageModel(config=ModelConfig(**MOE), warmup_steps=2), Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=[recorder],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, num_sanity_val_steps=0, enable_checkpointing=False,
+                        gradient_clip_val=0.5)
+    trainer.fit(module, loader)
+    if ckpt_dir is not None:
+        trainer.save_checkpoint(ckpt_dir)
+    return {"losses": recorder.losses, "params": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+
+
+def _ep2_worker(ckpt_dir: str) -> dict:
+    engine = _engine_case()
+    run = fit_moe(ExpertParallelStrategy(expert_parallel_size=2, bucket_cap_mb=0.01), devices=2, ckpt_dir=ckpt_dir)
+    return {"engine": engine, **run}
+
+
+def _dp_ep_worker() -> dict:
+    return fit_moe(ExpertParallelStrategy(expert_parallel_size=2, bucket_cap_mb=0.01), devices=4)
+
+
+def _check_parity(single: dict, ranks: list[dict], ep: int) -> None:
+    for r in ranks:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
+    for name, value in single["params"].items():
+        for replica in range(0, len(ranks), ep):
+            group = ranks[replica: replica + ep]
+            if "experts." in name:
+                got = torch.cat([r["params"][name] for r in group])
+            else:
+                got = group[0]["params"][name]
+            rel = ((got - value).norm() / value.norm().clamp_min(1e-12)).item()
+            assert rel < 1e-5, (name, rel)
+
+
+@pytest.fixture(scope="module")
+def single() -> dict:
+    return fit_moe()
+
+
+def test_ep_engine_and_parity(single: dict, tmp_path: Path) -> None:
+    results = run_distributed(_ep2_worker, 2, str(tmp_path / "ckpt"))
+    for r in results:
+        e = r["engine"]
+        torch.testing.assert_close(e["out"], e["expected"], rtol=1e-5, atol=1e-6)
+        assert e["x_grad"].abs().sum() > 0
+        assert e["a2a"][0] == 4  # the counts first (E entries), then tokens: dispatch, combine, their backwards
+        assert len(e["a2a"]) == 5
+    # expert grads: rank 0 holds experts 0-1, whose grad is the sum of both ranks' contributions
+    for i, r in enumerate(results):
+        for name, g in r["engine"]["grads"].items():
+            expected = sum(x["engine"]["local_grads"][name] for x in results)[2 * i: 2 * i + 2]
+            torch.testing.assert_close(g, expected, rtol=1e-5, atol=1e-5)
+    assert results[1]["engine"]["grads"]["w_gate"].abs().sum() == 0  # its experts got no token
+
+    bias = "model.blocks.1.mlp.router.expert_bias"
+    assert single["params"][bias].abs().sum() > 0  # the aux-free balancing moved
+    _check_parity(single, results, ep=2)
+    # the sharded checkpoint holds the experts whole under their global names
+    to_single_file(tmp_path / "ckpt", tmp_path / "whole.ckpt")
+    saved = torch.load(tmp_path / "whole.ckpt", weights_only=False)["state_dict"]
+    name = "model.blocks.1.mlp.experts.w_up"
+    assert saved[name].shape == single["params"][name].shape
+    torch.testing.assert_close(saved[name], torch.cat([r["params"][name] for r in results]))
+
+
+def test_dp_ep_parity(single: dict) -> None:
+    _check_parity(single, run_distributed(_dp_ep_worker, 4, init_process_group=False), ep=2)
+
+
+def test_bad_sizes_name_the_setting() -> None:
+    with pytest.raises(ValueError, match=r"`expert_parallel_size`=3 must divide the data-parallel size 4"):
+        check_expert_parallel(3, 4)
+    with pytest.raises(ValueError, match=r"`moe_experts`=6 is not divisible by `expert_parallel_size`=4"):
+        check_expert_parallel(4, 8, 6)
