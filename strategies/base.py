@@ -22,7 +22,13 @@ What the base does
                     relative to the LightningModule, plus a rank-0 `meta.pt` with the rest of Lightning's
                     checkpoint; restored after setup (`restore_checkpoint_after_setup`), so the live (possibly
                     sharded) tensors are the load destination and DCP reshards across world sizes. A single-file
-                    Lightning checkpoint is accepted too.
+                    Lightning checkpoint is accepted too. Crash-safe (`strategies/checkpoint.py`): written to
+                    `<path>.tmp-<id>`, marked `COMPLETE` (step, world size, strategy, dp/tp/pp) after a barrier
+                    and published by rename; any directory without the marker is refused on load, naming it.
+                    `remove_checkpoint` (save_top_k retention) also clears what crashed saves left in the folder.
+    failures        `timeout` (seconds, or a timedelta) bounds every collective; when one fails (a dead or hung
+                    peer) `on_exception` prints which rank is lost and this rank's last collectives
+                    (`strategies/watchdog.py`), then the error propagates and the process exits non-zero.
 
 Hooks for subclasses (all optional)
     parallelize(fitting)            after the module is precision-converted and on its device, before the
@@ -50,6 +56,7 @@ Service for callbacks (pruning, QAT: they never touch strategy internals)
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -86,6 +93,9 @@ from torch.optim import Optimizer
 from strategies import checkpoint as ckpt
 from strategies.clip import GradShards, clip_grad_norm_, local_grad_shards, with_global_norm_clip
 from strategies.layout import ParallelLayout
+from strategies.watchdog import failure_report, is_collective_failure
+
+LOST_RANK_GRACE_S = 5.0  # how long survivors of a failed collective wait for each other to check in
 
 
 @dataclass(frozen=True)
@@ -134,14 +144,15 @@ class BaseStrategy(ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Union[float, timedelta, None] = default_pg_timeout,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.num_nodes = 1  # the connector only sets num_nodes on strategies that have the attribute
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        # seconds from yaml (`trainer.strategy.init_args.timeout: 600`), or a timedelta from Python
+        self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._tp_size = tensor_parallel_size
         self._pp_size = pipeline_parallel_size
         self._layout: Optional[ParallelLayout] = None
@@ -338,11 +349,18 @@ class BaseStrategy(ParallelStrategy):
         path = Path(self.broadcast(filepath))  # every rank must write to the same directory
         state = {"model": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        ckpt.save(path, state, checkpoint)
+        layout = self.layout
+        topology = {"strategy": type(self).__name__, "dp": layout.dp_size, "tp": layout.tp_size, "pp": layout.pp_size}
+        ckpt.save(path, state, checkpoint, topology)
+
+    def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
+        if self.is_global_zero:
+            ckpt.remove(filepath)
+            ckpt.remove_stale(Path(filepath).parent)
 
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
-        if not ckpt.is_sharded_checkpoint(path):
+        if not path.is_dir():
             return self._load_single_file(path, weights_only)
         optimizers = [_unwrap(o) for o in self.optimizers]
         for optimizer in optimizers:
@@ -369,6 +387,12 @@ class BaseStrategy(ParallelStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # loaded in load_checkpoint, by FQN
+
+    # -- failures -----------------------------------------------------------------------------------------------
+    def on_exception(self, exception: BaseException) -> None:
+        if _distributed_is_initialized() and dist.get_world_size() > 1 and is_collective_failure(exception):
+            grace = min(LOST_RANK_GRACE_S, self._timeout.total_seconds()) if self._timeout else LOST_RANK_GRACE_S
+            print(failure_report(exception, grace), file=sys.stderr, flush=True)
 
 
 def _unwrap(optimizer: Union[Optimizer, LightningOptimizer]) -> Optimizer:

@@ -1,19 +1,31 @@
-"""Sharded, topology-free checkpoints: a `torch.distributed.checkpoint` (DCP) directory plus a rank-0 `meta.pt`.
+"""Sharded, topology-free, crash-safe checkpoints: a `torch.distributed.checkpoint` (DCP) directory, a rank-0
+`meta.pt` and a `COMPLETE` marker.
 
     <dir>/            DCP files of {"model": {fqn: tensor}, "optimizer_<i>": {"state": {fqn: {...}},
                                                                            "param_groups": [{..., "params": [fqn]}]}}
     <dir>/meta.pt     the rest of Lightning's checkpoint (loops, lr_schedulers, callbacks, hparams, datamodule)
+    <dir>/COMPLETE    json {step, epoch, world_size, strategy, dp, tp, pp}: written last, after every rank's shards
 
 Every tensor is named by its FQN relative to the LightningModule, never by rank or parameter index, and sharded
 tensors are DTensors with their global shape, so DCP reshards on load: a checkpoint saved on N ranks resumes on
 M ranks. `to_single_file` turns a directory into an ordinary Lightning `.ckpt` (index-keyed optimizer state) for
 `LightningModule.load_from_checkpoint`, a single-device `Trainer.fit(ckpt_path=...)`, export or inspection.
+
+Crash safety: a save writes `<dir>.tmp-<id>`, and only after every rank has finished (barrier) and the marker is
+on disk does rank 0 publish it with a rename, so a process killed mid-save leaves the previous checkpoint of that
+name whole and only a `.tmp-` directory behind (removed by the next save into the same folder). Lightning's
+`ckpt_path="last"` only considers `last*.ckpt` names, so it never picks a `.tmp-` directory; `load` refuses a
+directory without the marker, naming the missing file.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import re
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
@@ -25,27 +37,88 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.optim import Optimizer
 
 META = "meta.pt"
+COMPLETE = "COMPLETE"
+TMP, OLD = ".tmp-", ".old-"  # + 8 hex digits: a save in progress (or killed), a replaced checkpoint
 PathLike = Union[str, Path]
 
 
 def is_sharded_checkpoint(path: PathLike) -> bool:
+    """A directory in this format (complete or not: `check_complete` tells)."""
     return Path(path).is_dir() and (Path(path) / META).is_file()
 
 
-def save(path: PathLike, state: dict[str, Any], meta: dict[str, Any]) -> None:
-    """Collective: every rank writes its part of `state`; rank 0 writes `meta`. Replaces whatever is at `path`."""
+def check_complete(path: PathLike) -> dict[str, Any]:
+    """The marker's contents; raises, naming the file, for a directory a crashed save left unfinished."""
+    marker = Path(path) / COMPLETE
+    if not marker.is_file():
+        raise FileNotFoundError(
+            f"{marker} is missing: {path} is not a complete checkpoint (its save was interrupted, or it predates "
+            f"the marker). Resume from an earlier checkpoint, or `touch {marker}` if you know every rank finished")
+    return json.loads(marker.read_text() or "{}")
+
+
+def save(path: PathLike, state: dict[str, Any], meta: dict[str, Any], info: dict[str, Any]) -> None:
+    """Collective: every rank writes its part of `state`; rank 0 writes `meta` and a marker of `info`, then
+    publishes the directory at `path` (replacing whatever was there) by a rename."""
     path = Path(path)
-    if dist.get_rank() == 0 and path.exists():
-        # DCP would otherwise write into the old directory and leave a larger world size's shard files behind.
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    dist.barrier()
-    path.mkdir(parents=True, exist_ok=True)
-    dcp.save(state, checkpoint_id=path)
+    holder = [f"{path}{TMP}{uuid.uuid4().hex[:8]}"]
+    dist.broadcast_object_list(holder, src=0)  # every rank writes into the same temporary directory
+    tmp = Path(holder[0])
     if dist.get_rank() == 0:
-        torch.save(meta, path / META)
+        remove_stale(path.parent)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(state, checkpoint_id=tmp)
+    if dist.get_rank() == 0:
+        torch.save(meta, tmp / META)
+    dist.barrier()  # every rank's shards are on disk
+    if dist.get_rank() == 0:
+        marker = {"step": meta.get("global_step"), "epoch": meta.get("epoch"), "world_size": dist.get_world_size(),
+                  **info}
+        _write_synced(tmp / COMPLETE, json.dumps(marker))
+        _publish(tmp, path)
+    dist.barrier()  # nobody goes on (or removes an older checkpoint) before the new one is visible
+
+
+def _write_synced(file: Path, text: str) -> None:
+    with open(file, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rename `tmp` to `path`. A directory cannot be renamed over a non-empty one, so an existing `path` (a
+    re-saved `last.ckpt`) is first renamed aside: a crash between the two renames leaves it as `<path>.old-<id>`."""
+    if path.exists() or path.is_symlink():
+        old = path.with_name(path.name + OLD + tmp.name.rsplit(TMP, 1)[1])
+        os.rename(path, old)
+        os.rename(tmp, path)
+        remove(old)
+    else:
+        os.rename(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)  # make the renames durable
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove(path: PathLike) -> None:
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def remove_stale(folder: PathLike) -> None:
+    """Remove what crashed saves left in `folder` (`*.tmp-<id>`, `*.old-<id>`). Only one save runs at a time."""
+    folder = Path(folder)
+    if folder.is_dir():
+        for leftover in folder.iterdir():
+            if re.search(rf"({re.escape(TMP)}|{re.escape(OLD)})[0-9a-f]{{8}}$", leftover.name):
+                remove(leftover)
 
 
 def load(path: PathLike, state: dict[str, Any], weights_only: bool = False) -> dict[str, Any]:
@@ -54,6 +127,7 @@ def load(path: PathLike, state: dict[str, Any], weights_only: bool = False) -> d
     Top-level entries the checkpoint does not have (the optimizers of a weights-only checkpoint) are dropped
     from `state`, so the caller can tell what was loaded.
     """
+    check_complete(path)
     saved = {key.split(".", 1)[0] for key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
     for key in [k for k in state if k not in saved]:
         del state[key]
@@ -100,6 +174,7 @@ def to_single_file(directory: PathLike, out_file: PathLike) -> None:
     directory, out_file = Path(directory), Path(out_file)
     if not is_sharded_checkpoint(directory):
         raise FileNotFoundError(f"{directory} is not a lit-lm sharded checkpoint (a directory with {META})")
+    check_complete(directory)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     dcp_to_torch_save(directory, out_file)  # whole tensors, gathered from every shard file
     sharded = torch.load(out_file, map_location="cpu", weights_only=False)

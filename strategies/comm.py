@@ -136,3 +136,14 @@ def scalar_all_reduce(value: Tensor, group: Optional[dist.ProcessGroup] = None,
     out = value.detach().to(torch.float32).clone()
     all_reduce(out, group, op)
     return out
+
+
+def format_history(log: CommLog = COMM_LOG) -> str:
+    """The flight recorder as text, oldest first: the last entries say which collective a rank was in when a
+    peer died or hung (compare them across ranks: the one that differs is where the ranks parted)."""
+    if not log.history:
+        return "no collectives recorded on this rank"
+    lines = [f"last {len(log.history)} collectives on this rank (oldest first):"]
+    lines += [f"  {r.op:<14} group={r.group} ({r.world} ranks)  {r.numel} elements, {r.nbytes} bytes"
+              for r in log.history]
+    return "\n".join(lines)

@@ -269,7 +269,7 @@ class PipelineStrategy(BaseStrategy):
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("strategy pp has no predict (generation needs the whole model on one rank): "
-                                  "convert the checkpoint (scripts/convert_checkpoint.py) and predict on one device")
+                                  "convert the checkpoint (scripts/ckpt.py convert) and predict on one device")
 
     # -- gradients ----------------------------------------------------------------------------------------------
     def finish_grad_sync(self) -> None:

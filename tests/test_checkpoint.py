@@ -47,7 +47,7 @@ def test_resume_on_2_and_1_ranks_and_from_a_converted_file(tmp_path: Path) -> No
 
     # the converter, through its CLI: a plain Lightning checkpoint
     single = tmp_path / "single.ckpt"
-    subprocess.run([sys.executable, "scripts/convert_checkpoint.py", str(ckpt), str(single)], check=True,
+    subprocess.run([sys.executable, "scripts/ckpt.py", "convert", str(ckpt), str(single)], check=True,
                    cwd=Path(__file__).parents[1])
     module = TinyLM.load_from_checkpoint(single)
     saved = torch.load(single, weights_only=False)["state_dict"]

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# `lit-lm fit` under torchrun on this node; run the same line on every node. On a failure torchrun restarts all
+# workers (up to MAX_RESTARTS) and they resume from the newest *complete* checkpoint (`--ckpt_path last`).
+#
+#   NNODES=2 NPROC_PER_NODE=8 MASTER_ADDR=node0 scripts/launch/torchrun.sh \
+#       --config configs/default.yaml --config configs/strategies/zero3.yaml
+#
+# Environment (defaults): NNODES (1), NPROC_PER_NODE (1), MASTER_ADDR (127.0.0.1) and MASTER_PORT (29500) of
+# the c10d rendezvous, RDZV_ID (lit-lm: the same on every node of one job), MAX_RESTARTS (3), RUN_DIR
+# (runs/torchrun: trainer.default_root_dir) and CKPT_DIR ($RUN_DIR/checkpoints). CKPT_DIR must stay the same
+# across restarts, or "last" finds nothing: it is set as the dirpath of the *last* callback of the config (the
+# default config's ModelCheckpoint); set CKPT_DIR= (empty) if your config sets ModelCheckpoint.dirpath itself.
+set -euo pipefail
+NNODES=${NNODES:-1}
+NPROC_PER_NODE=${NPROC_PER_NODE:-1}
+RUN_DIR=${RUN_DIR:-runs/torchrun}
+CKPT_DIR=${CKPT_DIR-$RUN_DIR/checkpoints}
+ckpt_args=()
+[[ -n "$CKPT_DIR" ]] && ckpt_args=(--trainer.callbacks.dirpath "$CKPT_DIR")
+
+exec "${PYTHON:-python}" -m torch.distributed.run \
+    --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
+    --rdzv-backend c10d --rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" \
+    --rdzv-id "${RDZV_ID:-lit-lm}" --max-restarts "${MAX_RESTARTS:-3}" \
+    -m lit_lm fit "$@" \
+    --trainer.devices "$NPROC_PER_NODE" --trainer.num_nodes "$NNODES" \
+    --trainer.default_root_dir "$RUN_DIR" "${ckpt_args[@]}" --ckpt_path last
