@@ -1,5 +1,6 @@
-"""Benchmark the data-parallel strategies on one model in one run: Lightning's `ddp`, our `lm_ddp`, `zero1`,
-`zero2`, `zero3`, and torch FSDP2 (`fully_shard` through Lightning's ModelParallelStrategy) as the reference.
+"""Benchmark the parallel strategies on one model in one run: Lightning's `ddp`, our `lm_ddp`, `zero1`, `zero2`,
+`zero3`, torch FSDP2 (`fully_shard` through Lightning's ModelParallelStrategy) as the reference, and tensor
+parallelism over all the devices (`tp`, and `tp_sp` with sequence parallelism).
 
     python scripts/bench_strategies.py                     # CPU/gloo, 2 processes
     python scripts/bench_strategies.py --devices 4 --d-model 512 --n-layers 8   # GPUs/nccl when available
@@ -7,7 +8,9 @@
 Per strategy: tokens/s (median step after warm-up) and its ratio to Lightning's ddp, model-state bytes per rank
 (params + grads + optimizer state, walked just before the last update) against theory, and the bytes each rank
 sends per step (our strategies count them in `strategies.comm`; ddp and FSDP2 do not use it) against theory.
-Rank 0 prints a table and writes JSON.
+Then the activation memory of one block under tp=1, tp=N and tp=N with SP: the bytes autograd saves in its
+forward (`strategies.tp_layers.SavedActivations`), norms and regions apart, against theory. Rank 0 prints the
+tables and writes JSON.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
@@ -35,14 +39,32 @@ from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
 from strategies.comm import COMM_LOG  # noqa: E402
 from strategies.ddp import DataParallelStrategy  # noqa: E402
+from strategies.tp import TensorParallelStrategy  # noqa: E402
+from strategies.tp_layers import SavedActivations, TPGroup, parallelize_model  # noqa: E402
 from strategies.zero import ZeroStrategy  # noqa: E402
 from strategies.zero_engine import model_state_bytes  # noqa: E402
 
-STRATEGIES = ["ddp", "lm_ddp", "zero1", "zero2", "zero3", "fsdp2"]
+STRATEGIES = ["ddp", "lm_ddp", "zero1", "zero2", "zero3", "fsdp2", "tp", "tp_sp"]
 
 
-def theory(name: str, phi: int, n: int) -> tuple[float, float]:
-    """(model-state bytes per rank, wire bytes per rank per step) for fp32 Adam (see strategies/zero_engine.py)."""
+def tp_local_params(config: ModelConfig, n: int, sp: bool) -> int:
+    """Parameters on tp rank 0 of n (split weights 1/n, the vocabulary's first chunk, replicated norms whole)."""
+    model = Transformer(config)
+    parallelize_model(model, model.tensor_parallel_plan(), TPGroup(None, n, 0, sp))
+    return sum(p.numel() for p in model.parameters())
+
+
+def theory(name: str, config: ModelConfig, n: int, tokens: int) -> tuple[float, float]:
+    """(model-state bytes per rank, wire bytes per rank per step) for fp32 Adam (see strategies/zero_engine.py
+    and strategies/tp_layers.py)."""
+    phi = config.num_params()
+    if name.startswith("tp"):  # tp over all n ranks: every rank sees the whole batch; per step (4L + 2)
+        # activation all-reduces of tokens x d (or as many all-gather + reduce-scatter pairs under SP), the loss's
+        # 3 values per token, and under SP the norms' partial gradients
+        sp = name == "tp_sp"
+        elements = (4 * config.n_layers + 2) * tokens * config.d_model + 3 * tokens
+        elements += (2 * config.n_layers + 1) * config.d_model if sp else 0
+        return 16 * tp_local_params(config, n, sp), 2 * (n - 1) / n * elements * 4
     memory = {"ddp": 16, "lm_ddp": 16, "zero1": 8 + 8 / n, "zero2": 4 + 12 / n, "zero3": 16 / n, "fsdp2": 16 / n}
     gathers = 3 if name in ("zero3", "fsdp2") else 2  # all-reduce = reduce-scatter + all-gather
     return memory[name] * phi, gathers * (n - 1) / n * phi * 4
@@ -100,13 +122,16 @@ def make_strategy(name: str, n: int) -> Any:
     return {"ddp": lambda: "ddp", "lm_ddp": DataParallelStrategy,
             "zero1": lambda: ZeroStrategy(stage=1), "zero2": lambda: ZeroStrategy(stage=2),
             "zero3": lambda: ZeroStrategy(stage=3),
-            "fsdp2": lambda: ModelParallelStrategy(data_parallel_size=n, tensor_parallel_size=1)}[name]()
+            "fsdp2": lambda: ModelParallelStrategy(data_parallel_size=n, tensor_parallel_size=1),
+            "tp": lambda: TensorParallelStrategy(n, sequence_parallel=False),
+            "tp_sp": lambda: TensorParallelStrategy(n, sequence_parallel=True)}[name]()
 
 
 def run_one(name: str, args: argparse.Namespace, config: ModelConfig, accelerator: str) -> dict[str, Any]:
     rank, n = int(os.environ["LOCAL_RANK"]), args.devices
-    gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch of the global batch
-    local = args.global_batch // n
+    dp = 1 if name.startswith("tp") else n  # tp peers read one batch: the global one
+    gen = torch.Generator().manual_seed(1000 + rank % dp)  # each replica its own batch of the global batch
+    local = args.global_batch // dp
     tokens = torch.randint(0, config.vocab_size, (local * args.steps, args.seq_len + 1), generator=gen)
     loader = DataLoader(TensorDataset(tokens), batch_size=local)
     L.seed_everything(0, verbose=False)
@@ -126,6 +151,42 @@ def run_one(name: str, args: argparse.Namespace, config: ModelConfig, accelerato
     return out
 
 
+def block_activations(config: ModelConfig, args: argparse.Namespace, rank: int) -> dict[str, dict[str, int]]:
+    """Bytes one block saves for backward on this rank (norms, regions) under tp=1, tp=N, and tp=N with SP, on
+    the benchmark's global batch (what every tp rank sees), in fp32."""
+    n, out = args.devices, {}
+    for name, tp in (("tp=1", TPGroup(None, 1, 0)), (f"tp={n}", TPGroup(dist.group.WORLD, n, rank)),
+                     (f"tp={n}+SP", TPGroup(dist.group.WORLD, n, rank, sequence_parallel=True))):
+        model = Transformer(config)
+        parallelize_model(model, model.tensor_parallel_plan(), tp)
+        block = model.blocks[next(iter(model.blocks))]
+        positions = args.seq_len // n if tp.sequence_parallel else args.seq_len
+        x = torch.randn(args.global_batch, positions, config.d_model, requires_grad=True)
+        with SavedActivations(block) as saved:
+            block(x)
+        out[name] = {"norms": saved.bytes.get("attn_norm", 0) + saved.bytes.get("mlp_norm", 0),
+                     "regions": saved.bytes.get("attn", 0) + saved.bytes.get("mlp", 0)}
+    return out
+
+
+def print_activations(acts: dict[str, dict[str, int]], config: ModelConfig, args: argparse.Namespace) -> None:
+    """Theory from the tp=1 measurement: the regions' inner activations split by heads / hidden features (1/N);
+    their inputs, saved after the entry collective, stay whole (2 x B T d per block); the norms (and the
+    residual stream they save) shrink by 1/N only under SP."""
+    n, base = args.devices, acts["tp=1"]
+    inputs = 2 * args.global_batch * args.seq_len * config.d_model * 4
+    theory = {"tp=1": base, f"tp={n}": {"norms": base["norms"], "regions": (base["regions"] - inputs) / n + inputs},
+              f"tp={n}+SP": {"norms": base["norms"] / n, "regions": (base["regions"] - inputs) / n + inputs}}
+    print(f"\nsaved activations of one block per rank (fp32), B={args.global_batch} T={args.seq_len} "
+          f"d={config.d_model}")
+    print(f"{'layout':<8} {'norms MB':>9} {'theory':>8} {'regions MB':>11} {'theory':>8} {'total MB':>9} {'theory':>8}")
+    for name, row in acts.items():
+        t = theory[name]
+        print(f"{name:<8} {row['norms'] / 1e6:>9.3f} {t['norms'] / 1e6:>8.3f} {row['regions'] / 1e6:>11.3f} "
+              f"{t['regions'] / 1e6:>8.3f} {(row['norms'] + row['regions']) / 1e6:>9.3f} "
+              f"{(t['norms'] + t['regions']) / 1e6:>8.3f}")
+
+
 def worker(rank: int, args: argparse.Namespace, port: int, accelerator: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(args.devices), NODE_RANK="0",
                       RANK=str(rank), LOCAL_RANK=str(rank))
@@ -135,13 +196,14 @@ def worker(rank: int, args: argparse.Namespace, port: int, accelerator: str) -> 
                          n_heads=args.n_heads, max_seq_len=args.seq_len)
     phi = config.num_params()
     results = {name: run_one(name, args, config, accelerator) for name in args.strategies}
+    acts = block_activations(config, args, rank)
     if rank != 0:
         return
     tokens = args.global_batch * args.seq_len
     base = tokens / results["ddp"]["step_s"] if "ddp" in results else None
     rows = []
     for name, r in results.items():
-        mem_theory, wire_theory = theory(name, phi, args.devices)
+        mem_theory, wire_theory = theory(name, config, args.devices, tokens)
         rows.append({"strategy": name, "tokens_per_s": tokens / r["step_s"],
                      "vs_ddp": tokens / r["step_s"] / base if base else None,
                      "state_bytes": r["memory"].get("total"), "state_bytes_theory": mem_theory,
@@ -156,9 +218,11 @@ def worker(rank: int, args: argparse.Namespace, port: int, accelerator: str) -> 
         ratio = "-" if row["vs_ddp"] is None else f"{row['vs_ddp']:.2f}x"
         print(f"{row['strategy']:<8} {row['tokens_per_s']:>10.0f} {ratio:>7} {row['state_bytes'] / 1e6:>9.2f} "
               f"{row['state_bytes_theory'] / 1e6:>8.2f} {sent:>13} {row['wire_bytes_theory'] / 1e6:>8.3f}")
+    print_activations(acts, config, args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "phi": phi, "accelerator": accelerator, "rows": rows}, indent=2))
+    out.write_text(json.dumps({"args": vars(args), "phi": phi, "accelerator": accelerator, "rows": rows,
+                               "block_activation_bytes": acts}, indent=2))
     print(f"wrote {out}")
 
 

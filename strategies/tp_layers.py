@@ -24,8 +24,9 @@ be uneven.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,8 @@ def _all_gather_seq(x: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
     x = x.transpose(0, 1).contiguous()  # all_gather concatenates along dim 0: put the sequence there
     out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
     comm.all_gather(out, x, group)
-    return out.transpose(0, 1)
+    # one (B, T, ...) copy now: the region's linears save it for backward (each would copy a strided view again)
+    return out.transpose(0, 1).contiguous()
 
 
 def _reduce_scatter_seq(x: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
@@ -252,9 +254,10 @@ class TPShards:
     sharded: dict[nn.Parameter, tuple[int, torch.Size]] = field(default_factory=dict)
     partial: list[nn.Parameter] = field(default_factory=list)
 
-    def sum_partial_grads(self) -> None:
-        """One all-reduce over tp of every partial gradient (norms under SP, QK-norms): after backward."""
-        grads = [p.grad for p in self.partial if p.grad is not None]
+    def sum_partial_grads(self, grad_of: Callable[[nn.Parameter], Optional[Tensor]] = lambda p: p.grad) -> None:
+        """One all-reduce over tp of every partial gradient (norms under SP, QK-norms): after backward. `grad_of`
+        says where a parameter's gradient lives (under ZeRO: its dp rows, on the master shard)."""
+        grads = [g for g in map(grad_of, self.partial) if g is not None]
         if not grads:
             return
         flat = _all_reduce(torch.cat([g.reshape(-1) for g in grads]), self.tp.group)
@@ -310,3 +313,46 @@ def parallelize_model(model: nn.Module, plan: dict[str, TensorParallel], tp: TPG
                 raise ValueError(f"{name}: a vocab-parallel loss needs exactly one vocab_head in the plan, got {heads}")
             model.set_submodule(name, VocabParallelLoss(model.get_submodule(name).z_loss, vocab_start[heads[0]], tp))
     return shards
+
+
+# -- measuring what SP saves -----------------------------------------------------------------------------------
+class SavedActivations(torch.autograd.graph.saved_tensors_hooks):
+    """Activation memory: the bytes autograd saves for backward while active, each storage once, by the direct
+    child of `module` that was running (for a block: its norms vs its regions). Parameters and buffers are model
+    state, not counted.
+
+        with SavedActivations(block) as saved:
+            out = block(x)
+        saved.bytes  # {"attn_norm": ..., "attn": ..., "mlp_norm": ..., "mlp": ...}
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.bytes: dict[str, int] = {}
+        self._part = ""
+        self._module = module
+        self._hooks: list[Any] = []
+        seen = {t.untyped_storage().data_ptr() for t in itertools.chain(module.parameters(), module.buffers())}
+
+        def pack(t: Tensor) -> Tensor:
+            storage = t.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:  # alive until backward: no address reuse
+                seen.add(storage.data_ptr())
+                self.bytes[self._part] = self.bytes.get(self._part, 0) + storage.nbytes()
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+    def _enter_part(self, name: str) -> None:
+        self._part = name
+
+    def __enter__(self) -> "SavedActivations":
+        # registered after the region hooks: a region's entry collective runs before its part starts
+        self._hooks = [child.register_forward_pre_hook(lambda *_, n=name: self._enter_part(n))
+                       for name, child in self._module.named_children()]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        for h in self._hooks:
+            h.remove()

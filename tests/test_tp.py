@@ -1,5 +1,6 @@
 """Tensor (+ sequence) parallelism: the layers against unsharded ones, then `TensorParallelStrategy` against
-single-process training (tp=2 with and without SP, dp=2 x tp=2), its collectives, checkpoints and errors."""
+single-process training (tp=2 with and without SP, dp=2 x tp=2, with ZeRO-1/2 over dp), its collectives,
+checkpoints across tp, dp and ZeRO settings, activation memory under SP, and errors."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from lit_lm.model import LMLoss, SwiGLU, Transformer
 from strategies.comm import COMM_LOG
 from strategies.plan import TensorParallel as TP
 from strategies.tp import TensorParallelStrategy
-from strategies.tp_layers import (ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding,
-                                  VocabParallelHead, VocabParallelLoss, parallelize_model)
+from strategies.tp_layers import (ColumnParallelLinear, RowParallelLinear, SavedActivations, TPGroup,
+                                  VocabParallelEmbedding, VocabParallelHead, VocabParallelLoss, parallelize_model)
 
 
 # -- layers, in one 2-rank group ----------------------------------------------------------------------------------
@@ -135,8 +136,35 @@ def test_layers_match_unsharded() -> None:
     run_distributed(_layers_worker, 2)
 
 
+def _saved_activations_worker() -> dict[str, dict[str, int]]:
+    """Bytes block 0 saves for backward on this rank: tp=1, tp=2 and tp=2 with SP, on the same batch."""
+    out = {}
+    for name, tp in (("tp1", TPGroup(None, 1, 0)), ("tp2", TPGroup(None, 2, dist.get_rank())),
+                     ("tp2_sp", TPGroup(None, 2, dist.get_rank(), sequence_parallel=True))):
+        model = Transformer(ModelConfig(**TINY))
+        parallelize_model(model, model.tensor_parallel_plan(), tp)
+        seq = TINY["max_seq_len"] // (2 if tp.sequence_parallel else 1)
+        with SavedActivations(model.blocks["0"]) as saved:
+            model.blocks["0"](torch.randn(GLOBAL_BATCH, seq, TINY["d_model"], requires_grad=True))
+        out[name] = saved.bytes
+    return out
+
+
+def test_sequence_parallel_shards_the_norms_saved_activations() -> None:
+    """SP halves what the norms save (their inputs: the residual stream, and the normalised values) and leaves the
+    regions as under plain TP, whose inner activations are split by heads / hidden features already."""
+    for rank in run_distributed(_saved_activations_worker, 2):
+        tp1, tp2, sp = rank["tp1"], rank["tp2"], rank["tp2_sp"]
+        for norm in ("attn_norm", "mlp_norm"):
+            assert tp1[norm] == tp2[norm] == 2 * sp[norm] > 0
+        for region in ("attn", "mlp"):
+            assert tp2[region] == sp[region] < tp1[region]
+        region_input = GLOBAL_BATCH * TINY["max_seq_len"] * TINY["d_model"] * 4  # saved whole after the entry
+        assert sp["mlp"] - region_input == (tp1["mlp"] - region_input) // 2  # the rest split over tp
+
+
 # -- the strategy against single-process training ------------------------------------------------------------------
-K = 4  # optimizer steps per epoch; runs train 2K steps on one global batch (so a resume sees the same data)
+K = 5  # optimizer steps per epoch; runs train 2K steps on one global batch (so a resume sees the same data)
 GLOBAL_BATCH = 8
 RUNS = {  # sequence parallel, model config, trainer arguments
     # uneven vocabulary split (61 = 31 + 30, no padding), tied embedding, clipping every step
@@ -146,6 +174,8 @@ RUNS = {  # sequence parallel, model config, trainer arguments
     "tp2": (False, dict(TINY, vocab_size=61, qk_norm=True, z_loss=1e-3), {}),
     "dp2_tp2_sp": (True, dict(TINY, tie_embeddings=True), {}),
     "tp2_sp_bf16": (True, dict(TINY), dict(precision="bf16-mixed")),
+    # the ZeRO runs: partial gradients of both kinds (norms under SP, QK-norms), clipping every step
+    "dp2_tp2_sp_clip": (True, dict(TINY, tie_embeddings=True, qk_norm=True), dict(gradient_clip_val=0.05)),
 }
 
 
@@ -182,7 +212,8 @@ class SingleGradNorm(L.Callback):
         self.norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in module.parameters()])))
 
 
-def _fit(run: str, devices: int = 1, tp: int = 1, ckpt_dir: str | None = None, resume: str | None = None) -> dict:
+def _fit(run: str, devices: int = 1, tp: int = 1, ckpt_dir: str | None = None, resume: str | None = None,
+         zero_stage: int = 0) -> dict:
     sp, config, trainer_kwargs = RUNS[run]
     dp, rank = devices // tp, int(os.environ.get("LOCAL_RANK", 0))
     tokens = torch.randint(0, config["vocab_size"], (GLOBAL_BATCH, TINY["max_seq_len"] + 1),
@@ -191,10 +222,11 @@ def _fit(run: str, devices: int = 1, tp: int = 1, ckpt_dir: str | None = None, r
     loader = DataLoader(TensorDataset(local.repeat(K, 1)), batch_size=len(local))
     L.seed_everything(0, verbose=False)
     module, recorder, comm, norms = TPTinyLM(config), Recorder(), CommPerStep(), SingleGradNorm()
-    callbacks = [recorder, comm, norms]
+    callbacks = [recorder, comm, norms] if devices == 1 else [recorder, comm]  # ZeRO-2 frees the param grads
     if ckpt_dir:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1))
-    strategy = TensorParallelStrategy(tp, sequence_parallel=sp, bucket_cap_mb=0.01) if devices > 1 else "auto"
+    strategy = TensorParallelStrategy(tp, sequence_parallel=sp, bucket_cap_mb=0.01, zero_stage=zero_stage) \
+        if devices > 1 else "auto"
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=2 * K, callbacks=callbacks,
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, num_sanity_val_steps=0, enable_checkpointing=bool(ckpt_dir),
@@ -206,9 +238,9 @@ def _fit(run: str, devices: int = 1, tp: int = 1, ckpt_dir: str | None = None, r
             "comm": comm.steps}
 
 
-def _fit_runs(runs: list[str], devices: int, tp: int, ckpt_dir: str) -> list[dict]:
-    """The runs in order; the first one saves a checkpoint at the end of epoch 0."""
-    return [_fit(run, devices, tp, ckpt_dir=ckpt_dir if i == 0 else None) for i, run in enumerate(runs)]
+def _fit_all(runs: list[dict]) -> list[dict]:
+    """`_fit(**kwargs)` for each, in order, on the ranks of one spawn (a run may resume what an earlier saved)."""
+    return [_fit(**kwargs) for kwargs in runs]
 
 
 def _assert_same(run: dict, ref: dict, first: int = 0, rtol: float = 1e-5, params_rtol: float = 1e-5) -> None:
@@ -219,7 +251,7 @@ def _assert_same(run: dict, ref: dict, first: int = 0, rtol: float = 1e-5, param
         assert rel < params_rtol, (name, rel)
 
 
-def _expected_comm(run: str, dp: int = 1) -> dict[str, tuple[int, int]]:
+def _expected_comm(run: str, dp: int = 1, zero: bool = False) -> dict[str, tuple[int, int]]:
     """{op: (calls, elements)} over tp per step on one rank, from the theory of `strategies.tp_layers`."""
     sp, config, trainer_kwargs = RUNS[run]
     n_layers, act = config["n_layers"], GLOBAL_BATCH // dp * TINY["max_seq_len"] * config["d_model"]
@@ -234,23 +266,31 @@ def _expected_comm(run: str, dp: int = 1) -> dict[str, tuple[int, int]]:
     else:  # per block 2 all-reduces forward + 2 backward; the embedding's forward; the head's backward
         all_reduce = [all_reduce[0] + 4 * n_layers + 2, all_reduce[1] + (4 * n_layers + 2) * act]
         out = {}
-        partial = 2 * n_layers * TINY["d_model"] // TINY["n_heads"] if config.get("qk_norm") else 0
-    if partial:  # one all-reduce over tp of the partial gradients
-        all_reduce = [all_reduce[0] + 1, all_reduce[1] + partial]
+        partial = 0
+    if config.get("qk_norm"):
+        partial += 2 * n_layers * TINY["d_model"] // TINY["n_heads"]
+    if partial:  # one all-reduce over tp of the partial gradients (under ZeRO: of this rank's dp rows)
+        all_reduce = [all_reduce[0] + 1, all_reduce[1] + (partial // dp if zero else partial)]
     if trainer_kwargs.get("gradient_clip_val"):  # the sum of squares
         all_reduce = [all_reduce[0] + 1, all_reduce[1] + 1]
     return {"all_reduce": tuple(all_reduce), **out}
 
 
-def _fit_dp_tp(tp2_ckpt: str, single_file_ckpt: str) -> list[dict]:
-    return [_fit("dp2_tp2_sp", 4, 2),
-            _fit("tp2_sp", 4, 1, resume=tp2_ckpt),  # a tp=2 checkpoint on dp=4 x tp=1
-            _fit("dp2_tp2_sp", 4, 2, resume=single_file_ckpt)]  # a single-process checkpoint on dp=2 x tp=2
+def _phi_local(run: str) -> int:
+    """Parameters on one rank of tp=2 (the tied weight once)."""
+    local = TPTinyLM(RUNS[run][1])
+    local.configure_model()
+    parallelize_model(local.model, local.model.tensor_parallel_plan(), TPGroup(None, 2, 0, RUNS[run][0]))
+    return sum(p.numel() for p in local.parameters())
 
 
 def test_strategy_matches_single_process_and_reshards_checkpoints(tmp_path: Path) -> None:
     runs = ["tp2_sp", "tp2", "tp2_sp_bf16"]
-    tp_runs = run_distributed(_fit_runs, 2, runs, 2, 2, str(tmp_path), init_process_group=False)[0]
+    step_k = f"epoch=0-step={K}.ckpt"
+    tp_runs = run_distributed(_fit_all, 2, [dict(run=runs[0], devices=2, tp=2, ckpt_dir=str(tmp_path)),
+                                            *(dict(run=run, devices=2, tp=2) for run in runs[1:]),
+                                            dict(run="dp2_tp2_sp_clip", devices=2, ckpt_dir=str(tmp_path / "tp1"))],
+                              init_process_group=False)[0]
     for name, run in zip(runs, tp_runs):
         ref = _fit(name)
         if "bf16" in name:  # bf16 matmuls summed in another order (losses agree to ~1e-4); Adam's first steps,
@@ -263,23 +303,36 @@ def test_strategy_matches_single_process_and_reshards_checkpoints(tmp_path: Path
             assert min(run["grad_norms"]) > 0.05  # clipped every step
         assert run["comm"] == [{"tp": _expected_comm(name)}] * 2 * K, name
 
-    ref = _fit("dp2_tp2_sp", ckpt_dir=str(tmp_path / "single"))
-    single_file = tmp_path / "single" / f"epoch=0-step={K}.ckpt"
+    ref, ref_clip = _fit("dp2_tp2_sp", ckpt_dir=str(tmp_path / "single")), _fit("dp2_tp2_sp_clip")
+    _assert_same(tp_runs[3], ref_clip)  # dp=2 x tp=1
+    single_file = tmp_path / "single" / step_k
     assert single_file.is_file()
-    tp2_ckpt = tmp_path / f"epoch=0-step={K}.ckpt"
-    full, from_tp2, from_single = run_distributed(_fit_dp_tp, 4, str(tp2_ckpt), str(single_file),
-                                                  init_process_group=False)[0]
+    full, from_tp2, from_single, zero2, zero1_from_tp1, from_zero = run_distributed(_fit_all, 4, [
+        dict(run="dp2_tp2_sp", devices=4, tp=2),
+        dict(run="tp2_sp", devices=4, resume=str(tmp_path / step_k)),  # a tp=2 checkpoint on dp=4 x tp=1
+        dict(run="dp2_tp2_sp", devices=4, tp=2, resume=str(single_file)),  # single-process on dp=2 x tp=2
+        dict(run="dp2_tp2_sp_clip", devices=4, tp=2, zero_stage=2, ckpt_dir=str(tmp_path / "zero2")),
+        dict(run="dp2_tp2_sp_clip", devices=4, tp=2, zero_stage=1, resume=str(tmp_path / "tp1" / step_k)),
+        dict(run="dp2_tp2_sp_clip", devices=4, resume=str(tmp_path / "zero2" / step_k)),  # to dp=4 x tp=1
+    ], init_process_group=False)[0]
     _assert_same(full, ref)
     _assert_same(from_tp2, tp_runs[0], first=K)
     _assert_same(from_single, ref, first=K)
+    _assert_same(zero2, ref_clip)
+    torch.testing.assert_close(torch.tensor(zero2["grad_norms"]), torch.tensor(ref_clip["grad_norms"]), rtol=1e-5,
+                               atol=0)
+    _assert_same(zero1_from_tp1, ref_clip, first=K)
+    _assert_same(from_zero, ref_clip, first=K)
     # over tp: the SP collectives of half the global batch; over dp: one average of this rank's gradient shards
-    local = TPTinyLM(RUNS["dp2_tp2_sp"][1])
-    local.configure_model()
-    parallelize_model(local.model, local.model.tensor_parallel_plan(), TPGroup(None, 2, 0, True))
-    phi_local = sum(p.numel() for p in local.parameters())  # the tied weight once
     for step in full["comm"]:
         assert step["tp"] == _expected_comm("dp2_tp2_sp", dp=2)
-        assert step["dp"]["all_reduce"][1] == phi_local
+        assert step["dp"]["all_reduce"][1] == _phi_local("dp2_tp2_sp")
+    # ZeRO-2 over dp: per unit (the rest, each block) one reduce-scatter and one all-gather of the tp-local
+    # parameters (no padding here), and the clipping norm's sum of squares
+    phi, units = _phi_local("dp2_tp2_sp_clip"), 1 + TINY["n_layers"]
+    for step in zero2["comm"]:
+        assert step["tp"] == _expected_comm("dp2_tp2_sp_clip", dp=2, zero=True)
+        assert step["dp"] == {"reduce_scatter": (units, phi), "all_gather": (units, phi), "all_reduce": (1, 1)}
 
 
 # -- bad configurations ----------------------------------------------------------------------------------------
@@ -289,6 +342,11 @@ def test_heads_not_divisible_by_tp(heads: int, kv_heads: int, tp: int, what: str
     with pytest.raises(ValueError, match=rf"blocks\.0\.attn\.w[qk]: {what} cannot be split evenly over "
                                          rf"tensor_parallel_size={tp}"):
         parallelize_model(model, model.tensor_parallel_plan(), TPGroup(None, tp, 0))
+
+
+def test_zero3_with_tp_refused() -> None:
+    with pytest.raises(ValueError, match=r"zero_stage=3 with tensor parallelism.*ZeRO-3 is not supported"):
+        TensorParallelStrategy(2, zero_stage=3)
 
 
 def test_tp_larger_than_world_or_across_nodes() -> None:
