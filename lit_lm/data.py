@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import sysconfig
 from functools import cached_property
 from pathlib import Path
@@ -28,16 +29,17 @@ from lit_lm.tokenizer import BPETokenizer
 EOT = "<|endoftext|>"
 _TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".text", ""}
 _JSON_SUFFIXES = {".json", ".jsonl"}
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 
 
 def stdlib_corpus(max_mb: float) -> list[str]:
-    """The first `max_mb` MB of the standard library's .py files, in sorted path order (stable across runs)."""
+    """About `max_mb` MB of the standard library's .py files, a seeded random sample (the same on every machine
+    with the same Python), so the corpus spans the library instead of its alphabetically first packages."""
     root = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    random.Random(0).shuffle(paths)
     files, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts or not path.is_file():
-            continue
+    for path in paths:
         files.append(str(path))
         total += path.stat().st_size
         if total >= max_mb * 2**20:
@@ -121,7 +123,7 @@ class TextDataModule(L.LightningDataModule):
         vocab_size: tokenizer size, linked to the model's `config.vocab_size` by the CLI.
         seq_len: tokens per training window (T).
         batch_size: windows per device per step (the global batch is this × DP size).
-        val_fraction: the tail of the token stream held out for validation.
+        val_fraction: the tail of the token stream held out for validation (documents are shuffled first).
         corpus_mb: how much of the default corpus to use.
         tokenizer_dir: use this saved tokenizer instead of training one.
         num_workers: DataLoader workers; tokenizer_workers: processes for BPE pre-tokenization.
@@ -181,6 +183,7 @@ class TextDataModule(L.LightningDataModule):
             return
         cache.mkdir(parents=True, exist_ok=True)
         docs = load_documents(self.source_files, self.text_field, self.data_dir / "hf_cache")
+        random.Random(0).shuffle(docs)  # so the validation tail is a random sample of documents
         if self.tokenizer_dir is not None:
             tokenizer = BPETokenizer.load(self.tokenizer_dir)
         else:

@@ -16,8 +16,13 @@ Gradients: dense parameters are averaged over dp by `GradSync`; expert parameter
 every ep peer's contributions (the combine's backward brings them), are averaged over the edp replicas by a second
 `GradSync` and divided by ep, so both come out as the gradient of the global-batch mean loss.
 
+With `zero_stage` 1 or 2 two ZeRO engines (`strategies.zero_engine`) replace the `GradSync`s: one over dp for the
+dense parameters, one over edp for the expert parameters (each rank's E/ep experts, split again by rows over their
+dp/ep replicas); the same averages come out as reduce-scatters, each rank keeping (and updating) its rows only.
+
 Checkpoints hold expert tensors as DTensors `[Replicate(), Shard(0)]` on the ("edp", "ep") mesh under their global
-names and shapes, so DCP reshards them to any ep (or to a single file).
+names and shapes, so DCP reshards them to any ep (or to a single file). Under ZeRO the optimizer state is first
+all-gathered over the engine's group into what `zero_stage=0` holds: one format, whatever the stage.
 """
 
 from __future__ import annotations
@@ -28,16 +33,18 @@ from typing import Any, Generator, Optional, Union
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 
 from strategies import comm
-from strategies.base import BaseStrategy
+from strategies.base import BaseStrategy, _unwrap
 from strategies.clip import GradShards
 from strategies.ddp import GradSync, broadcast_parameters
 from strategies.plan import ExpertModel
+from strategies.zero_engine import ShardedParam, ZeroEngine
 
 
 def check_expert_parallel(ep: int, dp: int, num_experts: Optional[int] = None) -> None:
@@ -165,15 +172,25 @@ def _param_holder(params: list[nn.Parameter]) -> nn.Module:
 
 class ExpertParallelStrategy(BaseStrategy):
     """`ep`: experts sharded over `expert_parallel_size` ranks, everything else data-parallel (see the module
-    docstring). `expert_parallel_size` = the dp size is pure EP; smaller composes EP with DP replicas."""
+    docstring). `expert_parallel_size` = the dp size is pure EP; smaller composes EP with DP replicas.
+    `zero_stage` 1 or 2 shards the optimizer state (2: and the gradients) of the dense parameters over dp and of
+    the expert parameters over edp."""
 
-    def __init__(self, expert_parallel_size: int = 2, bucket_cap_mb: float = 25.0, **kwargs: Any) -> None:
+    def __init__(self, expert_parallel_size: int = 2, bucket_cap_mb: float = 25.0, zero_stage: int = 0,
+                 **kwargs: Any) -> None:
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"`zero_stage`={zero_stage!r} with expert parallelism: choose 0 (replicated optimizer "
+                             "state), 1 (optimizer state sharded: dense over dp, experts over their edp replicas) "
+                             "or 2 (and gradients); ZeRO-3 is not supported with ep")
         super().__init__(**kwargs)
         self.expert_parallel_size = expert_parallel_size
         self.bucket_cap_mb = bucket_cap_mb
+        self.zero_stage = zero_stage
         self._experts: Optional[ExpertLayout] = None
         self._shards: dict[str, ExpertShard] = {}
         self._syncs: list[GradSync] = []
+        self._engines: list[ZeroEngine] = []  # ZeRO: [dense over dp, experts over edp]
+        self._zero: dict[nn.Parameter, tuple[ZeroEngine, ShardedParam]] = {}  # parameter -> its rows (ZeRO)
 
     def setup_environment(self) -> None:
         if self._tp_size * self._pp_size != 1:
@@ -198,42 +215,70 @@ class ExpertParallelStrategy(BaseStrategy):
         if not fitting:
             broadcast_parameters(dense, self.layout.dp_group)
             broadcast_parameters(replicas, self._experts.edp_group)
-            return
-        self._syncs = [GradSync(dense, self.layout.dp_group, self.bucket_cap_mb)]
-        if self._experts.edp_size > 1:
-            self._syncs.append(GradSync(replicas, self._experts.edp_group, self.bucket_cap_mb))
+        elif self.zero_stage:  # the engines broadcast from their group's first rank, as GradSync does
+            self._engines = [ZeroEngine(dense, self.zero_stage, self.layout.dp_group, self.root_device),
+                             ZeroEngine(replicas, self.zero_stage, self._experts.edp_group, self.root_device)]
+            self._zero = {sp.param: (engine, sp) for engine in self._engines for sp in engine.sharded_params()}
+        else:
+            self._syncs = [GradSync(dense, self.layout.dp_group, self.bucket_cap_mb)]
+            if self._experts.edp_size > 1:
+                self._syncs.append(GradSync(replicas, self._experts.edp_group, self.bucket_cap_mb))
+
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        """ZeRO: point the param groups at the master rows in place (as `ZeroEngine.shard_optimizer`, over the two
+        engines), so the optimizer's state is created at shard size."""
+        super().setup_optimizers(trainer)
+        if self._zero:
+            for optimizer in self.optimizers:
+                for group in _unwrap(optimizer).param_groups:
+                    group["params"] = [self._zero[p][1].master for p in group["params"]]
+
+    def _grad(self, param: nn.Parameter) -> Optional[Tensor]:
+        """What the optimizer steps with: the parameter's gradient, or under ZeRO its master rows' gradient."""
+        return self._zero[param][1].master.grad if self._zero else param.grad
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         with super().block_backward_sync(), ExitStack() as stack:
-            for sync in self._syncs:
+            for sync in [*self._syncs, *self._engines]:
                 stack.enter_context(sync.no_sync())
             yield
 
     def finish_grad_sync(self) -> None:
         for sync in self._syncs:
             sync.finish()
-        grads = [p.grad for p in self._expert_params() if p.grad is not None]
+        for engine in self._engines:
+            engine.finish_grad_sync()
+        grads = [g for g in map(self._grad, self._expert_params()) if g is not None]
         if grads:  # each holds the sum over its ep peers' losses: make it the mean
             torch._foreach_div_(grads, self.expert_parallel_size)
 
+    def after_optimizer_step(self, optimizer: Union[Optimizer, LightningOptimizer]) -> None:
+        for engine in self._engines:
+            engine.after_step()  # all-gather the updated rows into the replicated parameters
+
     def grad_norm_shards(self) -> GradShards:
-        """Expert grads are disjoint over ep; dense grads are counted on ep rank 0 only, then summed over ep."""
+        """Expert grads are disjoint over ep; dense grads are counted on ep rank 0 only, then summed over ep. Under
+        ZeRO every rank's rows are disjoint across the world (dense: over dp; experts: over edp, then ep)."""
         assert self._experts is not None
+        params = [p for p in self.lightning_module.parameters() if self._grad(p) is not None]
+        grads = [self._grad(p) for p in params]
+        if self._zero:
+            return GradShards(grads, groups=[self.layout.dp_group], device=self.root_device)
         experts = set(self._expert_params())
-        grads = [p.grad for p in self.lightning_module.parameters() if p.grad is not None]
         first = dist.get_rank(self._experts.ep_group) == 0
-        owned = [p.grad for p in self.lightning_module.parameters()
-                 if p.grad is not None and (p in experts or first)]
+        owned = [p.grad for p in params if p in experts or first]
         return GradShards(grads, owned, groups=[self._experts.ep_group], device=self.root_device)
 
     def teardown(self) -> None:
         for sync in self._syncs:
             sync.remove_hooks()
-        self._syncs = []
+        for engine in self._engines:
+            engine.detach()
+        self._syncs, self._engines, self._zero = [], [], {}
         super().teardown()
 
-    # -- checkpoints: expert tensors as DTensors under global names --------------------------------------------
+    # -- checkpoints: expert tensors as DTensors under global names, optimizer state whole on its rank ------------
     def _expert_fqns(self) -> dict[str, ExpertShard]:
         return {f"{name}.{p}": shard for name, shard in self._shards.items() for p, _ in shard.named_parameters()}
 
@@ -243,6 +288,22 @@ class ExpertParallelStrategy(BaseStrategy):
         return DTensor.from_local(local, self._experts.device_mesh(self.root_device.type), [Replicate(), Shard(0)],
                                   run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride())
 
+    def param_names(self) -> dict[Tensor, str]:
+        names = super().param_names()
+        if not self._zero:
+            return names
+        return {sp.master: names[p] for p, (_, sp) in self._zero.items()}  # what the optimizer holds
+
+    def _gather_rows(self, fqn: str, rows: Tensor) -> Tensor:
+        """ZeRO: the whole (rank-local) tensor from its engine's ranks' rows (`torch.chunk` layout, padded on the
+        wire), i.e. what `zero_stage=0` holds."""
+        engine, sp = self._zero[self.lightning_module.get_parameter(fqn)]
+        padded = rows.new_zeros((sp.chunk_rows, *rows.shape[1:]))
+        padded[: rows.shape[0]] = rows
+        out = rows.new_empty((sp.world * sp.chunk_rows, *rows.shape[1:]))
+        comm.all_gather(out, padded, engine.group)
+        return out[: sp.rows]
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
         experts = self._expert_fqns()
         state = self.lightning_module.state_dict()
@@ -251,13 +312,20 @@ class ExpertParallelStrategy(BaseStrategy):
     def optimizer_state(self, optimizer: Union[Optimizer, LightningOptimizer]) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)
         experts = self._expert_fqns()
-        for fqn, s in state["state"].items():
-            if fqn in experts:
-                s.update({k: self._dtensor(experts[fqn], v) for k, v in s.items() if _is_rows(v)})
+
+        def saved(fqn: str, value: Any) -> Any:
+            if not _is_rows(value):
+                return value
+            value = self._gather_rows(fqn, value) if self._zero else value
+            return self._dtensor(experts[fqn], value) if fqn in experts else value
+
+        # new dicts: torch's optimizer state_dict() hands out its live per-parameter dicts
+        state["state"] = {fqn: {k: saved(fqn, v) for k, v in s.items()} for fqn, s in state["state"].items()}
         return state
 
     def load_sharded_state(self, state: dict[str, Any]) -> None:
-        """DCP filled DTensors (to unwrap); a single-file checkpoint brings whole expert tensors (to slice)."""
+        """DCP filled DTensors (to unwrap); a single-file checkpoint brings whole expert tensors (to slice). Under
+        ZeRO the optimizer keeps this rank's rows of each state tensor."""
         experts = self._expert_fqns()
 
         def local(fqn: str, value: Any) -> Any:
@@ -268,11 +336,22 @@ class ExpertParallelStrategy(BaseStrategy):
                 return value[shard.start: shard.start + shard.num_local]
             return value
 
+        def live(fqn: str, value: Any) -> Any:
+            value = local(fqn, value)
+            if not self._zero or not _is_rows(value):
+                return value
+            sp = self._zero[self.lightning_module.get_parameter(fqn)][1]
+            return value[sp.start: sp.end].clone()
+
         state["model"] = {k: local(k, v) for k, v in state["model"].items()}
         for key in [k for k in state if k.startswith("optimizer_")]:
             saved = state[key]["state"]
-            state[key]["state"] = {fqn: {k: local(fqn, v) for k, v in s.items()} for fqn, s in saved.items()}
+            state[key]["state"] = {fqn: {k: live(fqn, v) for k, v in s.items()} for fqn, s in saved.items()}
         super().load_sharded_state(state)
+        with torch.no_grad():  # bf16-true keeps separate fp32 masters: take the loaded weights' rows
+            for _, sp in self._zero.values():
+                if sp.master.dtype != sp.param.dtype:
+                    sp.master.copy_(sp.param[sp.start: sp.end])
 
 
 def _is_rows(value: Any) -> bool:

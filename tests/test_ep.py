@@ -1,4 +1,5 @@
-"""Expert parallelism (`strategies.ep`): the dispatch engine on its own, then `ep` and dp x ep against one process."""
+"""Expert parallelism (`strategies.ep`): the dispatch engine on its own, then `ep` and dp x ep (with ZeRO-1/2)
+against one process, and checkpoints resumed across ZeRO stages."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from dist_utils import TINY, Recorder, rank_share, run_distributed, token_data
@@ -50,36 +52,66 @@ def _engine_case() -> dict:
 
 
 # -- Lightning runs ----------------------------------------------------------------------------------------------
-def fit_moe(strategy: object = "auto", devices: int = 1, global_batch: int = 8, ckpt_dir: str | None = None) -> dict:
-    """LanguageModel with the MoE config on fixed tokens, the same global batch on any number of ranks."""
+class SingleGradNorm(L.Callback):
+    """The pre-clip gradient norm of a single-process run (the strategies log their global one as grad_norm)."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, *args: object) -> None:
+        self.norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in module.parameters()])))
+
+
+def fit_moe(strategy: object = "auto", devices: int = 1, global_batch: int = 8, one_batch: bool = False,
+            ckpt_dir: str | None = None, resume: str | None = None) -> dict:
+    """LanguageModel with the MoE config on fixed tokens, the same global batch on any number of ranks; with
+    `ckpt_dir` a checkpoint after every step. `one_batch` repeats one global batch: a resume then sees the same
+    data whatever batch Lightning re-enters the loader at."""
     rank = int(os.environ.get("LOCAL_RANK", 0))
-    data = rank_share(token_data(STEPS * global_batch), global_batch, rank, devices)
-    loader = DataLoader(data, batch_size=global_batch // devices, shuffle=False)  # batches of (B, T+1) tensors
+    tokens = token_data(global_batch).repeat(STEPS, 1) if one_batch else token_data(STEPS * global_batch)
+    loader = DataLoader(rank_share(tokens, global_batch, rank, devices), batch_size=global_batch // devices,
+                        shuffle=False)  # batches of (B, T+1) tensors
     L.seed_everything(0, verbose=False)
-    module, recorder = LanguageModel(config=ModelConfig(**MOE), warmup_steps=2), Recorder()
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=[recorder],
-                        logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False, num_sanity_val_steps=0, enable_checkpointing=False,
-                        gradient_clip_val=0.5)
-    trainer.fit(module, loader)
+    module, recorder, norms = LanguageModel(config=ModelConfig(**MOE), warmup_steps=2), Recorder(), SingleGradNorm()
+    callbacks = [recorder, norms] if devices == 1 else [recorder]  # ZeRO-2 frees the parameters' grads
     if ckpt_dir is not None:
-        trainer.save_checkpoint(ckpt_dir)
-    return {"losses": recorder.losses, "params": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1))
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, callbacks=callbacks,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, num_sanity_val_steps=0, enable_checkpointing=bool(ckpt_dir),
+                        gradient_clip_val=0.5)
+    trainer.fit(module, loader, ckpt_path=resume)
+    state = trainer.optimizers[0].state.values()
+    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms or norms.norms,
+            "params": {k: v.detach().clone() for k, v in module.state_dict().items()},
+            "state_numel": sum(t.numel() for s in state for t in s.values() if t.dim())}  # Adam's m and v
+
+
+def _ep(zero_stage: int = 0) -> ExpertParallelStrategy:
+    return ExpertParallelStrategy(expert_parallel_size=2, bucket_cap_mb=0.01, zero_stage=zero_stage)
 
 
 def _ep2_worker(ckpt_dir: str) -> dict:
     engine = _engine_case()
-    run = fit_moe(ExpertParallelStrategy(expert_parallel_size=2, bucket_cap_mb=0.01), devices=2, ckpt_dir=ckpt_dir)
-    return {"engine": engine, **run}
+    return {"engine": engine, **fit_moe(_ep(), devices=2, ckpt_dir=ckpt_dir)}
 
 
-def _dp_ep_worker() -> dict:
-    return fit_moe(ExpertParallelStrategy(expert_parallel_size=2, bucket_cap_mb=0.01), devices=4)
+def _dp_ep_worker(ckpt_dir: str) -> list[dict]:
+    """dp2 x ep2: plain; ZeRO-2 (a checkpoint every step); zero_stage 0 resuming ZeRO-2's step 3 (checkpoints
+    every step); ZeRO-1 resuming that one's step 4."""
+    step = f"{ckpt_dir}/{{}}/epoch=0-step={{}}.ckpt"
+    return [fit_moe(_ep(0), devices=4),
+            fit_moe(_ep(2), devices=4, one_batch=True, ckpt_dir=f"{ckpt_dir}/zero2"),
+            fit_moe(_ep(0), devices=4, one_batch=True, ckpt_dir=f"{ckpt_dir}/zero0", resume=step.format("zero2", 3)),
+            fit_moe(_ep(1), devices=4, one_batch=True, resume=step.format("zero0", 4))]
 
 
-def _check_parity(single: dict, ranks: list[dict], ep: int) -> None:
+def _check_parity(single: dict, ranks: list[dict], ep: int, first: int = 0) -> None:
+    """Every rank's losses from step `first` on; the final parameters and buffers (the aux-free bias) of every
+    replica, expert rows concatenated over its ep ranks."""
     for r in ranks:
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(single["losses"][first:]), rtol=1e-5,
+                                   atol=0)
     for name, value in single["params"].items():
         for replica in range(0, len(ranks), ep):
             group = ranks[replica: replica + ep]
@@ -94,6 +126,11 @@ def _check_parity(single: dict, ranks: list[dict], ep: int) -> None:
 @pytest.fixture(scope="module")
 def single() -> dict:
     return fit_moe()
+
+
+@pytest.fixture(scope="module")
+def single_one_batch() -> dict:
+    return fit_moe(one_batch=True)
 
 
 def test_ep_engine_and_parity(single: dict, tmp_path: Path) -> None:
@@ -115,15 +152,32 @@ def test_ep_engine_and_parity(single: dict, tmp_path: Path) -> None:
     assert single["params"][bias].abs().sum() > 0  # the aux-free balancing moved
     _check_parity(single, results, ep=2)
     # the sharded checkpoint holds the experts whole under their global names
-    to_single_file(tmp_path / "ckpt", tmp_path / "whole.ckpt")
+    to_single_file(tmp_path / "ckpt" / f"epoch=0-step={STEPS}.ckpt", tmp_path / "whole.ckpt")
     saved = torch.load(tmp_path / "whole.ckpt", weights_only=False)["state_dict"]
     name = "model.blocks.1.mlp.experts.w_up"
     assert saved[name].shape == single["params"][name].shape
     torch.testing.assert_close(saved[name], torch.cat([r["params"][name] for r in results]))
 
 
-def test_dp_ep_parity(single: dict) -> None:
-    _check_parity(single, run_distributed(_dp_ep_worker, 4, init_process_group=False), ep=2)
+def test_dp_ep_parity_zero_and_resume_across_stages(single: dict, single_one_batch: dict, tmp_path: Path) -> None:
+    """dp2 x ep2 (dp > ep: the experts' ZeRO group has 2 ranks); checkpoints cross zero_stage 2 -> 0 -> 1."""
+    plain, zero2, zero0_from_2, zero1_from_0 = map(list, zip(*run_distributed(
+        _dp_ep_worker, 4, str(tmp_path), init_process_group=False)))
+    _check_parity(single, plain, ep=2)
+    _check_parity(single_one_batch, zero2, ep=2)
+    for r in zero2:  # clipping (on every step) counted every gradient element once
+        torch.testing.assert_close(torch.tensor(r["grad_norms"]), torch.tensor(single_one_batch["grad_norms"]),
+                                   rtol=1e-5, atol=0)
+    assert min(single_one_batch["grad_norms"]) > 0.5
+    # the optimizer state: each element on exactly one rank (dense split over dp, experts over ep then edp)
+    assert sum(r["state_numel"] for r in zero2) == single["state_numel"]
+    _check_parity(single_one_batch, zero0_from_2, ep=2, first=3)
+    _check_parity(single_one_batch, zero1_from_0, ep=2, first=4)
+
+
+def test_zero3_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"`zero_stage`=3 with expert parallelism.*ZeRO-3 is not supported"):
+        ExpertParallelStrategy(zero_stage=3)
 
 
 def test_bad_sizes_name_the_setting() -> None:
