@@ -15,6 +15,10 @@ NNODES=${NNODES:-1}
 NPROC_PER_NODE=${NPROC_PER_NODE:-1}
 RUN_DIR=${RUN_DIR:-runs/torchrun}
 CKPT_DIR=${CKPT_DIR-$RUN_DIR/checkpoints}
+# A fresh store for every attempt, hosted by worker rank 0. torch's default (workers share the rendezvous agent's
+# TCPStore, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0) keeps the failed attempt's keys: after a restart a rank can read
+# its peer's old gloo/NCCL address and fail or hang in init_process_group (pytorch/pytorch#135712; seen here).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 ckpt_args=()
 [[ -n "$CKPT_DIR" ]] && ckpt_args=(--trainer.callbacks.dirpath "$CKPT_DIR")
 
