@@ -100,19 +100,18 @@ def active_params(config: ModelConfig) -> int:
     return total
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--ep", type=int, default=2)
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+def run(steps: int, ep: int) -> dict:
+    """The measurements: dense and MoE tokens/s in this process, then the all-to-all bytes on `ep` gloo ranks."""
     torch.set_num_threads(1)
-    dense, moe = tokens_per_s(BASE, args.steps), tokens_per_s(MOE, args.steps)
-    result = {"dense": {"tokens_per_s": dense, "active_params": active_params(BASE)},
-              "moe": {"tokens_per_s": moe, "active_params": active_params(MOE),
-                      "total_params": sum(p.numel() for p in Transformer(MOE).parameters())},
-              "all_to_all": ep_bytes(args.ep, args.steps)}
-    a2a = result["all_to_all"]
+    dense, moe = tokens_per_s(BASE, steps), tokens_per_s(MOE, steps)
+    return {"dense": {"tokens_per_s": dense, "active_params": active_params(BASE)},
+            "moe": {"tokens_per_s": moe, "active_params": active_params(MOE),
+                    "total_params": sum(p.numel() for p in Transformer(MOE).parameters())},
+            "all_to_all": ep_bytes(ep, steps)}
+
+
+def print_report(result: dict) -> None:
+    dense, moe, a2a = result["dense"]["tokens_per_s"], result["moe"]["tokens_per_s"], result["all_to_all"]
     print(f"| model | active params | tokens/s | vs dense |\n|---|---|---|---|\n"
           f"| dense (d_ff {BASE.d_ff}) | {result['dense']['active_params']:,} | {dense:.0f} | 1.00x |\n"
           f"| MoE {MOE.moe_experts}x top-{MOE.moe_top_k} (d_ff {MOE.moe_d_ff}) | {result['moe']['active_params']:,} "
@@ -121,7 +120,16 @@ def main() -> None:
           f"wire {a2a['wire_bytes']:,.0f} (theory {a2a['theory_wire_bytes']:,.0f}); per layer and step "
           f"{a2a['token_all_to_alls_per_layer_step']:.0f} token + {a2a['count_all_to_alls_per_layer_step']:.0f} "
           "count all-to-alls")
-    print(json.dumps(result, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--ep", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    result = run(args.steps, args.ep)
+    print_report(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

@@ -9,8 +9,9 @@ Per strategy: tokens/s (median step after warm-up) and its ratio to Lightning's 
 (params + grads + optimizer state, walked just before the last update) against theory, and the bytes each rank
 sends per step (our strategies count them in `strategies.comm`; ddp and FSDP2 do not use it) against theory.
 Then the activation memory of one block under tp=1, tp=N and tp=N with SP: the bytes autograd saves in its
-forward (`strategies.tp_layers.SavedActivations`), norms and regions apart, against theory. Rank 0 prints the
-tables and writes JSON.
+forward (`strategies.tp_layers.SavedActivations`), norms and regions apart, against theory. Then the MoE rows
+(`bench_moe.py`): an MoE model vs a dense one with the same active parameters, and the bytes of the expert-parallel
+all-to-alls vs theory. Rank 0 prints the tables and writes JSON.
 """
 
 from __future__ import annotations
@@ -241,6 +242,7 @@ def main() -> None:
     p.add_argument("--n-heads", type=int, default=8)
     p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
     p.add_argument("--out", default="runs/bench_strategies.json")
+    p.add_argument("--moe-steps", type=int, default=5, help="steps of the MoE rows (0 skips them)")
     args = p.parse_args()
     if args.global_batch % args.devices:
         p.error(f"--global-batch {args.global_batch} must be divisible by --devices {args.devices}")
@@ -248,6 +250,14 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(worker, args=(args, port, "gpu" if gpu else "cpu"), nprocs=args.devices, join=True)
+    if args.moe_steps:
+        import bench_moe  # the MoE rows: same script directory
+
+        print("\nMoE vs dense with the same active parameters, and the expert-parallel all-to-alls:")
+        result = bench_moe.run(args.moe_steps, args.devices)
+        bench_moe.print_report(result)
+        out = Path(args.out)
+        out.write_text(json.dumps({**json.loads(out.read_text()), "moe": result}, indent=1))
 
 
 if __name__ == "__main__":
