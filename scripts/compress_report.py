@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import statistics
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
@@ -44,12 +47,32 @@ def scaled_fragment(name: str, steps: int, out_dir: Path) -> Path:
     return path
 
 
-def exported_bytes(module: nn.Module, prunings: list[Pruning], qats: list[QAT]) -> int:
+def export(module: nn.Module, prunings: list[Pruning], qats: list[QAT]) -> nn.Module:
+    """The deployable model: masks folded in (structured pruning shrinks the layers), QAT weights packed."""
     module = copy.deepcopy(module).cpu()
     for p in prunings:
         p.make_permanent(module)
     for q in qats:
         q.convert(module)
+    return module
+
+
+def forward_ms(models: dict[str, nn.Module], batch: int = 8, seq_len: int = 128, rounds: int = 60) -> dict[str, float]:
+    """Median CPU time of one forward of each exported model, timed in alternation so that machine noise hits
+    all of them alike. Only a physically smaller model (structured pruning) can be faster here: sparse and
+    packed-integer layers run reference code, not sparse/int kernels."""
+    idx = torch.randint(0, next(iter(models.values())).config.vocab_size, (batch, seq_len))
+    times: dict[str, list[float]] = {name: [] for name in models}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for name, module in models.items():
+                start = time.perf_counter()
+                module.model(idx)
+                times[name].append(time.perf_counter() - start)
+    return {name: 1000 * statistics.median(t[rounds // 10:]) for name, t in times.items()}
+
+
+def exported_bytes(module: nn.Module, prunings: list[Pruning]) -> int:
     total = model_bytes(module)
     params = dict(module.named_parameters())
     for p in (p for p in prunings if p.method != "structured"):
@@ -62,7 +85,7 @@ def exported_bytes(module: nn.Module, prunings: list[Pruning], qats: list[QAT]) 
     return total
 
 
-def run(name: str, fragment: list[str], steps: int, val_batches: int, root: Path) -> dict[str, float]:
+def run(name: str, fragment: list[str], steps: int, val_batches: int, root: Path) -> dict[str, Any]:
     args = ["fit", "--config", str(DEFAULT_CONFIG), *fragment, "--trainer.max_steps", str(steps),
             "--trainer.val_check_interval", str(steps), "--trainer.limit_val_batches", str(val_batches),
             "--trainer.default_root_dir", str(root / name),
@@ -75,8 +98,10 @@ def run(name: str, fragment: list[str], steps: int, val_batches: int, root: Path
     val = float(trainer.callback_metrics["val_loss"])
     linear = sum(p.numel() for n, p in module.named_parameters() if p.ndim == 2 and "tok_embeddings" not in n)
     zeros = sum(int((~m).sum()) for p in prunings for m in p.masks.values())
+    exported = export(module, prunings, qats)
     return {"val_loss": val, "ppl": math.exp(val), "sparsity": zeros / linear,
-            "bits": min((q.bits for q in qats), default=32), "bytes": exported_bytes(module, prunings, qats)}
+            "bits": min((q.bits for q in qats), default=32), "bytes": exported_bytes(exported, prunings),
+            "exported": exported}
 
 
 def main() -> None:
@@ -90,15 +115,17 @@ def main() -> None:
         for name in opts.configs:
             frag = scaled_fragment(name, opts.steps, Path(tmp))
             rows[name] = run(name, ["--config", str(frag)], opts.steps, opts.val_batches, Path(tmp))
+    for name, ms in forward_ms({name: r.pop("exported") for name, r in rows.items()}).items():
+        rows[name]["forward_ms"] = ms
     dense = rows["dense"]
     print(f"\n{opts.steps} steps, default model; relative to dense in parentheses (sparsity over the blocks' "
           "matrices)\n")
-    print("| config | val loss | perplexity | sparsity | bits | exported bytes |")
-    print("|---|---|---|---|---|---|")
+    print("| config | val loss | perplexity | sparsity | bits | exported bytes | exported forward ms |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['val_loss']:.4f} ({r['val_loss'] - dense['val_loss']:+.4f}) | {r['ppl']:.2f} "
               f"({r['ppl'] / dense['ppl']:.3f}x) | {r['sparsity']:.3f} | {r['bits']} | {r['bytes']:,} "
-              f"({r['bytes'] / dense['bytes']:.3f}x) |")
+              f"({r['bytes'] / dense['bytes']:.3f}x) | {r['forward_ms']:.1f} ({r['forward_ms'] / dense['forward_ms']:.2f}x) |")
 
 
 if __name__ == "__main__":
