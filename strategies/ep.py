@@ -295,14 +295,9 @@ class ExpertParallelStrategy(BaseStrategy):
         return {sp.master: names[p] for p, (_, sp) in self._zero.items()}  # what the optimizer holds
 
     def _gather_rows(self, fqn: str, rows: Tensor) -> Tensor:
-        """ZeRO: the whole (rank-local) tensor from its engine's ranks' rows (`torch.chunk` layout, padded on the
-        wire), i.e. what `zero_stage=0` holds."""
+        """ZeRO: the whole (rank-local) tensor from its engine's ranks' rows, i.e. what `zero_stage=0` holds."""
         engine, sp = self._zero[self.lightning_module.get_parameter(fqn)]
-        padded = rows.new_zeros((sp.chunk_rows, *rows.shape[1:]))
-        padded[: rows.shape[0]] = rows
-        out = rows.new_empty((sp.world * sp.chunk_rows, *rows.shape[1:]))
-        comm.all_gather(out, padded, engine.group)
-        return out[: sp.rows]
+        return sp.gather_rows(rows, engine.group)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         experts = self._expert_fqns()

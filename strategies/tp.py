@@ -33,7 +33,6 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
-from strategies import comm
 from strategies.base import WeightShard, _unwrap
 from strategies.clip import GradShards
 from strategies.ddp import DataParallelStrategy
@@ -178,14 +177,6 @@ class TensorParallelStrategy(DataParallelStrategy):
     def _zero_param(self, fqn: str) -> ShardedParam:
         return self._zero_params[self.lightning_module.get_parameter(fqn)]
 
-    def _gather_dp(self, sp: ShardedParam, rows: Tensor) -> Tensor:
-        """ZeRO: the tp-local tensor from every dp rank's rows of it (`torch.chunk` layout, padded on the wire)."""
-        padded = rows.new_zeros((sp.chunk_rows, *rows.shape[1:]))
-        padded[: rows.shape[0]] = rows
-        out = rows.new_empty((sp.world * sp.chunk_rows, *rows.shape[1:]))
-        comm.all_gather(out, padded, self.layout.dp_group)
-        return out[: sp.rows]
-
     def lightning_module_state_dict(self) -> dict[str, Any]:
         sharded = self._sharded_names()
         return {name: self._to_global(value, *sharded[name]) if name in sharded else value
@@ -205,7 +196,7 @@ class TensorParallelStrategy(DataParallelStrategy):
         if not _is_shard(value):
             return value
         if self._engine is not None:
-            value = self._gather_dp(self._zero_param(fqn), value)
+            value = self._zero_param(fqn).gather_rows(value, self.layout.dp_group)
         return self._to_global(value, *sharding) if sharding is not None else value
 
     def _to_live(self, fqn: str, value: Any, sharding: Optional[tuple[int, torch.Size]]) -> Any:

@@ -84,6 +84,15 @@ class ShardedParam:
         """The parameter's storage as (rows, row_numel), outside autograd's version tracking."""
         return self.param.data.view(self.rows, self.row_numel)
 
+    def gather_rows(self, rows: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+        """The whole tensor from every rank's `rows` of it (this layout, padded to the chunk size on the wire):
+        how an optimizer-state shard becomes what an unsharded run holds, for checkpoints."""
+        padded = rows.new_zeros((self.chunk_rows, *rows.shape[1:]))
+        padded[: rows.shape[0]] = rows
+        out = rows.new_empty((self.world * self.chunk_rows, *rows.shape[1:]))
+        comm.all_gather(out, padded, group)
+        return out[: self.rows]
+
 
 @dataclass(eq=False)
 class Unit:
