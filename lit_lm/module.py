@@ -131,10 +131,12 @@ class LanguageModel(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
+        tied = self.model.config.tie_embeddings  # a tied head is the embedding: the last pipeline stage, which
+        for name, p in self.model.named_parameters():  # holds no tok_embeddings, knows it as lm_head.weight
             if not p.requires_grad:
                 continue
-            (no_decay if p.ndim < 2 or "tok_embeddings" in name else decay).append(p)
+            embedding = "tok_embeddings" in name or (tied and name.startswith("lm_head"))
+            (no_decay if p.ndim < 2 or embedding else decay).append(p)
         hp = self.hparams
         groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps)

@@ -32,6 +32,16 @@ def test_no_weight_decay_on_norms_and_embeddings():
     assert len(decay["params"]) + len(no_decay["params"]) == len(names)
 
 
+def test_a_tied_head_is_not_decayed_on_the_last_pipeline_stage():
+    """There the tied weight is known only as lm_head.weight; decaying it would split it from the first stage's."""
+    module = LanguageModel(ModelConfig(**{**CFG.__dict__, "tie_embeddings": True}))
+    module.configure_model()
+    module.model.pipeline_split([0], is_first=False, is_last=True)
+    decay, no_decay = module.configure_optimizers()["optimizer"].param_groups
+    assert any(p is module.model.lm_head.weight for p in no_decay["params"])
+    assert all(p is not module.model.lm_head.weight for p in decay["params"])
+
+
 def test_token_ids_over_the_vocabulary_are_reported():
     module = LanguageModel(CFG)
     module.configure_model()
