@@ -17,7 +17,7 @@ pre-hooks, keeps the gradient arriving at each "weight boundary" node: a node on
 branch that leads only to parameters (e.g. the matmul of `x @ W.T`). W later runs only those branches,
 `torch.autograd.grad(GradientEdge(node, i), params)`, so each piece of the backward runs once. (The same idea as
 torch.distributed.pipelining's stage_backward_input/weight.) The first stage has no input gradient to produce:
-its B is the whole backward and its W is empty.
+its B is the whole backward and the schedule gives it no W.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from strategies.pp_schedules import Action, Schedule
 
 @dataclass
 class StepStats:
+    start: float = 0.0  # time.perf_counter() at the step's start: one clock for all processes of a host
     wall: float = 0.0
     busy: float = 0.0
     events: list[tuple[Action, float, float]] = field(default_factory=list)  # (compute action, start, end)
@@ -84,8 +85,8 @@ class PipelineRunner:
         recvs: dict[tuple[str, int, int], tuple[Tensor, Any]] = {}
         sends: list[tuple[Tensor, Any]] = []
         totals = torch.zeros(2, device=inputs.device)  # sum of microbatch (loss, ce) on the last stage
-        self.stats = StepStats()
-        start = time.perf_counter()
+        self.stats = StepStats(start=time.perf_counter())
+        start = self.stats.start
         with torch.enable_grad() if train else torch.no_grad():
             for a in sched.actions[self.rank]:
                 slot = slots.setdefault((a.mb, a.chunk), _Slot())
@@ -106,7 +107,7 @@ class PipelineRunner:
                     if a.op == "F":
                         self._forward(a, slot, stage, xs, ys, recvs, train, totals)
                     elif a.op == "B":
-                        self._backward_input(a, slot, stage, recvs, sched.split_backward)
+                        self._backward_input(a, slot, stage, recvs, sched.has_weight_pass(stage))
                     else:
                         self._backward_weight(slot)
                     t0, t1 = t0 + self._waited, time.perf_counter()  # waiting for a message is idle time
@@ -125,7 +126,7 @@ class PipelineRunner:
     def _last_use(sched: Schedule, a: Action, stage: int, train: bool) -> Action:
         """The action after which a (microbatch, chunk)'s activations are no longer needed."""
         if train:
-            return Action("W" if sched.split_backward else "B", a.mb, a.chunk)
+            return Action("W" if sched.has_weight_pass(stage) else "B", a.mb, a.chunk)
         return Action("F" if stage == sched.num_stages - 1 else "SEND_F", a.mb, a.chunk)
 
     def _wait(self, recvs: dict, key: tuple[str, int, int]) -> Tensor:
@@ -151,7 +152,7 @@ class PipelineRunner:
             grad = torch.full_like(slot.output, 1.0 / self.schedule.microbatches)
         else:
             grad = self._wait(recvs, ("B", a.mb, a.chunk))
-        if not split or stage == 0:  # the first stage has no input gradient to hurry for: W stays empty
+        if not split:  # also the first stage of ZB-H1: no input gradient to hurry for, it has no W
             torch.autograd.backward(slot.output, grad)
             slot.input_grad = slot.input.grad if stage > 0 else None
             return

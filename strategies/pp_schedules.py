@@ -4,6 +4,7 @@
     schedule.actions[rank]   -> [RECV_F0, F0, SEND_F0, RECV_F1, ...]   (what pp_runner.PipelineRunner runs)
     schedule.validate()      -> raises if an action list is inconsistent (F before B before W, sends = recvs)
     schedule.peak_in_flight() -> per rank, most microbatches whose activations are held at once
+    schedule.simulated_bubble() -> per rank, idle fraction of the unit-time simulation (= bubble_theory)
     print_timeline(schedule) -> a rich table, one row per rank, one column per unit of time
 
 Vocabulary. Stage `s` of `S = p * v` runs on rank `s % p` as its chunk `s // p` (Megatron's interleaving: with
@@ -11,11 +12,12 @@ v > 1 a rank holds v non-adjacent slices of the model). F = forward of one micro
 backward (the input gradient only, when the schedule splits backward), W = the weight gradient of a split
 backward. SEND_F/RECV_F carry activations to the next stage, SEND_B/RECV_B input gradients to the previous one.
 
-How a schedule is made. A *policy* decides each rank's order of compute actions: GPipe (all forwards, then all
-backwards), 1F1B (at most p - r microbatches in flight on rank r, backward first), ZB-H1 (1F1B with backward split
-in B and W; W waits and fills the time a rank would idle) or Megatron's interleaved order. The order is played
-on a unit-time simulation (F = 1, B = 2, or B = W = 1 when split), which proves it free of deadlock (or raises)
-and fixes where the messages go: a send right after the action that produced it, and the receiver posts its recv
+How a schedule is made. Each rank has a fixed order of forwards and backwards: GPipe (all forwards, then all
+backwards), 1F1B (p - r - 1 warm-up forwards on rank r, then one forward and one backward in turn), Megatron's
+interleaved order, or for ZB-H1 1F1B's order with the backward split in B and W, the W's deferred to fill the time
+a rank would wait (as in the zero-bubble paper; the first stage does not split, nothing waits for its input
+gradient). The order is played on a unit-time simulation (F = 1, B = 2, or B = W = 1 when split), which proves it
+free of deadlock (or raises), gives the theoretical bubble and fixes where the messages go: a send right after the action that produced it, and the receiver posts its recv
 at the time of that send. So between any two ranks, recvs are posted in exactly the order sends are issued: the
 non-blocking point-to-point messages pair up by order alone (no tags), whatever the real timing.
 """
@@ -28,7 +30,7 @@ from typing import Callable, Optional
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 COMPUTE = ("F", "B", "W")
-COSTS = {"F": 1, "B": 2, "W": 1}  # unit time of the simulation; B is 1 when the backward is split
+COSTS = {"F": 1, "B": 2, "W": 1}  # unit time of the simulation; B is 1 where the backward is split
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,9 @@ class Schedule:
     def stage(self, rank: int, chunk: int) -> int:
         return chunk * self.stages + rank
 
+    def has_weight_pass(self, stage: int) -> bool:
+        return _has_weight_pass(self.split_backward, stage)
+
     def place(self, stage: int) -> tuple[int, int]:
         """(rank, chunk) running a global stage."""
         return stage % self.stages, stage // self.stages
@@ -71,22 +76,25 @@ class Schedule:
 
     def peak_in_flight(self) -> list[int]:
         """Per rank: the most microbatch-chunks whose activations are held (forward done, backward not finished)."""
-        release = "W" if self.split_backward else "B"
         peaks = []
-        for acts in self.actions:
+        for rank, acts in enumerate(self.actions):
             held = peak = 0
             for a in acts:
+                release = "W" if self.has_weight_pass(self.stage(rank, a.chunk)) else "B"
                 held += (a.op == "F") - (a.op == release)
                 peak = max(peak, held)
             peaks.append(peak)
         return peaks
 
+    def simulated_bubble(self) -> list[float]:
+        """Per rank: the idle fraction of the unit-time simulation, over the whole pipeline's step."""
+        end = max((e for line in self.timeline for _, e, _ in line), default=0)
+        return [1 - sum(e - s for s, e, _ in line) / end if end else 0.0 for line in self.timeline]
+
     def validate(self) -> None:
         """Raise ValueError unless every rank runs each (microbatch, chunk) once through F, B (and W) in that
         order, receives before it computes, sends after, and every pair of ranks posts sends and recvs alike."""
-        ops = ("F", "B", "W") if self.split_backward else ("F", "B")
-        if self.actions and not any(a.op == "B" for acts in self.actions for a in acts):
-            ops = ("F",)  # a forward-only schedule
+        forward_only = self.actions and not any(a.op == "B" for acts in self.actions for a in acts)
         sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
         received: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
         for rank, acts in enumerate(self.actions):
@@ -95,6 +103,7 @@ class Schedule:
                 raise ValueError(f"rank {rank}: an action appears twice")
             for mb, chunk in itertools.product(range(self.microbatches), range(self.chunks)):
                 s = self.stage(rank, chunk)
+                ops = ("F",) if forward_only else ("F", "B", "W") if self.has_weight_pass(s) else ("F", "B")
                 at = [position.get((op, mb, chunk)) for op in ops]
                 if None in at or at != sorted(at):
                     raise ValueError(f"rank {rank}: microbatch {mb} chunk {chunk} needs {'<'.join(ops)}, got {at}")
@@ -129,6 +138,12 @@ def bubble_theory(name: str, stages: int, microbatches: int, chunks: int = 1) ->
     return (p - 1) / (3 * m + p - 1)
 
 
+def _has_weight_pass(split: bool, stage: int) -> bool:
+    """Whether a stage's backward is split into B and W. The first stage's never is: nothing waits for its input
+    gradient, so its B is the whole backward (cost 2, as unsplit) and it has no W."""
+    return split and stage > 0
+
+
 # -- building ------------------------------------------------------------------------------------------------------
 Pick = Callable[[int, list[Action]], Optional[Action]]  # (rank, ready actions) -> the one to start, or None
 
@@ -146,22 +161,22 @@ def build_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -
                          f"order goes round the ranks in groups of p); got pipeline_parallel_size={p}, "
                          f"microbatches={m}")
     split = name == "zb_h1"
-    if name == "interleaved_1f1b":
-        orders = [_interleaved_order(p, m, v, r) for r in range(p)]
-
-        def pick(rank: int, ready: list[Action]) -> Optional[Action]:
-            nxt = orders[rank][0] if orders[rank] else None
-            if nxt in ready:
-                return orders[rank].pop(0)
-            return None
-    else:
-        # GPipe holds every microbatch; 1F1B at most p - r on rank r (the first stage most). ZB-H1 keeps 1F1B's
-        # bound on microbatches waiting for B and lets one more wait for W: with fewer, a W is forced into every
-        # steady-state slot and half the bubble stays; without a bound, all W's drift to the end (memory m).
-        waiting_b = [m if name == "gpipe" else p - r for r in range(p)]
-        pick = _greedy(waiting_b, p + 1 if split else m, backward_first=name != "gpipe")
-    timeline = _simulate(p, m, v, split, pick)
+    orders = [_order(name, p, m, v, r) for r in range(p)]
+    timeline = _simulate(p, m, v, split, _follow(orders, max_waiting_w=p))
     return Schedule(name, p, m, v, split, _with_messages(p, v, timeline), timeline)
+
+
+def _order(name: str, p: int, m: int, v: int, rank: int) -> list[Action]:
+    """A rank's order of forwards and backwards. GPipe: all forwards, then all backwards. 1F1B (and ZB-H1, whose
+    F/B order is 1F1B's): p - r - 1 warm-up forwards, then one forward and one backward in turn, so at most p - r
+    microbatches are in flight on rank r. Interleaved: Megatron-LM's order, in `_interleaved_order`."""
+    if name == "interleaved_1f1b":
+        return _interleaved_order(p, m, v, rank)
+    warmup = m if name == "gpipe" else min(p - rank - 1, m)
+    order = [Action("F", k) for k in range(warmup)]
+    for k in range(m - warmup):
+        order += [Action("F", warmup + k), Action("B", k)]
+    return order + [Action("B", k) for k in range(m - warmup, m)]
 
 
 def _interleaved_order(p: int, m: int, v: int, rank: int) -> list[Action]:
@@ -180,22 +195,23 @@ def _interleaved_order(p: int, m: int, v: int, rank: int) -> list[Action]:
     return order + [unit(k, "B") for k in range(total - warmup, total)]
 
 
-def _greedy(waiting_b: list[int], waiting_w: int, backward_first: bool) -> Pick:
-    """Start a backward when one is ready (or a forward first, GPipe); a forward while fewer than
-    `waiting_b[rank]` microbatches wait for their B and fewer than `waiting_w` for their W; otherwise a deferred W,
-    so that weight gradients fill what would be idle time."""
-    held_b = [0] * len(waiting_b)
-    held_w = [0] * len(waiting_b)
+def _follow(orders: list[list[Action]], max_waiting_w: int) -> Pick:
+    """Start each rank's next forward or backward in order when it is ready. Deferred weight gradients (split
+    backward) fill the time a rank would otherwise wait; one is forced before a forward when `max_waiting_w`
+    microbatches already wait for their W, which bounds the activations held to 1F1B's peak (p, on rank 0)."""
+    waiting_w = [0] * len(orders)
 
     def pick(rank: int, ready: list[Action]) -> Optional[Action]:
-        by_op = {op: min((a for a in ready if a.op == op), key=lambda a: a.mb, default=None) for op in COMPUTE}
-        if held_b[rank] >= waiting_b[rank] or held_w[rank] >= waiting_w:
-            by_op["F"] = None
-        order = ("B", "F", "W") if backward_first else ("F", "B", "W")
-        action = next((by_op[op] for op in order if by_op[op] is not None), None)
-        if action is not None:
-            held_b[rank] += (action.op == "F") - (action.op == "B")
-            held_w[rank] += (action.op == "F") - (action.op == "W")
+        order = orders[rank]
+        ws = [a for a in ready if a.op == "W"]
+        if order and order[0] in ready and not (order[0].op == "F" and ws and waiting_w[rank] >= max_waiting_w):
+            action = order.pop(0)
+            waiting_w[rank] += action.op == "F"
+        elif ws:
+            action = ws[0]
+        else:
+            return None
+        waiting_w[rank] -= action.op == "W"
         return action
 
     return pick
@@ -203,11 +219,14 @@ def _greedy(waiting_b: list[int], waiting_w: int, backward_first: bool) -> Pick:
 
 def _simulate(p: int, m: int, v: int, split: bool, pick: Pick) -> list[list[tuple[int, int, Action]]]:
     """Play the policy in unit time; a (stage, op, microbatch) may start once what it depends on has finished."""
-    ops = ("F", "B", "W") if split else ("F", "B")
-    cost = {**COSTS, "B": 1 if split else COSTS["B"]}
     num_stages = p * v
     finish: dict[tuple[str, int, int], int] = {}  # (op, mb, stage) -> end time
-    todo = [[Action(op, mb, c) for c in range(v) for mb in range(m) for op in ops] for _ in range(p)]
+    todo = [[Action(op, mb, c) for c in range(v) for mb in range(m)
+             for op in (("F", "B", "W") if _has_weight_pass(split, c * p + rank) else ("F", "B"))] for rank in range(p)]
+
+    def cost(a: Action, rank: int) -> int:
+        return 1 if a.op == "B" and _has_weight_pass(split, a.chunk * p + rank) else COSTS[a.op]
+
     busy = [0] * p
     timeline: list[list[tuple[int, int, Action]]] = [[] for _ in range(p)]
 
@@ -222,7 +241,7 @@ def _simulate(p: int, m: int, v: int, split: bool, pick: Pick) -> list[list[tupl
             return done_by(("F", a.mb, s), t) and (s == num_stages - 1 or done_by(("B", a.mb, s + 1), t))
         return done_by(("B", a.mb, s), t)
 
-    t, horizon = 0, 4 * sum(cost.values()) * m * num_stages + 4
+    t, horizon = 0, 4 * sum(COSTS.values()) * m * num_stages + 4
     while any(todo):
         if t > horizon:
             raise RuntimeError(f"schedule deadlocks: ranks still hold {[list(map(str, x[:3])) for x in todo]}")
@@ -233,7 +252,7 @@ def _simulate(p: int, m: int, v: int, split: bool, pick: Pick) -> list[list[tupl
             if action is None:
                 continue
             todo[rank].remove(action)
-            busy[rank] = t + cost[action.op]
+            busy[rank] = t + cost(action, rank)
             finish[(action.op, action.mb, action.chunk * p + rank)] = busy[rank]
             timeline[rank].append((t, busy[rank], action))
         t += 1

@@ -18,7 +18,7 @@ from lit_lm.model import Transformer
 from strategies.comm import COMM_LOG
 from strategies.pp import PipelineStrategy, split_layers
 from strategies.pp_runner import PipelineRunner
-from strategies.pp_schedules import SCHEDULES, Action, build_schedule
+from strategies.pp_schedules import SCHEDULES, Action, bubble_theory, build_schedule
 
 
 def _cases(p: int) -> list[tuple[str, int, int]]:
@@ -39,9 +39,21 @@ def test_schedules_are_valid_with_bounded_memory(p: int) -> None:
         elif name == "1f1b":
             assert peaks == [min(p - r, m) for r in range(p)]
         elif name == "zb_h1":
-            assert max(peaks) <= p + 1  # one more waiting for its W than 1F1B holds
+            assert peaks == [p] * p  # deferred W's hold activations: never more than 1F1B's first stage
         else:
             assert max(peaks) <= 2 * p + (v - 1) * p  # Megatron's warm-up bound
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_simulated_bubble_is_theory_and_zb_h1_beats_1f1b(p: int) -> None:
+    for m in (p, 2 * p, 3 * p):
+        lengths = {}
+        for name in SCHEDULES:
+            v = 2 if name == "interleaved_1f1b" else 1
+            schedule = build_schedule(name, p, m, v)
+            assert schedule.simulated_bubble() == pytest.approx([bubble_theory(name, p, m, v)] * p, abs=1e-12)
+            lengths[name] = max(end for line in schedule.timeline for _, end, _ in line)
+        assert lengths["zb_h1"] < lengths["1f1b"] == lengths["gpipe"]
 
 
 def test_validate_catches_a_broken_schedule() -> None:
