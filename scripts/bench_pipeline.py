@@ -1,17 +1,23 @@
-"""Measured pipeline bubbles next to theory, per schedule, with compute injected as sleeps (CPU, gloo).
+"""Measured pipeline bubbles next to theory, per schedule, on CPU processes (gloo): injected compute and the real model.
 
-    python scripts/bench_pipeline.py --stages 4 --microbatches 8 --layers 8 --sleep-ms 2 --json bench_pp.json
+    python scripts/bench_pipeline.py --stages 2 --microbatches 8 --layers 8 --json bench_pp.json
 
-A toy `PipelineModel` of `--layers` layers does almost no arithmetic but sleeps per layer `sleep` in forward,
-`sleep` in the input-gradient backward and `sleep` in the weight-gradient backward (F = B = W, so an unsplit
-backward costs 2F). The runner times its compute actions; bubble = 1 - busy / wall per rank (the last step of
-`--steps`). Theory: (p-1)/(m+p-1) for GPipe and 1F1B, that over v for interleaved, (p-1)/(3m+p-1) for ZB-H1.
-Also prints each rank's peak of microbatches in flight (from the schedule).
+`--model sleep`: a toy `PipelineModel` of `--layers` layers does almost no arithmetic but sleeps per layer
+`--sleep-ms` in forward, as much in the input-gradient backward and in the weight-gradient backward (F = B = W,
+an unsplit backward costs 2F: the costs theory assumes). `--model real`: lit-lm's Transformer, so the costs are
+whatever F, B and W really take (printed). `both` (default) runs one, then the other.
+
+A rank's bubble = 1 - busy / T, busy the time in its compute actions (waiting for a message is idle), T the
+pipeline's step from the first rank's start to the last rank's end; each step starts after a barrier, the first
+of `--steps` is a warm-up and the others are averaged. Theory: (p-1)/(m+p-1) for GPipe and 1F1B, that over v for
+interleaved, (p-1)/(3m+p-1) for ZB-H1. Each action also pays a fixed ~1 ms here (a message's latency, Python);
+the default 50 ms sleep per layer makes that noise. Peak microbatches in flight per rank come from the schedule.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -28,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from strategies.pp import split_layers  # noqa: E402
 from strategies.pp_runner import PipelineRunner  # noqa: E402
 from strategies.pp_schedules import SCHEDULES, bubble_theory, build_schedule  # noqa: E402
+
+KINDS = {"sleep": ("sleep",), "real": ("real",), "both": ("sleep", "real")}
 
 
 class _Sleep(torch.autograd.Function):
@@ -58,11 +66,14 @@ class SleepyLayer(nn.Module):
 
 
 class SleepyModel(nn.Module):
-    """The smallest `PipelineModel`: layers, a squared-mean loss on the last stage."""
+    """The smallest `PipelineModel`: an elementwise "embedding" on the first stage (so that its first layer runs
+    its input-gradient backward, as a real model's does for the embedding's gradient), layers, a squared-mean
+    loss on the last stage."""
 
     def __init__(self, layers: int, dim: int, sleep: float) -> None:
         super().__init__()
         self.dim = dim
+        self.embed = nn.Parameter(torch.ones(dim))
         self.blocks = nn.ModuleDict({str(i): SleepyLayer(dim, sleep) for i in range(layers)})
 
     def init_parameter(self, name: str, tensor: Tensor) -> None:
@@ -71,11 +82,15 @@ class SleepyModel(nn.Module):
     def pipeline_split(self, stage_layers: list[int], is_first: bool, is_last: bool) -> None:
         for key in [k for k in self.blocks if int(k) not in stage_layers]:
             del self.blocks[key]
+        if not is_first:
+            del self.embed
 
     def pipeline_activation(self, batch: int, seq_len: int) -> tuple[torch.Size, torch.dtype]:
         return torch.Size((batch, seq_len, self.dim)), torch.float32
 
     def stage_forward(self, x: Tensor, layers: list[int], targets: Optional[Tensor] = None) -> Any:
+        if layers[0] == 0:
+            x = x * self.embed
         for i in layers:
             x = self.blocks[str(i)](x)
         if targets is None:
@@ -87,32 +102,71 @@ class SleepyModel(nn.Module):
         return self.stage_forward(inputs, [int(k) for k in self.blocks], targets)
 
 
+def _stage_model(kind: str, args: argparse.Namespace, chunks: list[list[int]], rank: int) -> nn.Module:
+    """The sleepy toy, or lit-lm's Transformer (untied, so that ZB-H1 can split every stage's backward), split."""
+    torch.manual_seed(0)
+    if kind == "sleep":
+        model: nn.Module = SleepyModel(args.layers, args.dim, args.sleep_ms / 1000)
+    else:
+        from lit_lm.config import ModelConfig
+        from lit_lm.model import Transformer
+
+        model = Transformer(ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers,
+                                        n_heads=args.d_model // 64, max_seq_len=args.seq_len))
+    for n, q in model.named_parameters():
+        model.init_parameter(n, q)
+    model.pipeline_split(sum(chunks, []), rank == 0, rank == args.stages - 1)
+    return model
+
+
+def _batch(kind: str, args: argparse.Namespace) -> tuple[Tensor, Tensor]:
+    rows = args.microbatches * args.micro_batch
+    if kind == "sleep":
+        x = torch.randn(rows, 4, args.dim)
+        return x, torch.zeros_like(x)
+    return torch.randint(args.vocab, (rows, args.seq_len)), torch.randint(args.vocab, (rows, args.seq_len))
+
+
 def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=args.stages)
     p, m = args.stages, args.microbatches
     results = {}
-    for name in SCHEDULES:
+    for kind, name in itertools.product(KINDS[args.model], SCHEDULES):
         v = args.virtual_stages if name == "interleaved_1f1b" else 1
-        torch.manual_seed(0)
-        model = SleepyModel(args.layers, args.dim, args.sleep_ms / 1000)
-        for n, q in model.named_parameters():
-            model.init_parameter(n, q)
-        stages = split_layers(args.layers, p, v)
+        stages = split_layers(args.layers, p, v, args.layers_per_stage if v == 1 else None)
         chunks = [stages[c * p + rank] for c in range(v)]
-        model.pipeline_split(sum(chunks, []), rank == 0, rank == p - 1)
         schedule = build_schedule(name, p, m, v)
-        runner = PipelineRunner(model, schedule, rank, chunks)
-        x = torch.randn(m * args.micro_batch, 4, args.dim)
-        for _ in range(args.steps):
+        runner = PipelineRunner(_stage_model(kind, args, chunks, rank), schedule, rank, chunks)
+        inputs, targets = _batch(kind, args)
+        steps = []  # (start, end, busy) of each measured step
+        costs: dict[str, list[float]] = {}  # seconds of each compute action, by op
+        for step in range(args.steps):
             dist.barrier()
-            runner.run(x, torch.zeros_like(x), train=True)
-        results[name] = {"v": v, "wall": runner.stats.wall, "busy": runner.stats.busy,
-                         "bubble": runner.stats.idle_fraction, "theory": bubble_theory(name, p, m, v),
-                         "peak_in_flight": schedule.peak_in_flight()[rank]}
+            runner.run(inputs, targets, train=True)
+            if step > 0:
+                steps.append((runner.stats.start, runner.stats.start + runner.stats.wall, runner.stats.busy))
+                for a, t0, t1 in runner.stats.events:
+                    costs.setdefault(a.op, []).append(t1 - t0)
+        results[(kind, name)] = {"v": v, "steps": steps, "theory": bubble_theory(name, p, m, v),
+                                 "peak_in_flight": schedule.peak_in_flight()[rank],
+                                 "costs": {op: sum(ts) / len(ts) for op, ts in costs.items()}}
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def _summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One schedule's figures from every rank's: a step lasts from the first rank's start to the last rank's end."""
+    measured = len(rows[0]["steps"])
+    times = [max(r["steps"][i][1] for r in rows) - min(r["steps"][i][0] for r in rows) for i in range(measured)]
+    bubbles = [sum(1 - r["steps"][i][2] / t for i, t in enumerate(times)) / measured for r in rows]
+    ops = {op for r in rows for op in r["costs"]}
+    return {"v": rows[0]["v"], "step_s": sum(times) / measured, "bubble_mean": sum(bubbles) / len(bubbles),
+            "bubble_per_rank": bubbles, "theory": rows[0]["theory"],
+            "costs": {op: sum(r["costs"][op] for r in rows if op in r["costs"]) /
+                      sum(op in r["costs"] for r in rows) for op in ops},
+            "peak_in_flight": [r["peak_in_flight"] for r in rows]}
 
 
 def main() -> None:
@@ -121,13 +175,22 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--virtual-stages", type=int, default=2)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--sleep-ms", type=float, default=2.0, help="per layer, for each of F, B and W")
-    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--layers-per-stage", type=int, nargs="+", default=None,
+                        help="fixed split for the v = 1 schedules, e.g. 5 3 (the last stage also runs head and loss)")
+    parser.add_argument("--sleep-ms", type=float, default=50.0, help="per layer, for each of F, B and W")
+    parser.add_argument("--dim", type=int, default=16, help="width of the sleepy toy")
+    parser.add_argument("--model", choices=tuple(KINDS), default="both",
+                        help="sleep: compute injected as sleeps; real: lit-lm's Transformer; both")
+    parser.add_argument("--d-model", type=int, default=256, help="of the real model (n_heads = d_model / 64)")
+    parser.add_argument("--seq-len", type=int, default=128, help="of the real model")
+    parser.add_argument("--vocab", type=int, default=4096, help="of the real model")
     parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=2, help="the last one is measured")
+    parser.add_argument("--steps", type=int, default=3, help="the first is a warm-up, the others are averaged")
     parser.add_argument("--timeline", action="store_true", help="print each schedule's simulated timeline")
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the first is a warm-up)")
 
     import socket
     import tempfile
@@ -149,20 +212,23 @@ def main() -> None:
         for name in SCHEDULES:
             v = args.virtual_stages if name == "interleaved_1f1b" else 1
             print_timeline(build_schedule(name, args.stages, args.microbatches, v), console)
-    table = Table(title=f"pipeline bubbles: p={args.stages} m={args.microbatches} layers={args.layers} "
-                        f"sleep={args.sleep_ms} ms per layer for each of F, B, W")
-    for col in ("schedule", "v", "wall ms", "bubble measured (mean / per rank)", "theory", "peak in flight"):
-        table.add_column(col)
-    report = {"args": vars(args), "schedules": {}}
-    for name in SCHEDULES:
-        rows = [r[name] for r in per_rank]
-        mean = sum(r["bubble"] for r in rows) / len(rows)
-        report["schedules"][name] = {"v": rows[0]["v"], "wall_s": max(r["wall"] for r in rows), "bubble_mean": mean,
-                                     "bubble_per_rank": [r["bubble"] for r in rows], "theory": rows[0]["theory"],
-                                     "peak_in_flight": [r["peak_in_flight"] for r in rows]}
-        table.add_row(name, str(rows[0]["v"]), f"{1000 * max(r['wall'] for r in rows):.0f}",
-                      f"{mean:.3f} / " + " ".join(f"{r['bubble']:.2f}" for r in rows), f"{rows[0]['theory']:.3f}",
-                      str([r["peak_in_flight"] for r in rows]))
+    report: dict[str, Any] = {"args": vars(args)}
+    for kind in KINDS[args.model]:
+        compute = (f"sleep {args.sleep_ms} ms per layer for each of F, B, W" if kind == "sleep" else
+                   f"lit-lm Transformer d_model={args.d_model} seq={args.seq_len}")
+        table = Table(title=f"pipeline bubbles: p={args.stages} m={args.microbatches} layers={args.layers}, {compute}")
+        for col in ("schedule", "v", "step ms", "F / B / W ms", "bubble measured (mean / per rank)", "theory",
+                    "measured / theory", "peak in flight"):
+            table.add_column(col)
+        report[kind] = {}
+        for name in SCHEDULES:
+            row = _summarise([r[(kind, name)] for r in per_rank])
+            report[kind][name] = row
+            table.add_row(name, str(row["v"]), f"{1000 * row['step_s']:.0f}",
+                          " / ".join(f"{1000 * row['costs'][op]:.1f}" if op in row["costs"] else "-" for op in "FBW"),
+                          f"{row['bubble_mean']:.3f} / " + " ".join(f"{b:.3f}" for b in row["bubble_per_rank"]),
+                          f"{row['theory']:.3f}", f"{row['bubble_mean'] / row['theory']:.2f}",
+                          str(row["peak_in_flight"]))
     console.print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
