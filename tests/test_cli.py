@@ -86,3 +86,34 @@ def test_zero2_on_two_ranks_resumes_exactly_on_one(tmp_path):
     assert sorted(after) == [4, 5, 6, 7]
     for step in after:
         assert after[step] == pytest.approx(before[step], rel=1e-5), step
+
+
+def _losses(run_dir: Path) -> dict[str, list[float]]:
+    rows = read_metrics(run_dir, 0)
+    return {key: [float(r[key]) for r in rows if r.get(key)] for key in ("train_loss", "val_loss")}
+
+
+def test_pp_yaml_trains_like_one_process_with_every_schedule(tmp_path):
+    """The issue's command with each `schedule` (4 layers on 2 stages, 4 microbatches, accumulating 2 batches a
+    step): the fp32 train and val losses equal one process's; bf16-mixed stays within bf16's rounding."""
+    base = tiny_args(tmp_path) + ["--model.init_args.config.n_layers", "4", "--trainer.max_steps", "3",
+                                  "--trainer.val_check_interval", "2", "--trainer.accumulate_grad_batches", "2"]
+    pp = ["--config", str(REPO / "configs/strategies/pp.yaml"), "--trainer.devices", "2"]
+
+    def fit(name: str, *extra: str) -> dict[str, list[float]]:
+        done = run_cli("fit", *base, "--trainer.default_root_dir", str(tmp_path / name), *extra, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return _losses(tmp_path / name)
+
+    single = fit("single")
+    assert len(single["train_loss"]) == 3 and len(single["val_loss"]) == 3
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"):
+        chunks = ["--trainer.strategy.init_args.virtual_stages", "2"] if schedule == "interleaved_1f1b" else []
+        got = fit(schedule, *pp, "--trainer.strategy.init_args.schedule", schedule, *chunks)
+        for key, expected in single.items():
+            assert got[key] == pytest.approx(expected, rel=1e-5), (schedule, key)
+
+    bf16 = ["--trainer.precision", "bf16-mixed"]
+    single_bf16, pp_bf16 = fit("single_bf16", *bf16), fit("zb_h1_bf16", *bf16, *pp, "--trainer.strategy.init_args.schedule", "zb_h1")
+    for key, expected in single_bf16.items():
+        assert pp_bf16[key] == pytest.approx(expected, rel=1e-3), key
