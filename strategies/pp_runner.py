@@ -172,6 +172,8 @@ class PipelineRunner:
                 slot.weight_grads.append((list(edges), list(grads), params))
 
     def _backward_weight(self, slot: _Slot) -> None:
+        # One call per boundary, asking only for its own parameters: a single call for all of them would also run
+        # each boundary's input-side branch down into the lower layers' weights, counting those twice.
         for edges, grads, params in slot.weight_grads:
             for p, g in zip(params, torch.autograd.grad(edges, params, grads, allow_unused=True)):
                 if g is not None:

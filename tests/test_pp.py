@@ -18,7 +18,7 @@ from lit_lm.model import Transformer
 from strategies.comm import COMM_LOG
 from strategies.pp import PipelineStrategy, split_layers
 from strategies.pp_runner import PipelineRunner
-from strategies.pp_schedules import SCHEDULES, Action, bubble_theory, build_schedule
+from strategies.pp_schedules import SCHEDULES, Action, bubble_theory, build_schedule, print_timeline
 
 
 def _cases(p: int) -> list[tuple[str, int, int]]:
@@ -54,6 +54,18 @@ def test_simulated_bubble_is_theory_and_zb_h1_beats_1f1b(p: int) -> None:
             assert schedule.simulated_bubble() == pytest.approx([bubble_theory(name, p, m, v)] * p, abs=1e-12)
             lengths[name] = max(end for line in schedule.timeline for _, end, _ in line)
         assert lengths["zb_h1"] < lengths["1f1b"] == lengths["gpipe"]
+
+
+def test_timeline_prints_one_row_per_rank() -> None:
+    from rich.console import Console
+
+    console = Console(record=True, width=200, color_system=None)
+    print_timeline(build_schedule("zb_h1", 2, 4), console)
+    text = console.export_text()
+    assert "zb_h1  p=2 m=4 v=1" in text and "peak in flight [2, 2]" in text
+    rows = [line.split() for line in text.splitlines() if line.startswith("rank")]
+    assert [row[1] for row in rows] == ["0", "1"]
+    assert rows[0][2:5] == ["F0", "F1", "."] and "W0" not in rows[0] and "W0" in rows[1]  # stage 0 does not split
 
 
 def test_validate_catches_a_broken_schedule() -> None:
