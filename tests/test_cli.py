@@ -117,3 +117,11 @@ def test_pp_yaml_trains_like_one_process_with_every_schedule(tmp_path):
     single_bf16, pp_bf16 = fit("single_bf16", *bf16), fit("zb_h1_bf16", *bf16, *pp, "--trainer.strategy.init_args.schedule", "zb_h1")
     for key, expected in single_bf16.items():
         assert pp_bf16[key] == pytest.approx(expected, rel=1e-3), key
+
+
+def test_pp_microbatches_that_do_not_divide_the_batch_are_reported(tmp_path):
+    bad = run_cli("fit", *tiny_args(tmp_path), "--config", str(REPO / "configs/strategies/pp.yaml"),
+                  "--model.init_args.config.n_layers", "2", "--trainer.devices", "2",
+                  "--trainer.strategy.init_args.microbatches", "3", cwd=tmp_path)
+    assert bad.returncode != 0
+    assert "microbatches=3 must divide the per-replica batch size 4" in bad.stderr
