@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
-COMPUTE = ("F", "B", "W")
 COSTS = {"F": 1, "B": 2, "W": 1}  # unit time of the simulation; B is 1 where the backward is split
 
 
