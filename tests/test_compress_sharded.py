@@ -13,6 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from callbacks.compress import QAT, Pruning
 from callbacks.compress.core import local_part, owned_weights
 from dist_utils import TinyLM, rank_share, run_distributed, token_data
+from lit_lm.config import ConfigError
+from strategies.pp import PipelineStrategy
 from strategies.tp import TensorParallelStrategy
 from strategies.zero import ZeroStrategy
 
@@ -41,18 +43,30 @@ class ZerosKept(L.Callback):
                     self.ok.append(all(float(t.detach()[dropped].abs().sum()) == 0 for t in [ws.local, *moments]))
 
 
-def _fit(strategy: Any, devices: int, dp: int) -> dict[str, Any]:
-    prunings = [Pruning("unstructured", 0.6, start_step=1, scope="global", include=["*.attn.*"]),
+class SavedState(L.Callback):
+    """At the end: what the compression callbacks would put in a checkpoint (merged over the ranks)."""
+
+    def __init__(self, callbacks: list[L.Callback]) -> None:
+        self.callbacks, self.saved = callbacks, []
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.saved = [c.state_dict() for c in self.callbacks]
+
+
+def _fit(strategy: Any, devices: int, dp: int, scope: str = "global") -> dict[str, Any]:
+    prunings = [Pruning("unstructured", 0.6, start_step=1, scope=scope, include=["*.attn.*"]),
                 Pruning("nm", start_step=1, include=["*.blocks.0.mlp.*"]),
                 Pruning("structured", 0.5, start_step=1, importance="l2", include=["*.blocks.1.mlp.*"])]
     qat, check = QAT(8, start_step=0), ZerosKept(prunings)
+    saved = SavedState([*prunings, qat])
     data = rank_share(token_data(16), 8, int(os.environ.get("LOCAL_RANK", 0)) % dp, dp)  # tp peers: one batch
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, logger=False,
-                        callbacks=[*prunings, qat, check], enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[*prunings, qat, check, saved], enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0)
     trainer.fit(FrozenLM(), DataLoader(TensorDataset(data), batch_size=8 // dp))
-    return {"masks": [p.masks for p in prunings], "observers": qat.observers, "ok": check.ok}
+    return {"masks": [p.masks for p in prunings], "observers": qat.observers, "ok": check.ok,
+            "saved_masks": [state["masks"] for state in saved.saved[:-1]], "saved_observers": saved.saved[-1]["observers"]}
 
 
 def _sharded_runs() -> list[dict[str, Any]]:
@@ -74,6 +88,34 @@ def test_masks_and_observers_match_single_process_under_zero_and_tp() -> None:
             for name, observer in single["observers"].items():  # a range over the same global batch
                 torch.testing.assert_close(run["observers"][name], observer, rtol=1e-5, atol=1e-6,
                                            msg=lambda m, t=tag, n=name: f"{t} {n}: {m}")
+
+
+def _pipeline_runs() -> list[dict[str, Any]]:
+    """pp=2, one microbatch (so observers see the whole batch once a step, as one process does); each stage holds one
+    of TinyLM's two blocks. A global threshold over different layers per rank is refused."""
+    pp = PipelineStrategy(pipeline_parallel_size=2, microbatches=1)
+    try:
+        _fit(PipelineStrategy(pipeline_parallel_size=2, microbatches=1), 2, 1, scope="global")
+        refused = ""
+    except ConfigError as err:
+        refused = str(err)
+    return [_fit(pp, 2, 1, scope="layer"), refused]
+
+
+def test_pipeline_stages_compress_their_layers_like_one_process_and_save_all() -> None:
+    single = _fit("auto", 1, 1, scope="layer")
+    per_rank = run_distributed(_pipeline_runs, 2, init_process_group=False)
+    for rank, (run, refused) in enumerate(per_rank):
+        assert "scope: layer" in refused
+        assert run["ok"] and all(run["ok"]) and run["masks"][0]  # (the attention pruning runs on both stages)
+        for got, saved, want in zip(run["masks"], run["saved_masks"], single["masks"]):
+            assert all(f"blocks.{rank}." in name for name in got)  # a stage's own layers ...
+            assert saved.keys() == want.keys()  # ... and every stage's in the checkpoint
+            for name in want:
+                assert torch.equal(saved[name], want[name]), name
+        assert run["saved_observers"].keys() == single["observers"].keys()
+        for name, observer in single["observers"].items():
+            torch.testing.assert_close(run["saved_observers"][name], observer, rtol=1e-5, atol=1e-6)
 
 
 def test_shard_local_masks_differ_from_global() -> None:

@@ -9,7 +9,7 @@ whether the weight is whole, ZeRO-sharded (dim 0 over dp) or TP-sharded (dim 0 o
 from __future__ import annotations
 
 import fnmatch
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import lightning as L
 import torch
@@ -31,16 +31,53 @@ def owned_weights(trainer: L.Trainer, pl_module: L.LightningModule) -> list[Weig
     return whole_weights(pl_module)
 
 
+def layer_groups(trainer: L.Trainer) -> list[Optional[dist.ProcessGroup]]:
+    """The groups to reduce a statistic of one layer over, so that it covers every rank that runs the layer: the
+    world (None), except under pipeline parallelism, where a layer lives on one stage: there, that stage's data-
+    and tensor-parallel groups (reducing over the world would pair different stages' layers, and hang)."""
+    if not (dist.is_available() and dist.is_initialized()) or trainer.world_size == 1:
+        return []
+    strategy = trainer.strategy
+    if isinstance(strategy, BaseStrategy) and strategy.layout.pp_size > 1:
+        layout = strategy.layout
+        return [g for g, n in ((layout.dp_group, layout.dp_size), (layout.tp_group, layout.tp_size)) if n > 1]
+    return [None]
+
+
+def _from_every_rank(obj: Any) -> list[Any]:
+    """`obj` of every rank (a collective on the world when distributed: call it on every rank, in step)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
+def same_on_every_rank(names: Sequence[str]) -> bool:
+    """Whether every rank holds the same weights (not so for pipeline stages or expert-parallel ranks)."""
+    return all(other == list(names) for other in _from_every_rank(list(names)))
+
+
+def merged_over_ranks(entries: dict[str, Any]) -> dict[str, Any]:
+    """A callback's per-weight state (masks, ranges) from every rank, for its checkpoint: a pipeline stage holds
+    only its own layers' and the checkpoint keeps one rank's copy. Ranks that hold the same layer hold the same
+    entry. A collective (Lightning asks every rank for callback state when saving)."""
+    return {name: value for part in _from_every_rank(entries) for name, value in part.items()}
+
+
 def select(weights: Iterable[WeightShard], include: Optional[Sequence[str]], exclude: Sequence[str],
            owner: str) -> list[WeightShard]:
     """Linear weights (`<module>.weight`, 2-D) whose module name matches an `include` glob and no `exclude` one.
-    An include pattern that matches nothing is an error: a typo would otherwise silently compress nothing."""
+    An include pattern that matches nothing on any rank (one pipeline stage may lack a layer) is an error: a typo
+    would otherwise silently compress nothing. A collective: call it on every rank."""
     linear = [ws for ws in weights if ws.name.endswith(".weight") and len(ws.global_shape) == 2]
     modules = {ws.name[: -len(".weight")]: ws for ws in linear}
-    for pattern in include or ():  # (exclude may name what a model lacks, e.g. a head tied to the embedding)
-        if not fnmatch.filter(modules, pattern):
-            raise ConfigError(f"{owner}.include pattern {pattern!r} matches no linear module (names look like "
-                              f"{next(iter(modules), 'none')!r})")
+    # (exclude may name what a model lacks, e.g. a head tied to the embedding)
+    unmatched = [pattern for pattern in include or () if not fnmatch.filter(modules, pattern)]
+    nowhere = set.intersection(*(set(u) for u in _from_every_rank(unmatched)))
+    if nowhere:
+        raise ConfigError(f"{owner}.include pattern {sorted(nowhere)[0]!r} matches no linear module (names look "
+                          f"like {next(iter(modules), 'none')!r})")
     return [ws for m, ws in modules.items()
             if (include is None or any(fnmatch.fnmatch(m, p) for p in include))
             and not any(fnmatch.fnmatch(m, p) for p in exclude)]

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from callbacks.compress.core import DEFAULT_EXCLUDE, all_reduce_, check_bits, gather_global, local_part, \
-    owned_weights, select, write
+    merged_over_ranks, owned_weights, select, write
 
 
 def kmeans_1d(values: Tensor, k: int, iterations: int = 20) -> tuple[Tensor, Tensor]:
@@ -87,8 +87,8 @@ class KMeansQuantization(L.Callback):
                    for a, c in zip(self.assignments.values(), self.codebooks.values()))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"codebooks": dict(self.codebooks), "assignments": {k: v.to(torch.uint8)
-                                                                   for k, v in self.assignments.items()}}
+        return {"codebooks": merged_over_ranks(dict(self.codebooks)),
+                "assignments": merged_over_ranks({k: v.to(torch.uint8) for k, v in self.assignments.items()})}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.codebooks = dict(state_dict["codebooks"])

@@ -13,7 +13,9 @@ Methods (Zhu & Gupta 2017 for the gradual schedule; Mishra et al. 2021 for N:M):
 
 Masks are computed on the global tensor (all-gathered from the shards, see `core`) identically on every rank,
 applied to the weights *and* their optimizer state after every optimizer step, logged (`sparsity/<layer>`),
-and saved in the checkpoint (the callback's state, rank 0's copy, global shapes: any topology resumes it).
+and saved in the checkpoint (the callback's state, merged over the ranks since a pipeline stage holds only its own
+layers' masks; global shapes: any topology resumes it). `scope: global` needs every rank to hold the same
+weights, so it is refused under pp (and ep with experts selected): use `scope: layer` there.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from callbacks.compress.core import DEFAULT_EXCLUDE, gather_global, owned_weights, select, write
+from callbacks.compress.core import DEFAULT_EXCLUDE, gather_global, merged_over_ranks, owned_weights, \
+    same_on_every_rank, select, write
 from lit_lm.config import ConfigError
 from strategies.base import WeightShard
 
@@ -198,6 +201,10 @@ class Pruning(L.Callback):
     # -- Lightning hooks ---------------------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._weights = select(owned_weights(trainer, pl_module), self.include, self.exclude, "Pruning")
+        if self.method == "unstructured" and self.scope == "global" and \
+                not same_on_every_rank([ws.name for ws in self._weights]):
+            raise ConfigError("Pruning.scope=global takes one threshold over all pruned weights, but the ranks hold "
+                              "different layers (pipeline stages or experts): set scope: layer")
         if self.method == "nm":
             bad = {ws.name: ws.global_shape[1] for ws in self._weights if ws.global_shape[1] % self.m}
             if bad:
@@ -252,7 +259,7 @@ class Pruning(L.Callback):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"masks": {k: v.cpu() for k, v in self.masks.items()}}
+        return {"masks": merged_over_ranks({k: v.cpu() for k, v in self.masks.items()})}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.masks = dict(state_dict["masks"])

@@ -10,8 +10,9 @@ where the integer grid can represent them.
 No module is swapped while training: each selected linear's `forward` is overridden on the instance, so parameter
 names, checkpoints and every strategy's hooks stay as they are. Under tensor parallelism a row-parallel weight's
 output channel is split over tp: its per-channel absmax is all-reduced (MAX) over the group the strategy names
-(`owned_weights()`); observers are reduced over all ranks, so every rank (and a single-process run over the same
-global batch) holds the same range. `convert` replaces the linears by `IntLinear`: packed integer weights, fp32
+(`owned_weights()`); observers are reduced over every rank that runs the layer (all ranks; one pipeline stage's
+under pp, where each microbatch updates them), so those ranks (and a single-process run over the same global
+batch) hold the same range. The checkpoint keeps every stage's observers. `convert` replaces the linears by `IntLinear`: packed integer weights, fp32
 scales and an integer-matmul reference forward that matches the fake-quant model.
 """
 
@@ -27,8 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from callbacks.compress.core import DEFAULT_EXCLUDE, all_reduce_, check_bits, owned_weights, pack_bits, select, \
-    unpack_bits
+from callbacks.compress.core import DEFAULT_EXCLUDE, all_reduce_, check_bits, layer_groups, merged_over_ranks, \
+    owned_weights, pack_bits, select, unpack_bits
 from lit_lm.config import ConfigError
 from strategies import comm
 
@@ -130,18 +131,18 @@ class QAT(L.Callback):
         self.include, self.exclude = include, tuple(exclude)
         self.observers: dict[str, Tensor] = {}  # module name -> [lo, hi] (nan until the first batch)
         self._step = 0
-        self._sync = False
+        self._groups: list[Optional[dist.ProcessGroup]] = []  # where an observer's batch range is reduced
 
     # -- Lightning hooks ---------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._sync = dist.is_available() and dist.is_initialized() and trainer.world_size > 1
+        self._groups = layer_groups(trainer)
         self.attach(pl_module, select(owned_weights(trainer, pl_module), self.include, self.exclude, "QAT"))
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._step = trainer.global_step
 
     def state_dict(self) -> dict[str, Any]:
-        return {"observers": {k: v.clone() for k, v in self.observers.items()}}
+        return {"observers": merged_over_ranks({k: v.clone() for k, v in self.observers.items()})}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.observers.update(state_dict["observers"])
@@ -177,8 +178,8 @@ class QAT(L.Callback):
         frozen = self.freeze_observers_step is not None and self._step >= self.freeze_observers_step
         if training and not frozen:
             batch = torch.stack([-x.detach().min(), x.detach().max()]).float().cpu()
-            if self._sync:  # one range for the global batch: MAX of (-min, max) over every rank
-                comm.all_reduce(batch, None, dist.ReduceOp.MAX)
+            for group in self._groups:  # one range for the global batch: MAX of (-min, max) over the layer's ranks
+                comm.all_reduce(batch, group, dist.ReduceOp.MAX)
             batch[0] = -batch[0]
             decay = self.ema_decay if not observer.isnan().any() else 0.0
             observer.copy_(torch.nan_to_num(observer, 0.0) * decay + batch * (1 - decay))
