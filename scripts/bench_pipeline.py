@@ -152,6 +152,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
         results[(kind, name)] = {"v": v, "steps": steps, "theory": bubble_theory(name, p, m, v),
                                  "peak_in_flight": schedule.peak_in_flight()[rank],
                                  "costs": {op: sum(ts) / len(ts) for op, ts in costs.items()}}
+        if rank == 0:  # progress: a schedule takes (steps x its step time), up to ~20 s with the defaults
+            print(f"[bench_pipeline] {kind} {name}: {args.steps} steps done", flush=True)
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
 

@@ -43,10 +43,6 @@ class StepStats:
     busy: float = 0.0
     events: list[tuple[Action, float, float]] = field(default_factory=list)  # (compute action, start, end)
 
-    @property
-    def idle_fraction(self) -> float:
-        return 1.0 - self.busy / self.wall if self.wall > 0 else 0.0
-
 
 @dataclass
 class _Slot:

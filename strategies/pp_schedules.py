@@ -17,9 +17,10 @@ backwards), 1F1B (p - r - 1 warm-up forwards on rank r, then one forward and one
 interleaved order, or for ZB-H1 1F1B's order with the backward split in B and W, the W's deferred to fill the time
 a rank would wait (as in the zero-bubble paper; the first stage does not split, nothing waits for its input
 gradient). The order is played on a unit-time simulation (F = 1, B = 2, or B = W = 1 when split), which proves it
-free of deadlock (or raises), gives the theoretical bubble and fixes where the messages go: a send right after the action that produced it, and the receiver posts its recv
-at the time of that send. So between any two ranks, recvs are posted in exactly the order sends are issued: the
-non-blocking point-to-point messages pair up by order alone (no tags), whatever the real timing.
+free of deadlock (or raises), gives the theoretical bubble and fixes where the messages go: a send right after the
+action that produced it, and the receiver posts its recv at the time of that send. So between any two ranks, recvs
+are posted in exactly the order sends are issued: the non-blocking point-to-point messages pair up by order alone
+(no tags), whatever the real timing.
 """
 
 from __future__ import annotations

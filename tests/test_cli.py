@@ -114,7 +114,8 @@ def test_pp_yaml_trains_like_one_process_with_every_schedule(tmp_path):
             assert got[key] == pytest.approx(expected, rel=1e-5), (schedule, key)
 
     bf16 = ["--trainer.precision", "bf16-mixed"]
-    single_bf16, pp_bf16 = fit("single_bf16", *bf16), fit("zb_h1_bf16", *bf16, *pp, "--trainer.strategy.init_args.schedule", "zb_h1")
+    single_bf16 = fit("single_bf16", *bf16)
+    pp_bf16 = fit("zb_h1_bf16", *bf16, *pp, "--trainer.strategy.init_args.schedule", "zb_h1")
     for key, expected in single_bf16.items():
         assert pp_bf16[key] == pytest.approx(expected, rel=1e-3), key
 

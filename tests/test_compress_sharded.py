@@ -66,7 +66,8 @@ def _fit(strategy: Any, devices: int, dp: int, scope: str = "global") -> dict[st
                         enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0)
     trainer.fit(FrozenLM(), DataLoader(TensorDataset(data), batch_size=8 // dp))
     return {"masks": [p.masks for p in prunings], "observers": qat.observers, "ok": check.ok,
-            "saved_masks": [state["masks"] for state in saved.saved[:-1]], "saved_observers": saved.saved[-1]["observers"]}
+            "saved_masks": [state["masks"] for state in saved.saved[:-1]],
+            "saved_observers": saved.saved[-1]["observers"]}
 
 
 def _sharded_runs() -> list[dict[str, Any]]:
@@ -93,13 +94,12 @@ def test_masks_and_observers_match_single_process_under_zero_and_tp() -> None:
 def _pipeline_runs() -> list[dict[str, Any]]:
     """pp=2, one microbatch (so observers see the whole batch once a step, as one process does); each stage holds one
     of TinyLM's two blocks. A global threshold over different layers per rank is refused."""
-    pp = PipelineStrategy(pipeline_parallel_size=2, microbatches=1)
     try:
         _fit(PipelineStrategy(pipeline_parallel_size=2, microbatches=1), 2, 1, scope="global")
         refused = ""
     except ConfigError as err:
         refused = str(err)
-    return [_fit(pp, 2, 1, scope="layer"), refused]
+    return [_fit(PipelineStrategy(pipeline_parallel_size=2, microbatches=1), 2, 1, scope="layer"), refused]
 
 
 def test_pipeline_stages_compress_their_layers_like_one_process_and_save_all() -> None:

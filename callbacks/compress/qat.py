@@ -12,8 +12,9 @@ names, checkpoints and every strategy's hooks stay as they are. Under tensor par
 output channel is split over tp: its per-channel absmax is all-reduced (MAX) over the group the strategy names
 (`owned_weights()`); observers are reduced over every rank that runs the layer (all ranks; one pipeline stage's
 under pp, where each microbatch updates them), so those ranks (and a single-process run over the same global
-batch) hold the same range. The checkpoint keeps every stage's observers. `convert` replaces the linears by `IntLinear`: packed integer weights, fp32
-scales and an integer-matmul reference forward that matches the fake-quant model.
+batch) hold the same range. The checkpoint keeps every stage's observers. `convert` replaces the linears by
+`IntLinear`: packed integer weights, fp32 scales and an integer-matmul reference forward that matches the
+fake-quant model.
 """
 
 from __future__ import annotations
