@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 WORKERS ?= 2
 
-.PHONY: install train test clean
+.PHONY: install train lint test clean
 
 install: $(STAMP)
 
@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 
 train: $(STAMP)
 	$(VENV)/bin/lit-lm fit --config configs/default.yaml
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 # pytest exits 5 when it collects no tests: that is not a failure of the suite.
 test: $(STAMP)

@@ -355,7 +355,7 @@ class ZeroEngine:
     def _register_grad_hooks(self) -> None:
         for unit in self.units:
             for sp in (s for s in unit.params if s.param.requires_grad):
-                hook = (lambda u, s: lambda _p: self._on_grad_ready(u, s))(unit, sp)
+                hook = (lambda u, s: lambda _p: self._on_grad_ready(u, s))(unit, sp)  # noqa: B023 (bound by the call)
                 self._hooks.append(sp.param.register_post_accumulate_grad_hook(hook))
 
     # -- stage 3: gather around forward and backward ----------------------------------------------------------

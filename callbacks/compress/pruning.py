@@ -142,7 +142,7 @@ def unit_groups(shapes: dict[str, torch.Size], head_dims: dict[str, int]) -> lis
         parents.setdefault(parent, set()).add(leaf)
     groups, grouped = [], set()
     for parent, leaves in parents.items():
-        def w(leaf: str) -> str:
+        def w(leaf: str, parent: str = parent) -> str:
             return f"{parent}.{leaf}.weight"
 
         if leaves >= {leaf for leaf, _ in MLP_UNITS}:
