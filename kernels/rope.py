@@ -7,7 +7,7 @@ cos/sin tables is saved.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -88,13 +88,17 @@ class RotaryEmbedding(nn.Module):
         """fp32 (T, D/2) tables for positions offset..offset+T-1, built in fp64 and cached per device."""
         key = (seq_len, offset, device)
         if key not in self._cache:
-            inv_freq = self.theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
-            angles = torch.outer(torch.arange(offset, offset + seq_len, dtype=torch.float64), inv_freq)
-            self._cache[key] = (angles.cos().float().to(device), angles.sin().float().to(device))
+            self._cache[key] = self.cos_sin_at(torch.arange(offset, offset + seq_len), device)
         return self._cache[key]
 
-    def forward(self, q: Tensor, k: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
-        cos, sin = self.cos_sin(q.shape[1], q.device, offset)
+    def cos_sin_at(self, positions: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The tables for arbitrary token positions (T,) (a context-parallel rank's chunks), as `cos_sin`."""
+        inv_freq = self.theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
+        angles = torch.outer(positions.to("cpu", torch.float64), inv_freq)
+        return angles.cos().float().to(device), angles.sin().float().to(device)
+
+    def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        cos, sin = self.cos_sin(q.shape[1], q.device) if positions is None else self.cos_sin_at(positions, q.device)
         if use_triton(self.backend, q):
             return rope(q, k, cos, sin)
         return rope_reference(q, cos, sin), rope_reference(k, cos, sin)

@@ -51,11 +51,15 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, seq_len: int, device: torch.device, offset: int = 0) -> tuple[Tensor, Tensor]:
         key = (seq_len, offset, device)
         if key not in self._cache:
-            inv_freq = self.theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
-            t = torch.arange(offset, offset + seq_len, dtype=torch.float64)
-            angles = torch.outer(t, inv_freq)  # (T, D/2)
-            self._cache[key] = (angles.cos().float().to(device), angles.sin().float().to(device))
+            self._cache[key] = self.cos_sin_at(torch.arange(offset, offset + seq_len), device)
         return self._cache[key]
+
+    def cos_sin_at(self, positions: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+        """fp32 (T, D/2) tables for arbitrary token positions (T,), e.g. a context-parallel rank's zigzag chunks;
+        built in fp64 like the contiguous tables, so a position gets the same angle whichever rank holds it."""
+        inv_freq = self.theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
+        angles = torch.outer(positions.to("cpu", torch.float64), inv_freq)  # (T, D/2)
+        return angles.cos().float().to(device), angles.sin().float().to(device)
 
     @staticmethod
     def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -64,8 +68,9 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads: (T, 1, D/2)
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
-    def forward(self, q: Tensor, k: Tensor, offset: int = 0) -> tuple[Tensor, Tensor]:
-        cos, sin = self.cos_sin(q.shape[1], q.device, offset)
+    def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        """`positions` (T,): the sequence positions of the T tokens; None means 0..T-1."""
+        cos, sin = self.cos_sin(q.shape[1], q.device) if positions is None else self.cos_sin_at(positions, q.device)
         return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
 
@@ -105,7 +110,7 @@ class Attention(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         self.core = CausalAttention(cfg.sliding_window)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
         b, t, _ = x.shape
         # Head counts come from the weights, so a tensor-parallel shard runs the same code on its heads.
         q = self.wq(x).view(b, t, -1, self.head_dim)
@@ -113,7 +118,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, t, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, k)
+        q, k = self.rope(q, k, positions)
         y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -146,8 +151,8 @@ class Block(nn.Module):
         else:
             self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), positions)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -249,17 +254,25 @@ class Transformer(nn.Module):
         return plan
 
     # -- forward --------------------------------------------------------------------------------------------
-    def forward(self, idx: Tensor) -> Tensor:
-        """idx (B, T) token ids -> logits (B, T, padded_vocab_size)."""
+    def forward(self, idx: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+        """idx (B, T) token ids -> logits (B, T, padded_vocab_size). `positions` (T,) are the tokens' places in
+        the sequence (for RoPE): None means 0..T-1; a context-parallel rank passes those of the chunks it holds."""
         x = self.tok_embeddings(idx)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x, positions)
         return self.lm_head(self.norm(x))
 
-    def loss(self, idx: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    def loss(self, idx: Tensor, targets: Tensor, positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """(loss to optimise, detached cross-entropy) for next-token prediction; MoE balancing losses included."""
-        loss, ce = self.loss_fn(self(idx), targets)
+        loss, ce = self.loss_fn(self(idx, positions), targets)
         return loss + moe_aux_loss(self), ce
+
+    def context_parallel_plan(self) -> dict:
+        """WHAT context parallelism replaces (strategies.plan.ContextParallelModel): each block's attention core,
+        the only op that mixes tokens; RoPE follows the `positions` given to `forward`."""
+        from strategies.plan import ContextParallel  # the protocol's types; strategies never import lit_lm
+
+        return {f"blocks.{i}.attn.core": ContextParallel(self.config.sliding_window) for i in self.blocks}
 
     def expert_plan(self) -> dict:
         """WHAT expert parallelism shards (strategies.plan.ExpertModel): each MoE layer's `GroupedExperts`, whose

@@ -112,3 +112,22 @@ class ExpertModel(Protocol):
     Everything not named is dense and replicated over the expert-parallel ranks."""
 
     def expert_plan(self) -> dict[str, ExpertParallel]: ...
+
+
+# -- context parallelism: which modules are the attention cores (the strategy swaps them for ring attention) ---
+@dataclass(frozen=True)
+class ContextParallel:
+    """A causal attention core `forward(q, k, v) -> out` on (B, H, T, D) tensors (Hkv dividing Hq), attending to at
+    most `sliding_window` past positions (itself included; None: all). Everything else in the model is token-wise,
+    so under context parallelism only these modules see other ranks' tokens: the strategy replaces them, and the
+    model only has to accept the `positions` of the tokens a rank holds (for RoPE)."""
+
+    sliding_window: Optional[int] = None
+
+
+@runtime_checkable
+class ContextParallelModel(Protocol):
+    """A model that can be context-parallel: `context_parallel_plan()` maps module names (relative to the model) to
+    `ContextParallel`, and its forward/loss take `positions` (T,) of the tokens given."""
+
+    def context_parallel_plan(self) -> dict[str, ContextParallel]: ...

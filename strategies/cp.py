@@ -1,0 +1,336 @@
+"""Context parallelism: each of `cp` ranks holds T/cp tokens of every sequence, so activations fall as 1/cp;
+attention, the only op that mixes tokens, exchanges keys/values between the ranks.
+
+Load-balanced (zigzag) split: the sequence is cut into 2·cp chunks of c = T/(2·cp) tokens and rank i holds chunks
+i and 2·cp−1−i, so under a causal mask every rank has the same work (an early chunk with few keys, a late one
+with many). Inputs, targets and RoPE positions are split alike (`zigzag_batch`).
+
+Two ways to attend over the whole sequence (`METHODS`), one autograd function:
+- `ring`: K/V blocks travel around the ring (rank r sends to r+1); while the next block is in flight the rank
+  attends to the block in hand, and merges the partial outputs by their log-sum-exp (online softmax):
+      lse = logaddexp(lse_a, lse_b),  o = exp(lse_a − lse)·o_a + exp(lse_b − lse)·o_b.
+  Backward sends K/V around again, with a dK/dV accumulator travelling beside each block; after a full turn plus
+  one hop every block's gradient is home. Blocks no query of this rank may see (causally or outside the sliding
+  window) are skipped: with the zigzag split, every step but the first is exactly half a block.
+- `allgather` (Llama 3): all-gather K/V (small under GQA), attend locally, reduce-scatter dK/dV in backward
+  (K/V are gathered again there rather than kept, so saved activations stay 1/cp).
+Grouped-query attention folds the query heads sharing a kv head into the rows of one matmul: K/V are never
+repeated. Everything runs on the PyTorch reference (fp32 scores); `block_forward`/`block_backward` are the seam
+where a FlashAttention kernel returning the log-sum-exp plugs in.
+
+Plain torch.distributed through `strategies.comm`; no Lightning.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from strategies import comm
+from strategies.plan import ContextParallelModel
+
+METHODS = ("ring", "allgather")
+
+
+# -- the zigzag split ---------------------------------------------------------------------------------------
+def check_seq_len(seq_len: int, cp: int) -> int:
+    """The chunk length c = T / (2·cp); refuses a T the split cannot cut evenly."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"context parallelism cp={cp} needs the sequence length divisible by 2·cp={2 * cp}, "
+                         f"got {seq_len}: change data.seq_len (or cp)")
+    return seq_len // (2 * cp)
+
+
+def zigzag_positions(seq_len: int, rank: int, cp: int) -> Tensor:
+    """The sequence positions (2c,) that cp rank `rank` holds: chunks `rank` and 2·cp−1−`rank`, in that order."""
+    c = check_seq_len(seq_len, cp)
+    first, second = rank * c, (2 * cp - 1 - rank) * c
+    return torch.cat((torch.arange(first, first + c), torch.arange(second, second + c)))
+
+
+def zigzag_split(x: Tensor, rank: int, cp: int, dim: int = 1) -> Tensor:
+    """This rank's share of `x` along `dim` (the sequence dimension)."""
+    c = check_seq_len(x.shape[dim], cp)
+    return torch.cat((x.narrow(dim, rank * c, c), x.narrow(dim, (2 * cp - 1 - rank) * c, c)), dim=dim)
+
+
+def zigzag_merge(shares: Tensor, dim: int) -> Tensor:
+    """The inverse: `shares` stacks every rank's share along dim 0 (rank order); returns the whole sequence."""
+    cp = shares.shape[0]
+    chunks: list[Tensor] = [torch.empty(0)] * (2 * cp)
+    for r in range(cp):
+        chunks[r], chunks[2 * cp - 1 - r] = shares[r].chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)
+
+
+def zigzag_gather(x: Tensor, group: Optional[dist.ProcessGroup] = None, dim: int = 1) -> Tensor:
+    """Every rank's share of a sequence-split tensor, put back in sequence order (on every rank)."""
+    cp = dist.get_world_size(group)
+    shares = x.new_empty((cp * x.shape[0], *x.shape[1:]))  # gloo wants the concatenation along dim 0
+    comm.all_gather(shares, x.contiguous(), group)
+    return zigzag_merge(shares.view(cp, *x.shape), dim)
+
+
+def zigzag_batch(inputs: Tensor, targets: Tensor, group: Optional[dist.ProcessGroup] = None
+                 ) -> tuple[Tensor, Tensor, Tensor, float]:
+    """A cp rank's (inputs, targets, positions, loss_weight) from the whole (B, T) batch every cp peer was given.
+
+    A rank's loss is the mean over its own valid targets; times `loss_weight` (cp · local valid / all valid),
+    the mean over the cp ranks is the mean over the whole sequence, even when some targets are ignored (-100),
+    and so is the gradient once the data-parallel sync averages it over the cp ranks too."""
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    local_targets = zigzag_split(targets, rank, cp)
+    valid = int((targets != -100).sum())
+    weight = cp * int((local_targets != -100).sum()) / valid if valid else 1.0
+    return zigzag_split(inputs, rank, cp), local_targets, zigzag_positions(inputs.shape[1], rank, cp), weight
+
+
+# -- blockwise attention with log-sum-exp (the PyTorch reference; the kernel seam) -------------------------------
+def block_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """Softmax attention of grouped queries q (B, Hkv, G, M, D) on k, v (B, Hkv, N, D) -> (out fp32, lse fp32).
+
+    `mask` (M, N) says which pairs attend (None: all). A row with no key gets out 0 and lse −inf, which the merge
+    weighs by exp(−inf) = 0."""
+    b, hk, g, m, d = q.shape
+    s = torch.matmul(q.reshape(b, hk, g * m, d), k.transpose(-1, -2)).float().view(b, hk, g, m, -1) * d ** -0.5
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
+    out = torch.matmul(p.view(b, hk, g * m, -1).to(v.dtype), v).float().view(b, hk, g, m, d)
+    return out, lse
+
+
+def block_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
+                   mask: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (fp32) of one block given the *final* lse and delta = rowsum(dO ∘ O) of the merged output:
+    P = exp(S − lse), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − delta), dQ = dS K / √D, dK = dSᵀ Q / √D (FlashAttention-2)."""
+    b, hk, g, m, d = q.shape
+    scale = d ** -0.5
+    qf, dof = q.reshape(b, hk, g * m, d).float(), do.reshape(b, hk, g * m, d).float()
+    kf, vf = k.float(), v.float()
+    s = torch.matmul(qf, kf.transpose(-1, -2)).view(b, hk, g, m, -1) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - lse.unsqueeze(-1))
+    ds = p * (torch.matmul(dof, vf.transpose(-1, -2)).view(b, hk, g, m, -1) - delta.unsqueeze(-1))
+    p, ds = p.view(b, hk, g * m, -1), ds.view(b, hk, g * m, -1)
+    dq = torch.matmul(ds, kf).view(b, hk, g, m, d) * scale
+    return dq, torch.matmul(ds.transpose(-1, -2), qf) * scale, torch.matmul(p.transpose(-1, -2), dof)
+
+
+def block_plan(q_pos: Tensor, k_pos: Tensor, window: int, chunk: int
+               ) -> Iterator[tuple[slice, slice, Optional[Tensor]]]:
+    """(query rows, keys, mask or None) for each run of `chunk` query rows: the keys some row of the run sees
+    (causal, within `window`). Key positions increase along the keys, so those keys are one run; query runs that
+    see none are skipped (causal block skipping)."""
+    for start in range(0, len(q_pos), chunk):
+        qp = q_pos[start:start + chunk]
+        lo = int(torch.searchsorted(k_pos, qp[0] - window + 1))
+        hi = int(torch.searchsorted(k_pos, qp[-1], right=True))
+        if lo >= hi:
+            continue
+        distance = qp[:, None] - k_pos[None, lo:hi]
+        keep = (distance >= 0) & (distance < window)
+        yield slice(start, start + len(qp)), slice(lo, hi), None if bool(keep.all()) else keep
+
+
+def merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
+    """The online-softmax merge, in place: two softmax-normalised partial outputs over disjoint key sets become
+    the output over their union."""
+    new = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+# -- the ring ---------------------------------------------------------------------------------------------
+def _ring_pass(t: Tensor, group: Optional[dist.ProcessGroup]) -> tuple[Tensor, list[dist.Work]]:
+    """Start sending `t` to the next rank of the ring and receiving the previous rank's into a new buffer."""
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    me = ranks.index(dist.get_rank())
+    received = torch.empty_like(t)
+    works = [comm.send(t, ranks[(me + 1) % len(ranks)], group), comm.recv(received, ranks[me - 1], group)]
+    return received, works
+
+
+def _wait(works: list[dist.Work]) -> None:
+    for w in works:
+        w.wait()
+
+
+def ring_forward(q: Tensor, kv: Tensor, seq_len: int, window: int, group: Optional[dist.ProcessGroup]
+                 ) -> tuple[Tensor, Tensor]:
+    """q (B, Hkv, G, L, D), kv = stack(k, v) (2, B, Hkv, L, D) of this rank -> (out, lse) over the whole ring."""
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    q_pos = zigzag_positions(seq_len, rank, cp)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+    for step in range(cp):
+        if step < cp - 1:
+            next_kv, works = _ring_pass(kv, group)
+        k_pos = zigzag_positions(seq_len, (rank - step) % cp, cp)
+        for rows, keys, mask in block_plan(q_pos, k_pos, window, len(q_pos) // 2):
+            block_out, block_lse = block_forward(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :],
+                                                 _on(mask, q))
+            merge_into(out[..., rows, :], lse[..., rows], block_out, block_lse)
+        if step < cp - 1:
+            _wait(works)
+            kv = next_kv
+    return out, lse
+
+
+def ring_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor, seq_len: int, window: int,
+                  group: Optional[dist.ProcessGroup]) -> tuple[Tensor, Tensor]:
+    """(dq, dkv) fp32: K/V go around the ring again, each with the dK/dV accumulator of the ranks it has visited;
+    the accumulator makes one extra hop to come home."""
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    q_pos = zigzag_positions(seq_len, rank, cp)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    in_flight: Optional[tuple[Tensor, list[dist.Work]]] = None  # a dK/dV accumulator on its way to this rank
+    for step in range(cp):
+        if step < cp - 1:
+            next_kv, kv_works = _ring_pass(kv, group)
+        k_pos = zigzag_positions(seq_len, (rank - step) % cp, cp)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        for rows, keys, mask in block_plan(q_pos, k_pos, window, len(q_pos) // 2):
+            dq_b, dk_b, dv_b = block_backward(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :],
+                                              do[..., rows, :], lse[..., rows], delta[..., rows], _on(mask, q))
+            dq[..., rows, :] += dq_b
+            dkv[0][..., keys, :] += dk_b
+            dkv[1][..., keys, :] += dv_b
+        if in_flight is not None:  # what the ranks before added to this block's gradient
+            _wait(in_flight[1])
+            dkv += in_flight[0]
+        if cp > 1:
+            in_flight = _ring_pass(dkv, group)
+        if step < cp - 1:
+            _wait(kv_works)
+            kv = next_kv
+    if in_flight is None:
+        return dq, dkv
+    _wait(in_flight[1])  # the last hop brings this rank's own block's gradient home
+    return dq, in_flight[0]
+
+
+# -- all-gather -------------------------------------------------------------------------------------------
+def allgather_forward(q: Tensor, kv: Tensor, seq_len: int, window: int, group: Optional[dist.ProcessGroup]
+                      ) -> tuple[Tensor, Tensor]:
+    full = zigzag_gather(kv, group, dim=-2)  # stack(k, v) of the whole sequence
+    q_pos = zigzag_positions(seq_len, dist.get_rank(group), dist.get_world_size(group))
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+    for rows, keys, mask in block_plan(q_pos, torch.arange(seq_len), window, len(q_pos) // 2):
+        out[..., rows, :], lse[..., rows] = block_forward(q[..., rows, :], full[0][..., keys, :],
+                                                          full[1][..., keys, :], _on(mask, q))
+    return out, lse
+
+
+def allgather_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor, seq_len: int, window: int,
+                       group: Optional[dist.ProcessGroup]) -> tuple[Tensor, Tensor]:
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    full = zigzag_gather(kv, group, dim=-2)  # stack(k, v) of the whole sequence
+    q_pos = zigzag_positions(seq_len, rank, cp)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv_full = torch.zeros(full.shape, dtype=torch.float32, device=q.device)
+    for rows, keys, mask in block_plan(q_pos, torch.arange(seq_len), window, len(q_pos) // 2):
+        dq[..., rows, :], dk_b, dv_b = block_backward(q[..., rows, :], full[0][..., keys, :], full[1][..., keys, :],
+                                                      do[..., rows, :], lse[..., rows], delta[..., rows],
+                                                      _on(mask, q))
+        dkv_full[0][..., keys, :] += dk_b
+        dkv_full[1][..., keys, :] += dv_b
+    shares = torch.cat([zigzag_split(dkv_full, r, cp, dim=-2) for r in range(cp)])  # rank r's share r-th
+    dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
+    comm.reduce_scatter(dkv, shares, group)
+    return dq, dkv
+
+
+def _on(mask: Optional[Tensor], like: Tensor) -> Optional[Tensor]:
+    return None if mask is None else mask.to(like.device)
+
+
+_FORWARD = {"ring": ring_forward, "allgather": allgather_forward}
+_BACKWARD = {"ring": ring_backward, "allgather": allgather_backward}
+
+
+class ContextAttentionFunction(torch.autograd.Function):
+    """Causal attention of this rank's zigzag share of q, k, v over the whole sequence held by the cp group.
+    Saves only local tensors (q, k, v, out, lse): activation memory per rank is 1/cp of the whole."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup], method: str,
+                window: Optional[int]) -> Tensor:
+        b, hq, length, d = q.shape
+        hk = k.shape[1]
+        seq_len = length * dist.get_world_size(group)
+        window = window or seq_len
+        q5 = q.reshape(b, hk, hq // hk, length, d)
+        kv = torch.stack((k, v))
+        out, lse = _FORWARD[method](q5, kv, seq_len, window, group)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q5, kv, out, lse)
+        ctx.group, ctx.method, ctx.window, ctx.seq_len = group, method, window, seq_len
+        return out.view(b, hq, length, d)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        q5, kv, out, lse = ctx.saved_tensors
+        do = grad.reshape(q5.shape)
+        delta = (do.float() * out.float()).sum(-1)
+        dq, dkv = _BACKWARD[ctx.method](q5, kv, do, lse, delta, ctx.seq_len, ctx.window, ctx.group)
+        b, hk, g, length, d = q5.shape
+        return (dq.to(q5.dtype).view(b, hk * g, length, d), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype),
+                None, None, None)
+
+
+def context_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup] = None,
+                      method: str = "ring", window: Optional[int] = None) -> Tensor:
+    """q (B, Hq, L, D), k/v (B, Hkv, L, D): this rank's zigzag share (L = 2c tokens) -> its share of the output of
+    causal attention over the whole sequence of L·cp tokens; `window` as `CausalAttention.sliding_window`."""
+    if method not in METHODS:
+        raise ValueError(f"unknown cp_method {method!r}: choose one of {', '.join(METHODS)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"kv heads ({k.shape[1]}) must divide query heads ({q.shape[1]})")
+    check_seq_len(q.shape[2] * dist.get_world_size(group), dist.get_world_size(group))
+    return ContextAttentionFunction.apply(q, k, v, group, method, window)
+
+
+class ContextParallelAttention(nn.Module):
+    """Drop-in for a causal attention core `forward(q, k, v)` (no parameters), attending over the cp group."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, method: str = "ring",
+                 sliding_window: Optional[int] = None) -> None:
+        super().__init__()
+        if method not in METHODS:
+            raise ValueError(f"unknown cp_method {method!r}: choose one of {', '.join(METHODS)}")
+        self.group, self.method, self.sliding_window = group, method, sliding_window
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return context_attention(q, k, v, self.group, self.method, self.sliding_window)
+
+
+def parallelize_context(root: nn.Module, group: Optional[dist.ProcessGroup] = None, method: str = "ring") -> int:
+    """Swap, in place, every attention core the model names in `context_parallel_plan()` for a
+    `ContextParallelAttention` over `group`; returns how many. The caller feeds each rank `zigzag_batch` data."""
+    model = next((m for m in root.modules() if isinstance(m, ContextParallelModel)), None)
+    if model is None:
+        raise TypeError(f"{type(root).__name__} has no context_parallel_plan(): it cannot be context-parallel")
+    plan = model.context_parallel_plan()
+    for name, spec in plan.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, ContextParallelAttention(group, method, spec.sliding_window))
+    return len(plan)
+
+
+# -- communication theory (per rank, per attention call), for tests and benchmarks -----------------------------
+def comm_theory(method: str, cp: int, kv_numel: int, element_size: int) -> dict[str, float]:
+    """Wire bytes one rank sends for one attention call (as `comm.CommRecord.wire_bytes` counts them), for its share
+    of stack(k, v) of `kv_numel` elements. Both methods move (cp−1) shares of K/V forward and again backward; the
+    dK/dV (fp32) make cp hops around the ring, (cp−1)/cp of cp shares in the reduce-scatter."""
+    if method not in METHODS:
+        raise ValueError(f"unknown cp_method {method!r}: choose one of {', '.join(METHODS)}")
+    kv = (cp - 1) * kv_numel * element_size
+    dkv_hops = cp if method == "ring" and cp > 1 else cp - 1
+    return {"forward": float(kv), "backward": float(kv + dkv_hops * kv_numel * 4)}

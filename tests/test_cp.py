@@ -1,0 +1,164 @@
+"""Context parallelism (strategies/cp.py) against single-process attention and training, on gloo."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import TINY, run_distributed
+from kernels.attention import attention_reference
+from lit_lm.config import ModelConfig
+from lit_lm.model import RotaryEmbedding, Transformer
+from strategies.comm import COMM_LOG
+from strategies.cp import (METHODS, block_plan, comm_theory, context_attention, parallelize_context, zigzag_batch,
+                           zigzag_gather, zigzag_merge, zigzag_positions, zigzag_split)
+
+# (query heads, kv heads, sliding window): MHA, GQA, GQA with windows inside a chunk, across chunks, of one token
+CASES = [(2, 2, None), (4, 2, None), (4, 1, 4), (4, 2, 7), (2, 1, 1)]
+
+
+def test_zigzag_split_covers_the_sequence_with_equal_causal_work() -> None:
+    seq_len, cp = 24, 4
+    x = torch.arange(seq_len).view(1, seq_len)
+    shares = [zigzag_split(x, r, cp) for r in range(cp)]
+    for r, share in enumerate(shares):
+        assert torch.equal(share[0], zigzag_positions(seq_len, r, cp))
+    assert torch.equal(zigzag_merge(torch.stack(shares), dim=1), x)
+    assert torch.equal(torch.cat(shares, 1).sort().values, x)
+    causal_work = {int((zigzag_positions(seq_len, r, cp) + 1).sum()) for r in range(cp)}  # keys each query sees
+    assert len(causal_work) == 1
+    with pytest.raises(ValueError, match="divisible by 2·cp=8"):
+        zigzag_split(torch.zeros(1, 20), 0, cp)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_ring_skips_the_blocks_no_query_sees(window: int | None) -> None:
+    """Summed over the ring steps, every rank scores the same number of (query, key) pairs, about half of the
+    T²/cp it would without skipping; a window skips more (and the first tokens, with fewer keys, unbalance it)."""
+    seq_len, cp = 32, 4
+    c = seq_len // (2 * cp)
+    work = []
+    for rank in range(cp):
+        q_pos = zigzag_positions(seq_len, rank, cp)
+        plans = (block_plan(q_pos, zigzag_positions(seq_len, src, cp), window or seq_len, c) for src in range(cp))
+        work.append(sum((rows.stop - rows.start) * (keys.stop - keys.start) for plan in plans for rows, keys, _ in plan))
+    if window is None:  # own block: 3 of its 4 c×c tiles; every other step: 2 of 4 (no skipping: 4·cp tiles)
+        assert work == [(2 * cp + 1) * c * c] * cp
+    else:
+        assert max(work) < (2 * cp + 1) * c * c
+
+
+def test_rope_positions_follow_the_tokens() -> None:
+    """A share of the sequence rotated at its own positions equals that share of the whole rotation, bit for bit;
+    no positions is the plain 0..T-1 path."""
+    rope = RotaryEmbedding(8)
+    q, k = torch.randn(2, 12, 4, 8), torch.randn(2, 12, 2, 8)
+    full_q, full_k = rope(q, k)
+    assert all(torch.equal(a, b) for a, b in zip(rope(q, k, torch.arange(12)), (full_q, full_k)))
+    pos = zigzag_positions(12, 1, 2)
+    share_q, share_k = rope(q[:, pos], k[:, pos], pos)
+    assert torch.equal(share_q, full_q[:, pos]) and torch.equal(share_k, full_k[:, pos])
+
+
+def _attention_worker(seq_len: int) -> dict[str, Any]:
+    """Every (method, case): max |error| of the output and of dq, dk, dv against attention on the whole sequence,
+    and the accounting layer's wire bytes of one forward and one backward."""
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    for method in METHODS:
+        for hq, hk, window in CASES:
+            gen = torch.Generator().manual_seed(hq * 100 + hk * 10 + (window or 0))
+            q, k, v, grad = (torch.randn(2, h, seq_len, 8, generator=gen) for h in (hq, hk, hk, hq))
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = attention_reference(*leaves, causal=True, window=window)
+            ref.backward(grad)
+            local = [zigzag_split(t, rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
+            COMM_LOG.reset()
+            y = context_attention(*local, method=method, window=window)
+            forward = COMM_LOG.summary()
+            COMM_LOG.reset()
+            y.backward(zigzag_split(grad, rank, cp, dim=2))
+            backward = COMM_LOG.summary()
+            errors = [(zigzag_gather(y.detach(), dim=2) - ref).abs().max()]
+            errors += [(zigzag_gather(t.grad, dim=2) - leaf.grad).abs().max() for t, leaf in zip(local, leaves)]
+            out[f"{method} {hq}/{hk} w={window}"] = {
+                "errors": [float(e) for e in errors],
+                "wire": [sum(s["wire_bytes"] for s in summary.values()) for summary in (forward, backward)],
+                "theory": comm_theory(method, cp, 2 * k.numel() // cp, k.element_size())}
+    return out
+
+
+@pytest.mark.parametrize("cp, seq_len", [(2, 12), (4, 16)])  # chunks of 3 (odd) and 2 tokens
+def test_attention_forward_and_backward_match_single_process(cp: int, seq_len: int) -> None:
+    for rank in run_distributed(_attention_worker, cp, seq_len):
+        for name, r in rank.items():
+            assert max(r["errors"]) < 1e-5, (name, r["errors"])
+            assert r["wire"] == [r["theory"]["forward"], r["theory"]["backward"]], name
+
+
+def test_comm_theory_ring_and_allgather() -> None:
+    """Same K/V volume both ways; the ring's dK/dV make one more hop than the reduce-scatter moves."""
+    ring, gather = comm_theory("ring", 4, 1000, 2), comm_theory("allgather", 4, 1000, 2)
+    assert ring["forward"] == gather["forward"] == 3 * 2000
+    assert ring["backward"] - gather["backward"] == 4000
+    assert comm_theory("ring", 1, 1000, 2) == {"forward": 0.0, "backward": 0.0}
+
+
+def _training_worker(method: str, config: dict, dp: int) -> dict[str, Any]:
+    """One step's loss and every gradient (averaged over the dp × cp ranks as the gradient sync would) of a
+    cp-sharded tiny Transformer, beside the single-process ones on the whole batch."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cp = world // dp
+    cp_groups = [dist.new_group(list(range(d * cp, (d + 1) * cp))) for d in range(dp)]
+    cp_group = cp_groups[rank // cp]
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, TINY["vocab_size"], (2 * dp, TINY["max_seq_len"] + 1), generator=gen)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
+    targets[0, 3:7] = -100  # ignored targets fall unevenly on the cp ranks: the loss weight must correct it
+
+    torch.manual_seed(0)
+    reference = Transformer(ModelConfig(**config))
+    ref_loss = reference.loss(inputs, targets)[0]
+    ref_loss.backward()
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**config))
+    assert parallelize_context(model, cp_group, method) == config["n_layers"]
+    rows = slice(rank // cp * 2, rank // cp * 2 + 2)  # this rank's data-parallel replica's rows
+    x, y, positions, weight = zigzag_batch(inputs[rows], targets[rows], cp_group)
+    loss = model.loss(x, y, positions)[0] * weight
+    loss.backward()
+    # dp replicas' mean losses average to the batch mean only with equal valid counts: weigh them here.
+    replica_weight = dp * int((targets[rows] != -100).sum()) / int((targets != -100).sum())
+    for t in (loss, *(p.grad for p in model.parameters())):
+        t.data.mul_(replica_weight)
+        dist.all_reduce(t.data)
+        t.data.div_(world)
+    return {"loss": (float(loss), float(ref_loss)),
+            "grads": {n: (p.grad, dict(reference.named_parameters())[n].grad) for n, p in model.named_parameters()}}
+
+
+TRAIN_RUNS = {  # world size: {name: (method, model config, dp)}; one spawn per world size
+    2: {"ring_cp2_gqa": ("ring", dict(TINY), 1),
+        "allgather_cp2_window_qknorm": ("allgather", dict(TINY, sliding_window=5, qk_norm=True), 1)},
+    4: {"ring_cp4_window": ("ring", dict(TINY, sliding_window=6, n_kv_heads=1), 1),
+        "allgather_cp4": ("allgather", dict(TINY), 1),
+        "ring_dp2_cp2": ("ring", dict(TINY), 2)},
+}
+
+
+def _training_runs(world: int) -> dict[str, dict[str, Any]]:
+    return {name: _training_worker(*run) for name, run in TRAIN_RUNS[world].items()}
+
+
+@pytest.mark.parametrize("world", TRAIN_RUNS)
+def test_transformer_loss_and_gradients_match_single_process(world: int) -> None:
+    for rank in run_distributed(_training_runs, world, world):
+        for run, result in rank.items():
+            loss, ref_loss = result["loss"]
+            assert abs(loss - ref_loss) < 1e-5, run
+            for name, (grad, ref) in result["grads"].items():
+                torch.testing.assert_close(grad, ref, atol=1e-5, rtol=1e-5, msg=f"{run}: {name}")
