@@ -334,3 +334,10 @@ def comm_theory(method: str, cp: int, kv_numel: int, element_size: int) -> dict[
     kv = (cp - 1) * kv_numel * element_size
     dkv_hops = cp if method == "ring" and cp > 1 else cp - 1
     return {"forward": float(kv), "backward": float(kv + dkv_hops * kv_numel * 4)}
+
+
+def saved_bytes_theory(batch: int, q_heads: int, kv_heads: int, head_dim: int, local_len: int,
+                       element_size: int) -> int:
+    """Bytes `ContextAttentionFunction` saves for backward on one rank: its own q, k, v and output (the model
+    dtype) and the fp32 log-sum-exp per query row; 1/cp of the whole sequence's, whatever the method."""
+    return batch * local_len * ((2 * q_heads + 2 * kv_heads) * head_dim * element_size + q_heads * 4)

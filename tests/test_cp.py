@@ -7,14 +7,17 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from dist_utils import TINY, run_distributed
 from kernels.attention import attention_reference
 from lit_lm.config import ModelConfig
 from lit_lm.model import RotaryEmbedding, Transformer
 from strategies.comm import COMM_LOG
-from strategies.cp import (METHODS, block_plan, comm_theory, context_attention, parallelize_context, zigzag_batch,
-                           zigzag_gather, zigzag_merge, zigzag_positions, zigzag_split)
+from strategies.cp import (METHODS, ContextParallelAttention, block_plan, comm_theory, parallelize_context,
+                           saved_bytes_theory, zigzag_batch, zigzag_gather, zigzag_merge, zigzag_positions,
+                           zigzag_split)
+from strategies.tp_layers import SavedActivations
 
 # (query heads, kv heads, sliding window): MHA, GQA, GQA with windows inside a chunk, across chunks, of one token
 CASES = [(2, 2, None), (4, 2, None), (4, 1, 4), (4, 2, 7), (2, 1, 1)]
@@ -76,8 +79,11 @@ def _attention_worker(seq_len: int) -> dict[str, Any]:
             ref = attention_reference(*leaves, causal=True, window=window)
             ref.backward(grad)
             local = [zigzag_split(t, rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
+            holder = nn.Module()
+            holder.core = ContextParallelAttention(None, method, window)
             COMM_LOG.reset()
-            y = context_attention(*local, method=method, window=window)
+            with SavedActivations(holder) as saved:
+                y = holder.core(*local)
             forward = COMM_LOG.summary()
             COMM_LOG.reset()
             y.backward(zigzag_split(grad, rank, cp, dim=2))
@@ -87,7 +93,8 @@ def _attention_worker(seq_len: int) -> dict[str, Any]:
             out[f"{method} {hq}/{hk} w={window}"] = {
                 "errors": [float(e) for e in errors],
                 "wire": [sum(s["wire_bytes"] for s in summary.values()) for summary in (forward, backward)],
-                "theory": comm_theory(method, cp, 2 * k.numel() // cp, k.element_size())}
+                "theory": comm_theory(method, cp, 2 * k.numel() // cp, k.element_size()),
+                "saved": (saved.bytes["core"], saved_bytes_theory(2, hq, hk, 8, seq_len // cp, 4))}
     return out
 
 
@@ -97,6 +104,7 @@ def test_attention_forward_and_backward_match_single_process(cp: int, seq_len: i
         for name, r in rank.items():
             assert max(r["errors"]) < 1e-5, (name, r["errors"])
             assert r["wire"] == [r["theory"]["forward"], r["theory"]["backward"]], name
+            assert r["saved"][0] == r["saved"][1], name  # activation memory: this rank's share only
 
 
 def test_comm_theory_ring_and_allgather() -> None:

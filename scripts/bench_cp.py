@@ -1,0 +1,134 @@
+"""Context parallelism measured beside theory, on CPU processes (gloo): activation memory per rank and the bytes
+each rank sends, for ring and all-gather attention, over sequence lengths and cp sizes.
+
+    python scripts/bench_cp.py --seq-lens 512 1024 2048 4096 --cps 1 2 4 --json runs/bench_cp.json
+
+For each cp size, `cp` processes run one Transformer block of a small model (`--d-model`, `--heads`,
+`--kv-heads`) on their zigzag share of a (`--batch`, T) sequence, its attention core swapped for
+`strategies.cp.ContextParallelAttention`:
+- memory: the bytes autograd saves for backward (each storage once, `strategies.tp_layers.SavedActivations`), the
+  whole block and its attention core. Theory: everything in a block is token-wise but attention, and the core saves
+  only its local q, k, v, output and log-sum-exp, so a rank saves 1/cp of what cp=1 saves;
+- bytes: the accounting layer's wire bytes (`strategies.comm`) of one forward and backward of the block, i.e. per
+  layer and step, beside `strategies.cp.comm_theory`. A model of L layers sends L times that per step.
+No timing: on a shared 2-core machine the ring's compute/communication overlap cannot be measured honestly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lit_lm.config import ModelConfig  # noqa: E402
+from lit_lm.model import Transformer  # noqa: E402
+from strategies.comm import COMM_LOG  # noqa: E402
+from strategies.cp import (METHODS, comm_theory, parallelize_context, saved_bytes_theory,  # noqa: E402
+                          zigzag_positions)
+from strategies.tp_layers import SavedActivations  # noqa: E402
+
+
+def _measure(args: argparse.Namespace, method: str, seq_len: int) -> dict[str, Any]:
+    """This rank's saved bytes (block, attention core) and wire bytes (forward, backward) of one block."""
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    config = ModelConfig(vocab_size=256, d_model=args.d_model, n_layers=1, n_heads=args.heads,
+                         n_kv_heads=args.kv_heads, max_seq_len=seq_len)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    parallelize_context(model, None, method)
+    block = model.blocks["0"]
+    positions = zigzag_positions(seq_len, rank, cp)
+    x = torch.randn(args.batch, seq_len // cp, args.d_model, requires_grad=True)
+    with SavedActivations(block.attn) as attn_saved:
+        block(x, positions)
+    with SavedActivations(block) as block_saved:
+        COMM_LOG.reset()
+        y = block(x, positions)
+        forward = COMM_LOG.summary()
+    COMM_LOG.reset()
+    y.sum().backward()
+    backward = COMM_LOG.summary()
+    kv_numel = 2 * args.batch * args.kv_heads * (seq_len // cp) * config.head_dim
+    return {"method": method, "seq_len": seq_len, "cp": cp,
+            "block_saved": sum(block_saved.bytes.values()), "core_saved": attn_saved.bytes["core"],
+            "wire_forward": sum(s["wire_bytes"] for s in forward.values()),
+            "wire_backward": sum(s["wire_bytes"] for s in backward.values()),
+            "core_saved_theory": saved_bytes_theory(args.batch, args.heads, args.kv_heads, config.head_dim,
+                                                    seq_len // cp, 4),
+            "theory": comm_theory(method, cp, kv_numel, 4)}
+
+
+def _worker(rank: int, args: argparse.Namespace, cp: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=cp)
+    try:
+        rows = [_measure(args, method, t) for t in args.seq_lens for method in METHODS]
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:9.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--json", type=str, default=None)
+    args = parser.parse_args()
+    rows: list[dict[str, Any]] = []
+    for cp in args.cps:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = str(Path(tmp) / "rows.json")
+            mp.spawn(_worker, args=(args, cp, _free_port(), out), nprocs=cp, join=True)
+            rows += json.loads(Path(out).read_text())
+
+    base = {(r["method"], r["seq_len"]): r for r in rows if r["cp"] == 1}
+    print("Saved activations per rank, one block (MiB); block theory = cp=1 / cp (all but attention is token-wise),"
+          "\nattention core theory = local q, k, v, out + fp32 log-sum-exp (strategies.cp.saved_bytes_theory)")
+    print(f"{'method':<10}{'T':>7}{'cp':>4}{'block':>10}{'theory':>10}{'attn core':>10}{'theory':>10}")
+    for r in rows:
+        b = base.get((r["method"], r["seq_len"]))
+        block_theory = _mib(b["block_saved"] / r["cp"]) if b else f"{'-':>9}"
+        core_theory = _mib(r["core_saved_theory"])
+        r["block_saved_theory"] = b["block_saved"] / r["cp"] if b else None
+        print(f"{r['method']:<10}{r['seq_len']:>7}{r['cp']:>4}{_mib(r['block_saved']):>10} {block_theory}"
+              f"{_mib(r['core_saved']):>10} {core_theory}")
+    print("\nWire bytes per rank, one layer, one step (MiB): measured (theory)")
+    print(f"{'method':<10}{'T':>7}{'cp':>4}{'forward':>22}{'backward':>22}")
+    for r in rows:
+        t = r["theory"]
+        print(f"{r['method']:<10}{r['seq_len']:>7}{r['cp']:>4}"
+              f"{_mib(r['wire_forward'])} ({_mib(t['forward'])}){_mib(r['wire_backward'])} ({_mib(t['backward'])})")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
