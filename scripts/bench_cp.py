@@ -88,7 +88,32 @@ def _free_port() -> int:
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**20:9.3f}"
+    return f"{n / 2**20:.3f}"
+
+
+def tables(rows: list[dict[str, Any]]) -> str:
+    """Markdown tables, one row per (T, cp): saved bytes (both methods) and wire bytes, measured (theory)."""
+    by = {(r["seq_len"], r["cp"], r["method"]): r for r in rows}
+    keys = sorted({(r["seq_len"], r["cp"]) for r in rows})
+    out = ["Saved activations per rank, one block, MiB: measured for ring / allgather (theory: cp=1 / cp, as all but",
+           "attention is token-wise); the attention core's (theory: local q, k, v, out + fp32 lse)", "",
+           "| T | cp | block ring / allgather | theory | attention core | theory |", "|---|---|---|---|---|---|"]
+    for t, cp in keys:
+        ring, gather = by[t, cp, "ring"], by[t, cp, "allgather"]
+        base = by.get((t, 1, "ring"))
+        theory = _mib(base["block_saved"] / cp) if base else "-"
+        out.append(f"| {t} | {cp} | {_mib(ring['block_saved'])} / {_mib(gather['block_saved'])} | {theory} | "
+                   f"{_mib(ring['core_saved'])} | {_mib(ring['core_saved_theory'])} |")
+    out += ["", "Wire bytes per rank for one layer's forward + backward, MiB: measured (theory); a model of L "
+            "layers sends L times this per step", "",
+            "| T | cp | ring forward | ring backward | allgather forward | allgather backward |",
+            "|---|---|---|---|---|---|"]
+    for t, cp in keys:
+        cells = [f"{_mib(r[f'wire_{d}'])} ({_mib(r['theory'][d])})" for r in (by[t, cp, "ring"],
+                                                                            by[t, cp, "allgather"])
+                 for d in ("forward", "backward")]
+        out.append(f"| {t} | {cp} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 def main() -> None:
@@ -108,23 +133,7 @@ def main() -> None:
             mp.spawn(_worker, args=(args, cp, _free_port(), out), nprocs=cp, join=True)
             rows += json.loads(Path(out).read_text())
 
-    base = {(r["method"], r["seq_len"]): r for r in rows if r["cp"] == 1}
-    print("Saved activations per rank, one block (MiB); block theory = cp=1 / cp (all but attention is token-wise),"
-          "\nattention core theory = local q, k, v, out + fp32 log-sum-exp (strategies.cp.saved_bytes_theory)")
-    print(f"{'method':<10}{'T':>7}{'cp':>4}{'block':>10}{'theory':>10}{'attn core':>10}{'theory':>10}")
-    for r in rows:
-        b = base.get((r["method"], r["seq_len"]))
-        block_theory = _mib(b["block_saved"] / r["cp"]) if b else f"{'-':>9}"
-        core_theory = _mib(r["core_saved_theory"])
-        r["block_saved_theory"] = b["block_saved"] / r["cp"] if b else None
-        print(f"{r['method']:<10}{r['seq_len']:>7}{r['cp']:>4}{_mib(r['block_saved']):>10} {block_theory}"
-              f"{_mib(r['core_saved']):>10} {core_theory}")
-    print("\nWire bytes per rank, one layer, one step (MiB): measured (theory)")
-    print(f"{'method':<10}{'T':>7}{'cp':>4}{'forward':>22}{'backward':>22}")
-    for r in rows:
-        t = r["theory"]
-        print(f"{r['method']:<10}{r['seq_len']:>7}{r['cp']:>4}"
-              f"{_mib(r['wire_forward'])} ({_mib(t['forward'])}){_mib(r['wire_backward'])} ({_mib(t['backward'])})")
+    print(tables(rows))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
