@@ -89,13 +89,22 @@ def zigzag_batch(inputs: Tensor, targets: Tensor, group: Optional[dist.ProcessGr
 
 
 # -- blockwise attention with log-sum-exp (the PyTorch reference; the kernel seam) -------------------------------
-def block_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """Softmax attention of grouped queries q (B, Hkv, G, M, D) on k, v (B, Hkv, N, D) -> (out fp32, lse fp32).
+def tile_mask(n_q: int, n_k: int, offset: int, window: int, device: torch.device) -> Optional[Tensor]:
+    """Which (query i, key j) pairs of a tile attend: 0 <= offset + i − j < window (None: all of them)."""
+    if offset - (n_k - 1) >= 0 and offset + n_q - 1 < window:
+        return None
+    distance = offset + torch.arange(n_q, device=device)[:, None] - torch.arange(n_k, device=device)[None, :]
+    return (distance >= 0) & (distance < window)
 
-    `mask` (M, N) says which pairs attend (None: all). A row with no key gets out 0 and lse −inf, which the merge
-    weighs by exp(−inf) = 0."""
+
+def block_forward(q: Tensor, k: Tensor, v: Tensor, offset: int, window: int) -> tuple[Tensor, Tensor]:
+    """Causal attention of grouped queries q (B, Hkv, G, M, D) on k, v (B, Hkv, N, D) -> (out fp32, lse fp32),
+    query row i sitting `offset` positions after key 0 (see `tile_mask`).
+
+    A row with no key gets out 0 and lse −inf, which the merge weighs by exp(−inf) = 0."""
     b, hk, g, m, d = q.shape
     s = torch.matmul(q.reshape(b, hk, g * m, d), k.transpose(-1, -2)).float().view(b, hk, g, m, -1) * d ** -0.5
+    mask = tile_mask(m, k.shape[-2], offset, window, q.device)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
@@ -104,15 +113,16 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> tu
     return out, lse
 
 
-def block_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
-                   mask: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (fp32) of one block given the *final* lse and delta = rowsum(dO ∘ O) of the merged output:
+def block_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, offset: int,
+                   window: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (fp32) of one tile given the *final* lse and delta = rowsum(dO ∘ O) of the merged output:
     P = exp(S − lse), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − delta), dQ = dS K / √D, dK = dSᵀ Q / √D (FlashAttention-2)."""
     b, hk, g, m, d = q.shape
     scale = d ** -0.5
     qf, dof = q.reshape(b, hk, g * m, d).float(), do.reshape(b, hk, g * m, d).float()
     kf, vf = k.float(), v.float()
     s = torch.matmul(qf, kf.transpose(-1, -2)).view(b, hk, g, m, -1) * scale
+    mask = tile_mask(m, k.shape[-2], offset, window, q.device)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     p = torch.exp(s - lse.unsqueeze(-1))
@@ -122,28 +132,49 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, del
     return dq, torch.matmul(ds.transpose(-1, -2), qf) * scale, torch.matmul(p.transpose(-1, -2), dof)
 
 
-def block_plan(q_pos: Tensor, k_pos: Tensor, window: int, chunk: int
-               ) -> Iterator[tuple[slice, slice, Optional[Tensor]]]:
-    """(query rows, keys, mask or None) for each run of `chunk` query rows: the keys some row of the run sees
-    (causal, within `window`). Key positions increase along the keys, so those keys are one run; query runs that
-    see none are skipped (causal block skipping)."""
+def block_plan(q_pos: Tensor, k_pos: Tensor, window: int, chunk: int) -> Iterator[tuple[slice, slice, int]]:
+    """The tiles to compute, (query rows, keys, offset), for each run of `chunk` query rows: the keys some row of
+    the run sees (causal, within `window`), cut where key positions jump, so both sides of a tile are consecutive
+    positions and query row i sits `offset` + i positions after its first key. Key positions increase along the
+    keys, so the keys a run sees are one range; runs that see none are skipped (causal block skipping)."""
     for start in range(0, len(q_pos), chunk):
         qp = q_pos[start:start + chunk]
         lo = int(torch.searchsorted(k_pos, qp[0] - window + 1))
         hi = int(torch.searchsorted(k_pos, qp[-1], right=True))
         if lo >= hi:
             continue
-        distance = qp[:, None] - k_pos[None, lo:hi]
-        keep = (distance >= 0) & (distance < window)
-        yield slice(start, start + len(qp)), slice(lo, hi), None if bool(keep.all()) else keep
+        jumps = (torch.nonzero(k_pos[lo + 1:hi] - k_pos[lo:hi - 1] != 1).flatten() + lo + 1).tolist()
+        edges = [lo, *jumps, hi]
+        for a, b in zip(edges, edges[1:]):
+            yield slice(start, start + len(qp)), slice(a, b), int(qp[0] - k_pos[a])
 
 
 def merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
     """The online-softmax merge, in place: two softmax-normalised partial outputs over disjoint key sets become
-    the output over their union."""
+    the output over their union. Rows that have seen no key yet on either side stay at out 0, lse −inf."""
     new = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - new).unsqueeze(-1))
+    finite = torch.where(new.isinf(), 0.0, new)
+    out.mul_(torch.exp(lse - finite).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - finite).unsqueeze(-1))
     lse.copy_(new)
+
+
+def attend(q: Tensor, kv: Tensor, q_pos: Tensor, k_pos: Tensor, window: int, out: Tensor, lse: Tensor) -> None:
+    """Merge the attention of queries q at `q_pos` on kv = stack(k, v) at `k_pos` into (out, lse), tile by tile."""
+    for rows, keys, offset in block_plan(q_pos, k_pos, window, len(q_pos) // 2):
+        block_out, block_lse = block_forward(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], offset,
+                                             window)
+        merge_into(out[..., rows, :], lse[..., rows], block_out, block_lse)
+
+
+def attend_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor, q_pos: Tensor, k_pos: Tensor,
+                    window: int, dq: Tensor, dkv: Tensor) -> None:
+    """Add this (queries, keys) pair's gradients to dq and dkv = stack(dk, dv), tile by tile."""
+    for rows, keys, offset in block_plan(q_pos, k_pos, window, len(q_pos) // 2):
+        dq_b, dk_b, dv_b = block_backward(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :],
+                                          do[..., rows, :], lse[..., rows], delta[..., rows], offset, window)
+        dq[..., rows, :] += dq_b
+        dkv[0][..., keys, :] += dk_b
+        dkv[1][..., keys, :] += dv_b
 
 
 # -- the ring ---------------------------------------------------------------------------------------------
@@ -171,11 +202,7 @@ def ring_forward(q: Tensor, kv: Tensor, seq_len: int, window: int, group: Option
     for step in range(cp):
         if step < cp - 1:
             next_kv, works = _ring_pass(kv, group)
-        k_pos = zigzag_positions(seq_len, (rank - step) % cp, cp)
-        for rows, keys, mask in block_plan(q_pos, k_pos, window, len(q_pos) // 2):
-            block_out, block_lse = block_forward(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :],
-                                                 _on(mask, q))
-            merge_into(out[..., rows, :], lse[..., rows], block_out, block_lse)
+        attend(q, kv, q_pos, zigzag_positions(seq_len, (rank - step) % cp, cp), window, out, lse)
         if step < cp - 1:
             _wait(works)
             kv = next_kv
@@ -193,14 +220,9 @@ def ring_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
     for step in range(cp):
         if step < cp - 1:
             next_kv, kv_works = _ring_pass(kv, group)
-        k_pos = zigzag_positions(seq_len, (rank - step) % cp, cp)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        for rows, keys, mask in block_plan(q_pos, k_pos, window, len(q_pos) // 2):
-            dq_b, dk_b, dv_b = block_backward(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :],
-                                              do[..., rows, :], lse[..., rows], delta[..., rows], _on(mask, q))
-            dq[..., rows, :] += dq_b
-            dkv[0][..., keys, :] += dk_b
-            dkv[1][..., keys, :] += dv_b
+        attend_backward(q, kv, do, lse, delta, q_pos, zigzag_positions(seq_len, (rank - step) % cp, cp), window,
+                        dq, dkv)
         if in_flight is not None:  # what the ranks before added to this block's gradient
             _wait(in_flight[1])
             dkv += in_flight[0]
@@ -222,9 +244,7 @@ def allgather_forward(q: Tensor, kv: Tensor, seq_len: int, window: int, group: O
     q_pos = zigzag_positions(seq_len, dist.get_rank(group), dist.get_world_size(group))
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
-    for rows, keys, mask in block_plan(q_pos, torch.arange(seq_len), window, len(q_pos) // 2):
-        out[..., rows, :], lse[..., rows] = block_forward(q[..., rows, :], full[0][..., keys, :],
-                                                          full[1][..., keys, :], _on(mask, q))
+    attend(q, full, q_pos, torch.arange(seq_len), window, out, lse)
     return out, lse
 
 
@@ -235,20 +255,11 @@ def allgather_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Te
     q_pos = zigzag_positions(seq_len, rank, cp)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_full = torch.zeros(full.shape, dtype=torch.float32, device=q.device)
-    for rows, keys, mask in block_plan(q_pos, torch.arange(seq_len), window, len(q_pos) // 2):
-        dq[..., rows, :], dk_b, dv_b = block_backward(q[..., rows, :], full[0][..., keys, :], full[1][..., keys, :],
-                                                      do[..., rows, :], lse[..., rows], delta[..., rows],
-                                                      _on(mask, q))
-        dkv_full[0][..., keys, :] += dk_b
-        dkv_full[1][..., keys, :] += dv_b
+    attend_backward(q, full, do, lse, delta, q_pos, torch.arange(seq_len), window, dq, dkv_full)
     shares = torch.cat([zigzag_split(dkv_full, r, cp, dim=-2) for r in range(cp)])  # rank r's share r-th
     dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
     comm.reduce_scatter(dkv, shares, group)
     return dq, dkv
-
-
-def _on(mask: Optional[Tensor], like: Tensor) -> Optional[Tensor]:
-    return None if mask is None else mask.to(like.device)
 
 
 _FORWARD = {"ring": ring_forward, "allgather": allgather_forward}

@@ -19,8 +19,9 @@ from strategies.cp import (METHODS, ContextParallelAttention, block_plan, comm_t
                            zigzag_split)
 from strategies.tp_layers import SavedActivations
 
-# (query heads, kv heads, sliding window): MHA, GQA, GQA with windows inside a chunk, across chunks, of one token
-CASES = [(2, 2, None), (4, 2, None), (4, 1, 4), (4, 2, 7), (2, 1, 1)]
+# (query heads, kv heads, sliding window): MHA, GQA, GQA with windows inside a chunk, across chunks, of one token;
+# window 6 at cp=4 leaves rows with no key in the first tile they meet (the merge must keep lse = −inf, not NaN)
+CASES = [(2, 2, None), (4, 2, None), (4, 1, 4), (4, 2, 7), (2, 1, 1), (4, 2, 6)]
 
 
 def test_zigzag_split_covers_the_sequence_with_equal_causal_work() -> None:
