@@ -13,11 +13,14 @@ kv head under GQA) and dQ by one program per query block, so every gradient elem
 Causal attention skips the key blocks entirely above the diagonal, and a sliding window of W also skips the
 blocks entirely older than W; the masks are applied inside the blocks. GQA reads kv head `q_head // group`
 without repeating k, v in memory. Any sequence length (masked tails) and any head_dim (padded to a power of 2).
+
+The kernels also attend a *tile* of a longer sequence (`flash_attention_lse`): M queries on N keys, query row i
+sitting `q_offset` + i positions after key 0, returning the log-sum-exp; its backward takes the lse and delta of
+the merged output. Context parallelism (`strategies/cp.py`) merges such tiles around its ring.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
@@ -46,7 +49,7 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
 @jit
 def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
               sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
-              n_heads, group, seq_len, head_dim, window, qk_scale,
+              n_heads, group, seq_q, seq_k, q_offset, head_dim, window, qk_scale,
               CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -54,7 +57,7 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     hk = h // group
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    row_mask = (rows[:, None] < seq_len) & (dims[None, :] < head_dim)
+    row_mask = (rows[:, None] < seq_q) & (dims[None, :] < head_dim)
     q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_t + dims[None, :], mask=row_mask, other=0.0)
     k_base = k_ptr + b * sk_b + hk * sk_h
     v_base = v_ptr + b * sv_b + hk * sv_h
@@ -62,21 +65,22 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     m = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)  # finite: a row fully masked in one block gives p = 0
     l = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    if CAUSAL:  # only key blocks that hold a (row >= col > row - window) pair
-        lo = tl.maximum(start_m - window + 1, 0) // BLOCK_N * BLOCK_N
-        hi = tl.minimum(start_m + BLOCK_M, seq_len)
+    if CAUSAL:  # only key blocks that hold a (row + offset >= col > row + offset - window) pair
+        lo = tl.maximum(start_m + q_offset - window + 1, 0) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(start_m + BLOCK_M + q_offset, seq_k)
     else:
         lo = 0
-        hi = seq_len
+        hi = seq_k
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        col_mask = (cols[:, None] < seq_len) & (dims[None, :] < head_dim)
+        col_mask = (cols[:, None] < seq_k) & (dims[None, :] < head_dim)
         k = tl.load(k_base + cols[:, None] * sk_t + dims[None, :], mask=col_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * sv_t + dims[None, :], mask=col_mask, other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale
-        keep = cols[None, :] < seq_len
+        keep = cols[None, :] < seq_k
         if CAUSAL:
-            keep = keep & (rows[:, None] >= cols[None, :]) & (rows[:, None] - cols[None, :] < window)
+            distance = rows[:, None] + q_offset - cols[None, :]
+            keep = keep & (distance >= 0) & (distance < window)
         s = tl.where(keep, s, -float("inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         p = tl.exp2(s - m_new[:, None])
@@ -85,10 +89,10 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
 
-    acc = acc / l[:, None]
+    acc = acc / tl.where(l > 0, l, 1.0)[:, None]  # a row that sees no key (offset tiles): out 0, lse -inf
     tl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_t + dims[None, :], acc.to(o_ptr.dtype.element_ty),
              mask=row_mask)
-    tl.store(lse_ptr + bh * seq_len + rows, m + tl.log2(l), mask=rows < seq_len)
+    tl.store(lse_ptr + bh * seq_q + rows, m + tl.log2(l), mask=rows < seq_q)
 
 
 @jit
@@ -108,7 +112,7 @@ def _attn_bwd_delta(o_ptr, do_ptr, delta_ptr, so_b, so_h, so_t, sdo_b, sdo_h, sd
 @jit
 def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-                   n_heads, group, seq_len, head_dim, window, qk_scale, scale,
+                   n_heads, group, seq_q, seq_k, q_offset, head_dim, window, qk_scale, scale,
                    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # q and dO share strides (dO is made contiguous like q); so do k/dk and v/dv.
     start_n = tl.program_id(0) * BLOCK_N
@@ -117,33 +121,34 @@ def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_p
     b, hk = bhk // n_kv_heads, bhk % n_kv_heads
     cols = start_n + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    col_mask = (cols[:, None] < seq_len) & (dims[None, :] < head_dim)
+    col_mask = (cols[:, None] < seq_k) & (dims[None, :] < head_dim)
     k_offs = b * sk_b + hk * sk_h + cols[:, None] * sk_t + dims[None, :]
     v_offs = b * sv_b + hk * sv_h + cols[:, None] * sv_t + dims[None, :]
     k = tl.load(k_ptr + k_offs, mask=col_mask, other=0.0)
     v = tl.load(v_ptr + v_offs, mask=col_mask, other=0.0)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    if CAUSAL:  # only query blocks that hold a (row >= col > row - window) pair
-        lo = start_n // BLOCK_M * BLOCK_M
-        hi = tl.minimum(start_n + BLOCK_N + window - 1, seq_len)
+    if CAUSAL:  # only query blocks that hold a (row + offset >= col > row + offset - window) pair
+        lo = tl.maximum(start_n - q_offset, 0) // BLOCK_M * BLOCK_M
+        hi = tl.minimum(start_n + BLOCK_N - q_offset + window - 1, seq_q)
     else:
         lo = 0
-        hi = seq_len
+        hi = seq_q
     for g in range(group):  # the query heads that share this kv head
         bh = b * n_heads + hk * group + g
         q_base = q_ptr + b * sq_b + (hk * group + g) * sq_h
         do_base = do_ptr + b * sq_b + (hk * group + g) * sq_h
         for start_m in range(lo, hi, BLOCK_M):
             rows = start_m + tl.arange(0, BLOCK_M)
-            row_mask = (rows[:, None] < seq_len) & (dims[None, :] < head_dim)
+            row_mask = (rows[:, None] < seq_q) & (dims[None, :] < head_dim)
             q = tl.load(q_base + rows[:, None] * sq_t + dims[None, :], mask=row_mask, other=0.0)
             do = tl.load(do_base + rows[:, None] * sq_t + dims[None, :], mask=row_mask, other=0.0)
-            lse = tl.load(lse_ptr + bh * seq_len + rows, mask=rows < seq_len, other=float("inf"))
-            delta = tl.load(delta_ptr + bh * seq_len + rows, mask=rows < seq_len, other=0.0)
+            lse = tl.load(lse_ptr + bh * seq_q + rows, mask=rows < seq_q, other=float("inf"))
+            delta = tl.load(delta_ptr + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
             p_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # P^T: (BLOCK_N, BLOCK_M)
             if CAUSAL:
-                keep = (rows[None, :] >= cols[:, None]) & (rows[None, :] - cols[:, None] < window)
+                distance = rows[None, :] + q_offset - cols[:, None]
+                keep = (distance >= 0) & (distance < window)
                 p_t = tl.where(keep, p_t, 0.0)
             dv += tl.dot(p_t.to(do.dtype), do)
             ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
@@ -155,7 +160,7 @@ def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_p
 @jit
 def _attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-                 n_heads, group, seq_len, head_dim, window, qk_scale, scale,
+                 n_heads, group, seq_q, seq_k, q_offset, head_dim, window, qk_scale, scale,
                  CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # q, dO and dQ share strides.
     start_m = tl.program_id(0) * BLOCK_M
@@ -164,30 +169,31 @@ def _attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     hk = h // group
     rows = start_m + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    row_mask = (rows[:, None] < seq_len) & (dims[None, :] < head_dim)
+    row_mask = (rows[:, None] < seq_q) & (dims[None, :] < head_dim)
     q_offs = b * sq_b + h * sq_h + rows[:, None] * sq_t + dims[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_mask, other=0.0)
     do = tl.load(do_ptr + q_offs, mask=row_mask, other=0.0)
-    lse = tl.load(lse_ptr + bh * seq_len + rows, mask=rows < seq_len, other=float("inf"))
-    delta = tl.load(delta_ptr + bh * seq_len + rows, mask=rows < seq_len, other=0.0)
+    lse = tl.load(lse_ptr + bh * seq_q + rows, mask=rows < seq_q, other=float("inf"))
+    delta = tl.load(delta_ptr + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
     k_base = k_ptr + b * sk_b + hk * sk_h
     v_base = v_ptr + b * sv_b + hk * sv_h
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     if CAUSAL:
-        lo = tl.maximum(start_m - window + 1, 0) // BLOCK_N * BLOCK_N
-        hi = tl.minimum(start_m + BLOCK_M, seq_len)
+        lo = tl.maximum(start_m + q_offset - window + 1, 0) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(start_m + BLOCK_M + q_offset, seq_k)
     else:
         lo = 0
-        hi = seq_len
+        hi = seq_k
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
-        col_mask = (cols[:, None] < seq_len) & (dims[None, :] < head_dim)
+        col_mask = (cols[:, None] < seq_k) & (dims[None, :] < head_dim)
         k = tl.load(k_base + cols[:, None] * sk_t + dims[None, :], mask=col_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * sv_t + dims[None, :], mask=col_mask, other=0.0)
         p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
-        keep = cols[None, :] < seq_len
+        keep = cols[None, :] < seq_k
         if CAUSAL:
-            keep = keep & (rows[:, None] >= cols[None, :]) & (rows[:, None] - cols[None, :] < window)
+            distance = rows[:, None] + q_offset - cols[None, :]
+            keep = keep & (distance >= 0) & (distance < window)
         p = tl.where(keep, p, 0.0)
         ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
@@ -214,41 +220,73 @@ def _last_dim_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int, q_offset: int) -> tuple[Tensor, Tensor]:
+    """(o, lse in base 2) for q (B, Hq, M, D), k/v (B, Hkv, N, D), last dims contiguous."""
+    b, n_heads, seq_q, head_dim = q.shape
+    cfg = _launch_config(q)
+    o = torch.empty_like(q)  # empty_like keeps q's strides: a (B, T, H, D) layout stays one
+    lse = torch.empty(b, n_heads, seq_q, dtype=torch.float32, device=q.device)
+    _attn_fwd[(cdiv(seq_q, cfg["BLOCK_M"]), b * n_heads)](
+        q, k, v, o, lse, *_strides(q, k, v, o), n_heads, n_heads // k.shape[1], seq_q, k.shape[2], q_offset,
+        head_dim, window, head_dim ** -0.5 * LOG2E, CAUSAL=causal, **cfg)
+    return o, lse
+
+
+def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, causal: bool, window: int,
+              q_offset: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) from the base-2 lse and delta = rowsum(dO * O); `do` has q's strides."""
+    b, n_heads, seq_q, head_dim = q.shape
+    cfg = _launch_config(q)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    scale = head_dim ** -0.5
+    args = (*_strides(q, k, v), n_heads, n_heads // k.shape[1], seq_q, k.shape[2], q_offset, head_dim, window,
+            scale * LOG2E, scale)
+    _attn_bwd_dkdv[(cdiv(k.shape[2], cfg["BLOCK_N"]), b * k.shape[1])](
+        q, k, v, do, lse, delta, dk, dv, *args, CAUSAL=causal, **cfg)
+    _attn_bwd_dq[(cdiv(seq_q, cfg["BLOCK_M"]), b * n_heads)](
+        q, k, v, do, lse, delta, dq, *args, CAUSAL=causal, **cfg)
+    return dq, dk, dv
+
+
 class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int) -> Tensor:
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-        b, n_heads, seq_len, head_dim = q.shape
-        group = n_heads // k.shape[1]
-        cfg = _launch_config(q)
-        o = torch.empty_like(q)  # empty_like keeps q's strides: a (B, T, H, D) layout stays one
-        lse = torch.empty(b, n_heads, seq_len, dtype=torch.float32, device=q.device)  # base 2
-        scale = 1.0 / math.sqrt(head_dim)
-        _attn_fwd[(cdiv(seq_len, cfg["BLOCK_M"]), b * n_heads)](
-            q, k, v, o, lse, *_strides(q, k, v, o), n_heads, group, seq_len, head_dim, window, scale * LOG2E,
-            CAUSAL=causal, **cfg)
+        o, lse = _forward(q, k, v, causal, window, 0)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.window, ctx.scale = causal, window, scale
+        ctx.causal, ctx.window = causal, window
         return o
 
     @staticmethod
     def backward(ctx, do: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
         q, k, v, o, lse = ctx.saved_tensors
         b, n_heads, seq_len, head_dim = q.shape
-        group = n_heads // k.shape[1]
         cfg = _launch_config(q)
         do = torch.empty_like(q).copy_(do)  # same strides as q, so the kernels share q's
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         delta = torch.empty_like(lse)
         _attn_bwd_delta[(cdiv(seq_len, cfg["BLOCK_M"]), b * n_heads)](
             o, do, delta, *_strides(o, do), n_heads, seq_len, head_dim,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"])
-        args = (*_strides(q, k, v), n_heads, group, seq_len, head_dim, ctx.window, ctx.scale * LOG2E, ctx.scale)
-        _attn_bwd_dkdv[(cdiv(seq_len, cfg["BLOCK_N"]), b * k.shape[1])](
-            q, k, v, do, lse, delta, dk, dv, *args, CAUSAL=ctx.causal, **cfg)
-        _attn_bwd_dq[(cdiv(seq_len, cfg["BLOCK_M"]), b * n_heads)](
-            q, k, v, do, lse, delta, dq, *args, CAUSAL=ctx.causal, **cfg)
-        return dq, dk, dv, None, None
+        return (*_backward(q, k, v, do, lse, delta, ctx.causal, ctx.window, 0), None, None)
+
+
+def flash_attention_lse(q: Tensor, k: Tensor, v: Tensor, q_offset: int = 0, window: Optional[int] = None
+                        ) -> tuple[Tensor, Tensor]:
+    """Causal attention of a tile, no autograd: q (B, Hq, M, D) on k/v (B, Hkv, N, D), query row i sitting
+    `q_offset` + i positions after key 0 (keys j with 0 <= q_offset + i - j < window attend) -> (o, lse), lse
+    (B, Hq, M) fp32 in natural log. A row that sees no key gets o 0, lse -inf. Context parallelism merges tiles by
+    their lse and runs the backward with `flash_attention_lse_backward`."""
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    o, lse = _forward(q, k, v, True, window or q_offset + q.shape[2], q_offset)
+    return o, lse / LOG2E
+
+
+def flash_attention_lse_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
+                                 q_offset: int = 0, window: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of a tile given the final (merged) natural-log lse and delta = rowsum(dO * O) (B, Hq, M)."""
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    return _backward(q, k, v, do.contiguous(), (lse * LOG2E).contiguous(), delta.contiguous(), True,
+                     window or q_offset + q.shape[2], q_offset)
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, window: Optional[int] = None) -> Tensor:

@@ -15,20 +15,24 @@ Two ways to attend over the whole sequence (`METHODS`), one autograd function:
 - `allgather` (Llama 3): all-gather K/V (small under GQA), attend locally, reduce-scatter dK/dV in backward
   (K/V are gathered again there rather than kept, so saved activations stay 1/cp).
 Grouped-query attention folds the query heads sharing a kv head into the rows of one matmul: K/V are never
-repeated. Everything runs on the PyTorch reference (fp32 scores); `block_forward`/`block_backward` are the seam
-where a FlashAttention kernel returning the log-sum-exp plugs in.
+repeated. Attention runs in tiles of consecutive positions (`block_plan`), each by lit-lm's FlashAttention kernel
+(`kernels.attention.flash_attention_lse`) on CUDA tensors or under TRITON_INTERPRET=1, else by the PyTorch
+reference here (fp32 scores): `block_forward`/`block_backward` are that seam.
 
 Plain torch.distributed through `strategies.comm`; no Lightning.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from kernels.attention import flash_attention_lse, flash_attention_lse_backward
+from kernels.runtime import check_backend, use_triton
 from strategies import comm
 from strategies.plan import ContextParallelModel
 
@@ -97,7 +101,7 @@ def tile_mask(n_q: int, n_k: int, offset: int, window: int, device: torch.device
     return (distance >= 0) & (distance < window)
 
 
-def block_forward(q: Tensor, k: Tensor, v: Tensor, offset: int, window: int) -> tuple[Tensor, Tensor]:
+def block_forward_reference(q: Tensor, k: Tensor, v: Tensor, offset: int, window: int) -> tuple[Tensor, Tensor]:
     """Causal attention of grouped queries q (B, Hkv, G, M, D) on k, v (B, Hkv, N, D) -> (out fp32, lse fp32),
     query row i sitting `offset` positions after key 0 (see `tile_mask`).
 
@@ -113,8 +117,8 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, offset: int, window: int) -> 
     return out, lse
 
 
-def block_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, offset: int,
-                   window: int) -> tuple[Tensor, Tensor, Tensor]:
+def block_backward_reference(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
+                             offset: int, window: int) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (fp32) of one tile given the *final* lse and delta = rowsum(dO ∘ O) of the merged output:
     P = exp(S − lse), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − delta), dQ = dS K / √D, dK = dSᵀ Q / √D (FlashAttention-2)."""
     b, hk, g, m, d = q.shape
@@ -130,6 +134,28 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, del
     p, ds = p.view(b, hk, g * m, -1), ds.view(b, hk, g * m, -1)
     dq = torch.matmul(ds, kf).view(b, hk, g, m, d) * scale
     return dq, torch.matmul(ds.transpose(-1, -2), qf) * scale, torch.matmul(p.transpose(-1, -2), dof)
+
+
+def block_forward(q: Tensor, k: Tensor, v: Tensor, offset: int, window: int, backend: str = "auto"
+                  ) -> tuple[Tensor, Tensor]:
+    """The kernel seam: lit-lm's FlashAttention where `kernels.runtime.use_triton(backend, q)` says ("auto": CUDA
+    tensors, or CPU under TRITON_INTERPRET=1), else the reference."""
+    if not use_triton(backend, q):
+        return block_forward_reference(q, k, v, offset, window)
+    b, hk, g, m, d = q.shape
+    out, lse = flash_attention_lse(q.reshape(b, hk * g, m, d), k, v, offset, window)
+    return out.float().view(b, hk, g, m, d), lse.view(b, hk, g, m)
+
+
+def block_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, offset: int,
+                   window: int, backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    """The kernel seam of the backward, as `block_forward`."""
+    if not use_triton(backend, q):
+        return block_backward_reference(q, k, v, do, lse, delta, offset, window)
+    b, hk, g, m, d = q.shape
+    dq, dk, dv = flash_attention_lse_backward(q.reshape(b, hk * g, m, d), k, v, do.reshape(b, hk * g, m, d),
+                                              lse.reshape(b, hk * g, m), delta.reshape(b, hk * g, m), offset, window)
+    return dq.float().view(b, hk, g, m, d), dk.float(), dv.float()
 
 
 def block_plan(q_pos: Tensor, k_pos: Tensor, window: int, chunk: int) -> Iterator[tuple[slice, slice, int]]:
@@ -158,20 +184,40 @@ def merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -
     lse.copy_(new)
 
 
-def attend(q: Tensor, kv: Tensor, q_pos: Tensor, k_pos: Tensor, window: int, out: Tensor, lse: Tensor) -> None:
+@dataclass(frozen=True)
+class Call:
+    """What every step of one attention call needs: the cp group, the whole sequence's length, the window (the
+    sequence length when there is none) and the kernel backend (`kernels.runtime.BACKENDS`)."""
+
+    group: Optional[dist.ProcessGroup]
+    seq_len: int
+    window: int
+    backend: str = "auto"
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def cp(self) -> int:
+        return dist.get_world_size(self.group)
+
+
+def attend(q: Tensor, kv: Tensor, q_pos: Tensor, k_pos: Tensor, call: Call, out: Tensor, lse: Tensor) -> None:
     """Merge the attention of queries q at `q_pos` on kv = stack(k, v) at `k_pos` into (out, lse), tile by tile."""
-    for rows, keys, offset in block_plan(q_pos, k_pos, window, len(q_pos) // 2):
+    for rows, keys, offset in block_plan(q_pos, k_pos, call.window, len(q_pos) // 2):
         block_out, block_lse = block_forward(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], offset,
-                                             window)
+                                             call.window, call.backend)
         merge_into(out[..., rows, :], lse[..., rows], block_out, block_lse)
 
 
 def attend_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor, q_pos: Tensor, k_pos: Tensor,
-                    window: int, dq: Tensor, dkv: Tensor) -> None:
+                    call: Call, dq: Tensor, dkv: Tensor) -> None:
     """Add this (queries, keys) pair's gradients to dq and dkv = stack(dk, dv), tile by tile."""
-    for rows, keys, offset in block_plan(q_pos, k_pos, window, len(q_pos) // 2):
+    for rows, keys, offset in block_plan(q_pos, k_pos, call.window, len(q_pos) // 2):
         dq_b, dk_b, dv_b = block_backward(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :],
-                                          do[..., rows, :], lse[..., rows], delta[..., rows], offset, window)
+                                          do[..., rows, :], lse[..., rows], delta[..., rows], offset, call.window,
+                                          call.backend)
         dq[..., rows, :] += dq_b
         dkv[0][..., keys, :] += dk_b
         dkv[1][..., keys, :] += dv_b
@@ -192,42 +238,41 @@ def _wait(works: list[dist.Work]) -> None:
         w.wait()
 
 
-def ring_forward(q: Tensor, kv: Tensor, seq_len: int, window: int, group: Optional[dist.ProcessGroup]
-                 ) -> tuple[Tensor, Tensor]:
+def ring_forward(q: Tensor, kv: Tensor, call: Call) -> tuple[Tensor, Tensor]:
     """q (B, Hkv, G, L, D), kv = stack(k, v) (2, B, Hkv, L, D) of this rank -> (out, lse) over the whole ring."""
-    rank, cp = dist.get_rank(group), dist.get_world_size(group)
-    q_pos = zigzag_positions(seq_len, rank, cp)
+    rank, cp = call.rank, call.cp
+    q_pos = zigzag_positions(call.seq_len, rank, cp)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
     for step in range(cp):
         if step < cp - 1:
-            next_kv, works = _ring_pass(kv, group)
-        attend(q, kv, q_pos, zigzag_positions(seq_len, (rank - step) % cp, cp), window, out, lse)
+            next_kv, works = _ring_pass(kv, call.group)
+        attend(q, kv, q_pos, zigzag_positions(call.seq_len, (rank - step) % cp, cp), call, out, lse)
         if step < cp - 1:
             _wait(works)
             kv = next_kv
     return out, lse
 
 
-def ring_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor, seq_len: int, window: int,
-                  group: Optional[dist.ProcessGroup]) -> tuple[Tensor, Tensor]:
+def ring_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor, call: Call
+                  ) -> tuple[Tensor, Tensor]:
     """(dq, dkv) fp32: K/V go around the ring again, each with the dK/dV accumulator of the ranks it has visited;
     the accumulator makes one extra hop to come home."""
-    rank, cp = dist.get_rank(group), dist.get_world_size(group)
-    q_pos = zigzag_positions(seq_len, rank, cp)
+    rank, cp = call.rank, call.cp
+    q_pos = zigzag_positions(call.seq_len, rank, cp)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     in_flight: Optional[tuple[Tensor, list[dist.Work]]] = None  # a dK/dV accumulator on its way to this rank
     for step in range(cp):
         if step < cp - 1:
-            next_kv, kv_works = _ring_pass(kv, group)
+            next_kv, kv_works = _ring_pass(kv, call.group)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        attend_backward(q, kv, do, lse, delta, q_pos, zigzag_positions(seq_len, (rank - step) % cp, cp), window,
+        attend_backward(q, kv, do, lse, delta, q_pos, zigzag_positions(call.seq_len, (rank - step) % cp, cp), call,
                         dq, dkv)
         if in_flight is not None:  # what the ranks before added to this block's gradient
             _wait(in_flight[1])
             dkv += in_flight[0]
         if cp > 1:
-            in_flight = _ring_pass(dkv, group)
+            in_flight = _ring_pass(dkv, call.group)
         if step < cp - 1:
             _wait(kv_works)
             kv = next_kv
@@ -238,27 +283,26 @@ def ring_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
 
 
 # -- all-gather -------------------------------------------------------------------------------------------
-def allgather_forward(q: Tensor, kv: Tensor, seq_len: int, window: int, group: Optional[dist.ProcessGroup]
-                      ) -> tuple[Tensor, Tensor]:
-    full = zigzag_gather(kv, group, dim=-2)  # stack(k, v) of the whole sequence
-    q_pos = zigzag_positions(seq_len, dist.get_rank(group), dist.get_world_size(group))
+def allgather_forward(q: Tensor, kv: Tensor, call: Call) -> tuple[Tensor, Tensor]:
+    full = zigzag_gather(kv, call.group, dim=-2)  # stack(k, v) of the whole sequence
+    q_pos = zigzag_positions(call.seq_len, call.rank, call.cp)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
-    attend(q, full, q_pos, torch.arange(seq_len), window, out, lse)
+    attend(q, full, q_pos, torch.arange(call.seq_len), call, out, lse)
     return out, lse
 
 
-def allgather_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor, seq_len: int, window: int,
-                       group: Optional[dist.ProcessGroup]) -> tuple[Tensor, Tensor]:
-    rank, cp = dist.get_rank(group), dist.get_world_size(group)
-    full = zigzag_gather(kv, group, dim=-2)  # stack(k, v) of the whole sequence
-    q_pos = zigzag_positions(seq_len, rank, cp)
+def allgather_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor, call: Call
+                       ) -> tuple[Tensor, Tensor]:
+    rank, cp = call.rank, call.cp
+    full = zigzag_gather(kv, call.group, dim=-2)  # stack(k, v) of the whole sequence
+    q_pos = zigzag_positions(call.seq_len, rank, cp)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_full = torch.zeros(full.shape, dtype=torch.float32, device=q.device)
-    attend_backward(q, full, do, lse, delta, q_pos, torch.arange(seq_len), window, dq, dkv_full)
+    attend_backward(q, full, do, lse, delta, q_pos, torch.arange(call.seq_len), call, dq, dkv_full)
     shares = torch.cat([zigzag_split(dkv_full, r, cp, dim=-2) for r in range(cp)])  # rank r's share r-th
     dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
-    comm.reduce_scatter(dkv, shares, group)
+    comm.reduce_scatter(dkv, shares, call.group)
     return dq, dkv
 
 
@@ -271,18 +315,14 @@ class ContextAttentionFunction(torch.autograd.Function):
     Saves only local tensors (q, k, v, out, lse): activation memory per rank is 1/cp of the whole."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup], method: str,
-                window: Optional[int]) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, method: str, call: Call) -> Tensor:
         b, hq, length, d = q.shape
-        hk = k.shape[1]
-        seq_len = length * dist.get_world_size(group)
-        window = window or seq_len
-        q5 = q.reshape(b, hk, hq // hk, length, d)
+        q5 = q.reshape(b, k.shape[1], hq // k.shape[1], length, d)
         kv = torch.stack((k, v))
-        out, lse = _FORWARD[method](q5, kv, seq_len, window, group)
+        out, lse = _FORWARD[method](q5, kv, call)
         out = out.to(q.dtype)
         ctx.save_for_backward(q5, kv, out, lse)
-        ctx.group, ctx.method, ctx.window, ctx.seq_len = group, method, window, seq_len
+        ctx.method, ctx.call = method, call
         return out.view(b, hq, length, d)
 
     @staticmethod
@@ -290,39 +330,44 @@ class ContextAttentionFunction(torch.autograd.Function):
         q5, kv, out, lse = ctx.saved_tensors
         do = grad.reshape(q5.shape)
         delta = (do.float() * out.float()).sum(-1)
-        dq, dkv = _BACKWARD[ctx.method](q5, kv, do, lse, delta, ctx.seq_len, ctx.window, ctx.group)
+        dq, dkv = _BACKWARD[ctx.method](q5, kv, do, lse, delta, ctx.call)
         b, hk, g, length, d = q5.shape
-        return (dq.to(q5.dtype).view(b, hk * g, length, d), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype),
-                None, None, None)
+        return dq.to(q5.dtype).view(b, hk * g, length, d), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None
 
 
 def context_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup] = None,
-                      method: str = "ring", window: Optional[int] = None) -> Tensor:
+                      method: str = "ring", window: Optional[int] = None, backend: str = "auto") -> Tensor:
     """q (B, Hq, L, D), k/v (B, Hkv, L, D): this rank's zigzag share (L = 2c tokens) -> its share of the output of
-    causal attention over the whole sequence of L·cp tokens; `window` as `CausalAttention.sliding_window`."""
+    causal attention over the whole sequence of L·cp tokens; `window` as `CausalAttention.sliding_window`;
+    `backend` picks the tile kernel as in `kernels.apply`."""
     if method not in METHODS:
         raise ValueError(f"unknown cp_method {method!r}: choose one of {', '.join(METHODS)}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"kv heads ({k.shape[1]}) must divide query heads ({q.shape[1]})")
-    check_seq_len(q.shape[2] * dist.get_world_size(group), dist.get_world_size(group))
-    return ContextAttentionFunction.apply(q, k, v, group, method, window)
+    cp = dist.get_world_size(group)
+    seq_len = q.shape[2] * cp
+    check_seq_len(seq_len, cp)
+    return ContextAttentionFunction.apply(q, k, v, method, Call(group, seq_len, window or seq_len,
+                                                                check_backend(backend)))
 
 
 class ContextParallelAttention(nn.Module):
     """Drop-in for a causal attention core `forward(q, k, v)` (no parameters), attending over the cp group."""
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, method: str = "ring",
-                 sliding_window: Optional[int] = None) -> None:
+                 sliding_window: Optional[int] = None, backend: str = "auto") -> None:
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"unknown cp_method {method!r}: choose one of {', '.join(METHODS)}")
         self.group, self.method, self.sliding_window = group, method, sliding_window
+        self.backend = check_backend(backend)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return context_attention(q, k, v, self.group, self.method, self.sliding_window)
+        return context_attention(q, k, v, self.group, self.method, self.sliding_window, self.backend)
 
 
-def parallelize_context(root: nn.Module, group: Optional[dist.ProcessGroup] = None, method: str = "ring") -> int:
+def parallelize_context(root: nn.Module, group: Optional[dist.ProcessGroup] = None, method: str = "ring",
+                        backend: str = "auto") -> int:
     """Swap, in place, every attention core the model names in `context_parallel_plan()` for a
     `ContextParallelAttention` over `group`; returns how many. The caller feeds each rank `zigzag_batch` data."""
     model = next((m for m in root.modules() if isinstance(m, ContextParallelModel)), None)
@@ -331,7 +376,8 @@ def parallelize_context(root: nn.Module, group: Optional[dist.ProcessGroup] = No
     plan = model.context_parallel_plan()
     for name, spec in plan.items():
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, ContextParallelAttention(group, method, spec.sliding_window))
+        core = ContextParallelAttention(group, method, spec.sliding_window, backend)
+        setattr(model.get_submodule(parent), child, core)
     return len(plan)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -67,41 +68,46 @@ def test_rope_positions_follow_the_tokens() -> None:
     assert torch.equal(share_q, full_q[:, pos]) and torch.equal(share_k, full_k[:, pos])
 
 
-def _attention_worker(seq_len: int) -> dict[str, Any]:
-    """Every (method, case): max |error| of the output and of dq, dk, dv against attention on the whole sequence,
-    and the accounting layer's wire bytes of one forward and one backward."""
+def _attention_worker(seq_len: int, runs: list[tuple[str, tuple]]) -> dict[str, Any]:
+    """Every (method, case, tile backend): max |error| of the output and of dq, dk, dv against attention on the
+    whole sequence, the accounting layer's wire bytes of one forward and one backward, and the saved bytes."""
     rank, cp = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {}
-    for method in METHODS:
-        for hq, hk, window in CASES:
-            gen = torch.Generator().manual_seed(hq * 100 + hk * 10 + (window or 0))
-            q, k, v, grad = (torch.randn(2, h, seq_len, 8, generator=gen) for h in (hq, hk, hk, hq))
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            ref = attention_reference(*leaves, causal=True, window=window)
-            ref.backward(grad)
-            local = [zigzag_split(t, rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
-            holder = nn.Module()
-            holder.core = ContextParallelAttention(None, method, window)
-            COMM_LOG.reset()
-            with SavedActivations(holder) as saved:
-                y = holder.core(*local)
-            forward = COMM_LOG.summary()
-            COMM_LOG.reset()
-            y.backward(zigzag_split(grad, rank, cp, dim=2))
-            backward = COMM_LOG.summary()
-            errors = [(zigzag_gather(y.detach(), dim=2) - ref).abs().max()]
-            errors += [(zigzag_gather(t.grad, dim=2) - leaf.grad).abs().max() for t, leaf in zip(local, leaves)]
-            out[f"{method} {hq}/{hk} w={window}"] = {
-                "errors": [float(e) for e in errors],
-                "wire": [sum(s["wire_bytes"] for s in summary.values()) for summary in (forward, backward)],
-                "theory": comm_theory(method, cp, 2 * k.numel() // cp, k.element_size()),
-                "saved": (saved.bytes["core"], saved_bytes_theory(2, hq, hk, 8, seq_len // cp, 4))}
+    for method, (backend, (hq, hk, window)) in itertools.product(METHODS, runs):
+        gen = torch.Generator().manual_seed(hq * 100 + hk * 10 + (window or 0))
+        q, k, v, grad = (torch.randn(2, h, seq_len, 8, generator=gen) for h in (hq, hk, hk, hq))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = attention_reference(*leaves, causal=True, window=window)
+        ref.backward(grad)
+        local = [zigzag_split(t, rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
+        holder = nn.Module()
+        holder.core = ContextParallelAttention(None, method, window, backend)
+        COMM_LOG.reset()
+        with SavedActivations(holder) as saved:
+            y = holder.core(*local)
+        forward = COMM_LOG.summary()
+        COMM_LOG.reset()
+        y.backward(zigzag_split(grad, rank, cp, dim=2))
+        backward = COMM_LOG.summary()
+        errors = [(zigzag_gather(y.detach(), dim=2) - ref).abs().max()]
+        errors += [(zigzag_gather(t.grad, dim=2) - leaf.grad).abs().max() for t, leaf in zip(local, leaves)]
+        out[f"{method} {backend} {hq}/{hk} w={window}"] = {
+            "errors": [float(e) for e in errors],
+            "wire": [sum(s["wire_bytes"] for s in summary.values()) for summary in (forward, backward)],
+            "theory": comm_theory(method, cp, 2 * k.numel() // cp, k.element_size()),
+            "saved": (saved.bytes["core"], saved_bytes_theory(2, hq, hk, 8, seq_len // cp, 4))}
     return out
 
 
-@pytest.mark.parametrize("cp, seq_len", [(2, 12), (4, 16)])  # chunks of 3 (odd) and 2 tokens
-def test_attention_forward_and_backward_match_single_process(cp: int, seq_len: int) -> None:
-    for rank in run_distributed(_attention_worker, cp, seq_len):
+# chunks of 3 (odd) and 2 tokens; the tiles by the PyTorch reference, and by the FlashAttention kernel (Triton's
+# interpreter on CPU, which the suite turns on in conftest.py; slow, so two cases) at cp=2
+REFERENCE = [("reference", case) for case in CASES]
+
+
+@pytest.mark.parametrize("cp, seq_len, runs", [(2, 12, REFERENCE + [("triton", case) for case in CASES[1:3]]),
+                                               (4, 16, REFERENCE)])
+def test_attention_forward_and_backward_match_single_process(cp: int, seq_len: int, runs: list) -> None:
+    for rank in run_distributed(_attention_worker, cp, seq_len, runs):
         for name, r in rank.items():
             assert max(r["errors"]) < 1e-5, (name, r["errors"])
             assert r["wire"] == [r["theory"]["forward"], r["theory"]["backward"]], name
@@ -135,7 +141,7 @@ def _training_worker(method: str, config: dict, dp: int) -> dict[str, Any]:
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**config))
-    assert parallelize_context(model, cp_group, method) == config["n_layers"]
+    assert parallelize_context(model, cp_group, method, backend="reference") == config["n_layers"]
     rows = slice(rank // cp * 2, rank // cp * 2 + 2)  # this rank's data-parallel replica's rows
     x, y, positions, weight = zigzag_batch(inputs[rows], targets[rows], cp_group)
     loss = model.loss(x, y, positions)[0] * weight

@@ -129,6 +129,33 @@ def test_flash_attention(b: int, hq: int, hkv: int, t: int, d: int, causal: bool
                    lambda q, k, v: attention_reference(q, k, v, causal, window), [q, k, v], dtype)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy: padded tail rows divide by 0, masked afterwards
+@pytest.mark.parametrize("m,n,offset,window", [
+    (16, 20, 0, None),  # the diagonal at 0, more keys than queries
+    (12, 24, 30, None),  # every pair visible (a later chunk on an earlier one)
+    (20, 16, 5, 8),  # a window: the last rows see no key at all (out 0, lse -inf)
+    (7, 33, 10, 13),  # odd sizes crossing tile edges
+])
+def test_flash_attention_tile_matches_the_cp_reference(m: int, n: int, offset: int, window: int) -> None:
+    """A context-parallel tile (queries `offset` positions after the first key) with its log-sum-exp, and its
+    backward from a given lse/delta, as strategies/cp.py runs them, against its PyTorch reference."""
+    from strategies.cp import block_backward, block_backward_reference, block_forward, block_forward_reference
+
+    gen = torch.Generator().manual_seed(m * n + offset)
+    q, do = torch.randn(2, 1, 2, 2, m, 16, generator=gen)  # (B, Hkv, G, M, D): 2 query heads per kv head
+    k, v = torch.randn(2, 1, 2, n, 16, generator=gen)
+    w = window or offset + m
+    out, lse = block_forward(q, k, v, offset, w, backend="triton")
+    ref_out, ref_lse = block_forward_reference(q, k, v, offset, w)
+    torch.testing.assert_close(out, ref_out, **TOLERANCE[torch.float32])
+    torch.testing.assert_close(lse, ref_lse, **TOLERANCE[torch.float32])  # -inf where a row sees nothing
+    final_lse = torch.where(ref_lse.isinf(), 0.0, ref_lse)  # a merged lse is finite
+    delta = (do * ref_out).sum(-1)
+    grads = block_backward(q, k, v, do, final_lse, delta, offset, w, backend="triton")
+    for grad, ref in zip(grads, block_backward_reference(q, k, v, do, final_lse, delta, offset, w)):
+        torch.testing.assert_close(grad, ref, **TOLERANCE[torch.float32])
+
+
 def test_flash_attention_rejects_bad_shapes() -> None:
     q, k = torch.randn(1, 3, 8, 16), torch.randn(1, 2, 8, 16)
     with pytest.raises(ValueError, match="divide"):
