@@ -18,7 +18,7 @@ from strategies.comm import COMM_LOG
 from strategies.cp import (METHODS, ContextParallelAttention, block_plan, comm_theory, parallelize_context,
                            saved_bytes_theory, zigzag_batch, zigzag_gather, zigzag_merge, zigzag_positions,
                            zigzag_split)
-from strategies.tp_layers import SavedActivations
+from strategies.tp_layers import SavedActivations, TPGroup, parallelize_model
 
 # (query heads, kv heads, sliding window): MHA, GQA, GQA with windows inside a chunk, across chunks, of one token;
 # window 6 at cp=4 leaves rows with no key in the first tile they meet (the merge must keep lse = −inf, not NaN)
@@ -122,13 +122,28 @@ def test_comm_theory_ring_and_allgather() -> None:
     assert comm_theory("ring", 1, 1000, 2) == {"forward": 0.0, "backward": 0.0}
 
 
-def _training_worker(method: str, config: dict, dp: int) -> dict[str, Any]:
-    """One step's loss and every gradient (averaged over the dp × cp ranks as the gradient sync would) of a
-    cp-sharded tiny Transformer, beside the single-process ones on the whole batch."""
+def _groups(dp: int, cp: int, tp: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's (cp, tp, dp × cp) groups in a dp × cp × tp layout, tp innermost (every rank builds all)."""
+    layout = torch.arange(dp * cp * tp).view(dp, cp, tp)
+    kinds = {"cp": layout.transpose(1, 2).reshape(-1, cp), "tp": layout.reshape(-1, tp),
+             "dp_cp": layout.permute(2, 0, 1).reshape(tp, -1)}
+    mine = {}
+    for kind, rows in kinds.items():
+        for members in rows.tolist():
+            group = dist.new_group(members)
+            if dist.get_rank() in members:
+                mine[kind] = group
+    return mine["cp"], mine["tp"], mine["dp_cp"]
+
+
+def _training_worker(method: str, config: dict, dp: int, tp: int = 1, sequence_parallel: bool = False
+                     ) -> dict[str, Any]:
+    """One step's loss and every gradient (averaged over the dp × cp ranks as the gradient sync would; a
+    tensor-parallel shard beside the same shard of the reference) of a cp-sharded tiny Transformer, beside the
+    single-process ones on the whole batch."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    cp = world // dp
-    cp_groups = [dist.new_group(list(range(d * cp, (d + 1) * cp))) for d in range(dp)]
-    cp_group = cp_groups[rank // cp]
+    cp = world // (dp * tp)
+    cp_group, tp_group, dp_cp_group = _groups(dp, cp, tp)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, TINY["vocab_size"], (2 * dp, TINY["max_seq_len"] + 1), generator=gen)
     inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
@@ -141,27 +156,39 @@ def _training_worker(method: str, config: dict, dp: int) -> dict[str, Any]:
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**config))
+    tp_shards = parallelize_model(model, model.tensor_parallel_plan(),
+                                  TPGroup(tp_group, tp, rank % tp, sequence_parallel)) if tp > 1 else None
     assert parallelize_context(model, cp_group, method, backend="reference") == config["n_layers"]
-    rows = slice(rank // cp * 2, rank // cp * 2 + 2)  # this rank's data-parallel replica's rows
+    rows = slice(rank // (cp * tp) * 2, rank // (cp * tp) * 2 + 2)  # this rank's data-parallel replica's rows
     x, y, positions, weight = zigzag_batch(inputs[rows], targets[rows], cp_group)
     loss = model.loss(x, y, positions)[0] * weight
     loss.backward()
+    if tp_shards is not None:
+        tp_shards.sum_partial_grads()
     # dp replicas' mean losses average to the batch mean only with equal valid counts: weigh them here.
     replica_weight = dp * int((targets[rows] != -100).sum()) / int((targets != -100).sum())
     for t in (loss, *(p.grad for p in model.parameters())):
         t.data.mul_(replica_weight)
-        dist.all_reduce(t.data)
-        t.data.div_(world)
-    return {"loss": (float(loss), float(ref_loss)),
-            "grads": {n: (p.grad, dict(reference.named_parameters())[n].grad) for n, p in model.named_parameters()}}
+        dist.all_reduce(t.data, group=dp_cp_group)
+        t.data.div_(dp * cp)
+    ref_grads = dict(reference.named_parameters())
+    grads = {}
+    for name, p in model.named_parameters():
+        ref = ref_grads[name].grad
+        if tp_shards is not None and p in tp_shards.sharded:
+            ref = tp_shards.tp.shard(ref, tp_shards.sharded[p][0])
+        grads[name] = (p.grad, ref)
+    return {"loss": (float(loss), float(ref_loss)), "grads": grads}
 
 
-TRAIN_RUNS = {  # world size: {name: (method, model config, dp)}; one spawn per world size
+TRAIN_RUNS = {  # world size: {name: (method, model config, dp, tp, sequence parallel)}; one spawn per world size
     2: {"ring_cp2_gqa": ("ring", dict(TINY), 1),
         "allgather_cp2_window_qknorm": ("allgather", dict(TINY, sliding_window=5, qk_norm=True), 1)},
     4: {"ring_cp4_window": ("ring", dict(TINY, sliding_window=6, n_kv_heads=1), 1),
         "allgather_cp4": ("allgather", dict(TINY), 1),
-        "ring_dp2_cp2": ("ring", dict(TINY), 2)},
+        "ring_dp2_cp2": ("ring", dict(TINY), 2),
+        "ring_cp2_tp2": ("ring", dict(TINY, sliding_window=5), 1, 2),
+        "allgather_cp2_tp2_sp": ("allgather", dict(TINY), 1, 2, True)},
 }
 
 
