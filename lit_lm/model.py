@@ -272,6 +272,7 @@ class Transformer(nn.Module):
         the only op that mixes tokens; RoPE follows the `positions` given to `forward`."""
         from strategies.plan import ContextParallel  # the protocol's types; strategies never import lit_lm
 
+        self._refuse_moe("context parallelism", "the balancing losses would count one rank's tokens only")
         return {f"blocks.{i}.attn.core": ContextParallel(self.config.sliding_window) for i in self.blocks}
 
     def expert_plan(self) -> dict:

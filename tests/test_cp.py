@@ -12,7 +12,7 @@ from torch import nn
 
 from dist_utils import TINY, run_distributed
 from kernels.attention import attention_reference
-from lit_lm.config import ModelConfig
+from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.model import RotaryEmbedding, Transformer
 from strategies.comm import COMM_LOG
 from strategies.cp import (METHODS, ContextParallelAttention, block_plan, comm_theory, parallelize_context,
@@ -66,6 +66,12 @@ def test_rope_positions_follow_the_tokens() -> None:
     pos = zigzag_positions(12, 1, 2)
     share_q, share_k = rope(q[:, pos], k[:, pos], pos)
     assert torch.equal(share_q, full_q[:, pos]) and torch.equal(share_k, full_k[:, pos])
+
+
+def test_moe_models_are_refused() -> None:
+    model = Transformer(ModelConfig(**dict(TINY, moe_experts=2)))
+    with pytest.raises(ConfigError, match="context parallelism does not support MoE"):
+        parallelize_context(model)
 
 
 def _attention_worker(seq_len: int, runs: list[tuple[str, tuple]]) -> dict[str, Any]:
