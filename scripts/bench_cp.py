@@ -17,8 +17,10 @@ No timing: on a shared 2-core machine the ring's compute/communication overlap c
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import resource
 import sys
 import tempfile
 from pathlib import Path
@@ -33,7 +35,7 @@ from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
 from strategies.comm import COMM_LOG  # noqa: E402
 from strategies.cp import (METHODS, comm_theory, parallelize_context, saved_bytes_theory,  # noqa: E402
-                          zigzag_positions)
+                          zigzag_batch, zigzag_positions)
 from strategies.tp_layers import SavedActivations  # noqa: E402
 
 
@@ -67,12 +69,40 @@ def _measure(args: argparse.Namespace, method: str, seq_len: int) -> dict[str, A
             "theory": comm_theory(method, cp, kv_numel, 4)}
 
 
-def _worker(rank: int, args: argparse.Namespace, cp: int, port: int, out: str) -> None:
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _longest(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Training steps of a 2-layer model (ring attention) at doubling T until the step's peak memory (the rise of
+    this process's peak RSS over its level before the first step, the max over the cp ranks) passes the cap."""
+    config = ModelConfig(vocab_size=256, d_model=args.d_model, n_layers=2, n_heads=args.heads,
+                         n_kv_heads=args.kv_heads, max_seq_len=args.max_seq)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    parallelize_context(model, None, "ring")
+    base = _peak_rss_mib()
+    rows, seq_len = [], args.seq_lens[0]
+    while seq_len <= args.max_seq:
+        tokens = torch.randint(0, 256, (args.batch, seq_len + 1))
+        x, y, positions, weight = zigzag_batch(tokens[:, :-1], tokens[:, 1:])
+        (model.loss(x, y, positions)[0] * weight).backward()
+        model.zero_grad(set_to_none=True)
+        used = torch.tensor(_peak_rss_mib() - base)
+        dist.all_reduce(used, op=dist.ReduceOp.MAX)
+        rows.append({"cp": dist.get_world_size(), "seq_len": seq_len, "peak_mib": float(used)})
+        if used > args.cap_mib:
+            break
+        seq_len *= 2
+    return rows
+
+
+def _worker(rank: int, args: argparse.Namespace, cp: int, port: int, out: str, longest: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=cp)
     try:
-        rows = [_measure(args, method, t) for t in args.seq_lens for method in METHODS]
+        rows = _longest(args) if longest else [_measure(args, method, t) for t in args.seq_lens for method in METHODS]
     finally:
         dist.destroy_process_group()
     if rank == 0:
@@ -116,6 +146,18 @@ def tables(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def longest_table(rows: list[dict[str, Any]], cap_mib: float) -> str:
+    out = [f"\nPeak memory of a training step per rank (2 layers, ring; MiB above the process's level before it) and "
+           f"the longest sequence under {cap_mib:g} MiB", "", "| cp | T: peak MiB | longest T under the cap |",
+           "|---|---|---|"]
+    for cp in sorted({r["cp"] for r in rows}):
+        mine = [r for r in rows if r["cp"] == cp]
+        fit = [r["seq_len"] for r in mine if r["peak_mib"] <= cap_mib]
+        steps = ", ".join(f"{r['seq_len']}: {r['peak_mib']:.0f}" for r in mine)
+        out.append(f"| {cp} | {steps} | {max(fit) if fit else '-'} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048, 4096])
@@ -124,19 +166,26 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--cap-mib", type=float, default=0.0,
+                        help="also find the longest sequence (doubling from the first --seq-lens) whose training step "
+                             "stays under this many MiB per rank; 0: skip")
+    parser.add_argument("--max-seq", type=int, default=32768)
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
-    for cp in args.cps:
-        with tempfile.TemporaryDirectory() as tmp:
+    longest: list[dict[str, Any]] = []
+    for cp, search in itertools.product(args.cps, (False, True) if args.cap_mib else (False,)):
+        with tempfile.TemporaryDirectory() as tmp:  # own processes: the longest-sequence search reads peak RSS
             out = str(Path(tmp) / "rows.json")
-            mp.spawn(_worker, args=(args, cp, _free_port(), out), nprocs=cp, join=True)
-            rows += json.loads(Path(out).read_text())
+            mp.spawn(_worker, args=(args, cp, _free_port(), out, search), nprocs=cp, join=True)
+            (longest if search else rows).extend(json.loads(Path(out).read_text()))
 
     print(tables(rows))
+    if longest:
+        print(longest_table(longest, args.cap_mib))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "longest": longest}, indent=1))
 
 
 if __name__ == "__main__":
