@@ -1,7 +1,7 @@
 """Context parallelism measured beside theory, on CPU processes (gloo): activation memory per rank and the bytes
 each rank sends, for ring and all-gather attention, over sequence lengths and cp sizes.
 
-    python scripts/bench_cp.py --seq-lens 512 1024 2048 4096 --cps 1 2 4 --json runs/bench_cp.json
+    python scripts/bench_cp.py --seq-lens 512 1024 2048 4096 --cps 1 2 4 --cap-mib 256 --json runs/bench_cp.json
 
 For each cp size, `cp` processes run one Transformer block of a small model (`--d-model`, `--heads`,
 `--kv-heads`) on their zigzag share of a (`--batch`, T) sequence, its attention core swapped for
@@ -11,6 +11,8 @@ For each cp size, `cp` processes run one Transformer block of a small model (`--
   only its local q, k, v, output and log-sum-exp, so a rank saves 1/cp of what cp=1 saves;
 - bytes: the accounting layer's wire bytes (`strategies.comm`) of one forward and backward of the block, i.e. per
   layer and step, beside `strategies.cp.comm_theory`. A model of L layers sends L times that per step.
+- with `--cap-mib`: the longest sequence (doubling from the first of `--seq-lens`) whose training step of a 2-layer
+  model stays under the cap per rank, measured as the rise of each process's peak RSS (own processes per cp).
 No timing: on a shared 2-core machine the ring's compute/communication overlap cannot be measured honestly.
 """
 
