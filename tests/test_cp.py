@@ -19,6 +19,7 @@ from strategies.cp import (METHODS, ContextParallelAttention, block_plan, comm_t
                            saved_bytes_theory, zigzag_batch, zigzag_gather, zigzag_merge, zigzag_positions,
                            zigzag_split)
 from strategies.tp_layers import SavedActivations, TPGroup, parallelize_model
+from strategies.zero_engine import ZeroEngine
 
 # (query heads, kv heads, sliding window): MHA, GQA, GQA with windows inside a chunk, across chunks, of one token;
 # window 6 at cp=4 leaves rows with no key in the first tile they meet (the merge must keep lse = −inf, not NaN)
@@ -142,11 +143,11 @@ def _groups(dp: int, cp: int, tp: int) -> tuple[dist.ProcessGroup, dist.ProcessG
     return mine["cp"], mine["tp"], mine["dp_cp"]
 
 
-def _training_worker(method: str, config: dict, dp: int, tp: int = 1, sequence_parallel: bool = False
-                     ) -> dict[str, Any]:
+def _training_worker(method: str, config: dict, dp: int, tp: int = 1, sequence_parallel: bool = False,
+                     zero3: bool = False) -> dict[str, Any]:
     """One step's loss and every gradient (averaged over the dp × cp ranks as the gradient sync would; a
-    tensor-parallel shard beside the same shard of the reference) of a cp-sharded tiny Transformer, beside the
-    single-process ones on the whole batch."""
+    tensor-parallel shard beside the same shard of the reference; under ZeRO-3 over dp × cp, the shards gathered)
+    of a cp-sharded tiny Transformer, beside the single-process ones on the whole batch."""
     world, rank = dist.get_world_size(), dist.get_rank()
     cp = world // (dp * tp)
     cp_group, tp_group, dp_cp_group = _groups(dp, cp, tp)
@@ -161,23 +162,34 @@ def _training_worker(method: str, config: dict, dp: int, tp: int = 1, sequence_p
     ref_loss.backward()
 
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(**config))
+    with torch.device("meta" if zero3 else "cpu"):  # ZeRO-3 materialises only this rank's shards
+        model = Transformer(ModelConfig(**config))
     tp_shards = parallelize_model(model, model.tensor_parallel_plan(),
                                   TPGroup(tp_group, tp, rank % tp, sequence_parallel)) if tp > 1 else None
     assert parallelize_context(model, cp_group, method, backend="reference") == config["n_layers"]
+    zero = ZeroEngine(model, 3, dp_cp_group) if zero3 else None
     rows = slice(rank // (cp * tp) * 2, rank // (cp * tp) * 2 + 2)  # this rank's data-parallel replica's rows
     x, y, positions, weight = zigzag_batch(inputs[rows], targets[rows], cp_group)
     loss = model.loss(x, y, positions)[0] * weight
     loss.backward()
     if tp_shards is not None:
         tp_shards.sum_partial_grads()
+    ref_grads = dict(reference.named_parameters())
+    if zero is not None:  # the engine averages the gradients over dp × cp into each rank's shard
+        zero.finish_grad_sync()
+        dist.all_reduce(loss.data, group=dp_cp_group)
+        grads = {}
+        for sp in zero.sharded_params():
+            parts: list[Any] = [None] * dist.get_world_size(dp_cp_group)
+            dist.all_gather_object(parts, sp.master.grad, group=dp_cp_group)
+            grads[sp.fqn] = (torch.cat(parts), ref_grads[sp.fqn].grad)
+        return {"loss": (float(loss) / (dp * cp), float(ref_loss)), "grads": grads}
     # dp replicas' mean losses average to the batch mean only with equal valid counts: weigh them here.
     replica_weight = dp * int((targets[rows] != -100).sum()) / int((targets != -100).sum())
     for t in (loss, *(p.grad for p in model.parameters())):
         t.data.mul_(replica_weight)
         dist.all_reduce(t.data, group=dp_cp_group)
         t.data.div_(dp * cp)
-    ref_grads = dict(reference.named_parameters())
     grads = {}
     for name, p in model.named_parameters():
         ref = ref_grads[name].grad
@@ -187,8 +199,9 @@ def _training_worker(method: str, config: dict, dp: int, tp: int = 1, sequence_p
     return {"loss": (float(loss), float(ref_loss)), "grads": grads}
 
 
-TRAIN_RUNS = {  # world size: {name: (method, model config, dp, tp, sequence parallel)}; one spawn per world size
+TRAIN_RUNS = {  # world size: {name: (method, model config, dp, tp, sequence parallel, zero3)}; one spawn per world
     2: {"ring_cp2_gqa": ("ring", dict(TINY), 1),
+        "ring_cp2_zero3": ("ring", dict(TINY, sliding_window=6), 1, 1, False, True),
         "allgather_cp2_window_qknorm": ("allgather", dict(TINY, sliding_window=5, qk_norm=True), 1)},
     4: {"ring_cp4_window": ("ring", dict(TINY, sliding_window=6, n_kv_heads=1), 1),
         "allgather_cp4": ("allgather", dict(TINY), 1),
