@@ -29,6 +29,7 @@ from kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from kernels.rope import RotaryEmbedding, rope, rope_reference
 from kernels.softmax import softmax, softmax_reference
 from kernels.swiglu import swiglu, swiglu_reference
+from strategies.cp import block_backward, block_backward_reference, block_forward, block_forward_reference
 
 TOLERANCE = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
@@ -139,8 +140,6 @@ def test_flash_attention(b: int, hq: int, hkv: int, t: int, d: int, causal: bool
 def test_flash_attention_tile_matches_the_cp_reference(m: int, n: int, offset: int, window: int) -> None:
     """A context-parallel tile (queries `offset` positions after the first key) with its log-sum-exp, and its
     backward from a given lse/delta, as strategies/cp.py runs them, against its PyTorch reference."""
-    from strategies.cp import block_backward, block_backward_reference, block_forward, block_forward_reference
-
     gen = torch.Generator().manual_seed(m * n + offset)
     q, do = torch.randn(2, 1, 2, 2, m, 16, generator=gen)  # (B, Hkv, G, M, D): 2 query heads per kv head
     k, v = torch.randn(2, 1, 2, n, 16, generator=gen)
