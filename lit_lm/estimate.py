@@ -125,7 +125,8 @@ class RankEstimate:
     optimizer: int = 0
     buffers: int = 0  # communication buffers: DDP buckets, ZeRO-3 gathered units, pipeline outputs held
     activations: int = 0
-    flops: float = 0.0
+    flops: float = 0.0  # model FLOPs (what MFU counts)
+    recompute_flops: float = 0.0  # the forwards activation checkpointing runs again
     comm: dict[tuple[str, str], int] = field(default_factory=dict)  # (group, op) -> logical bytes, as recorded
 
     @property
@@ -136,10 +137,10 @@ class RankEstimate:
     def peak(self) -> int:
         return self.model_state + self.buffers + self.activations
 
-    def wire(self, group: Optional[str] = None) -> float:
-        """Bytes this rank sends per step (ring algorithm), over one group or all."""
-        return sum(nbytes * wire_factor(op, self._sizes[g]) for (g, op), nbytes in self.comm.items()
-                   if group is None or g == group)
+    def wire(self, group: Optional[str] = None, op: Optional[str] = None) -> float:
+        """Bytes this rank sends per step (ring algorithm), over one group (and op) or all."""
+        return sum(nbytes * wire_factor(o, self._sizes[g]) for (g, o), nbytes in self.comm.items()
+                   if group in (None, g) and op in (None, o))
 
     _sizes: dict[str, int] = field(default_factory=dict, repr=False)
 
@@ -170,8 +171,8 @@ class Estimate:
     def flops(self) -> float:
         return max(r.flops for r in self.ranks)
 
-    def wire_bytes(self, group: Optional[str] = None) -> float:
-        return max(r.wire(group) for r in self.ranks)
+    def wire_bytes(self, group: Optional[str] = None, op: Optional[str] = None) -> float:
+        return max(r.wire(group, op) for r in self.ranks)
 
     @property
     def groups(self) -> list[str]:
@@ -283,6 +284,12 @@ def _block_activations(cfg: ModelConfig, layer: int, b: int, t: int, layout: Lay
     return 2 * norm + attn + mlp
 
 
+def checkpointed(checkpointing: str, n_blocks: int) -> list[bool]:
+    """Which of a stage's blocks are recomputed in backward: full = all, selective = every second one."""
+    every = {"none": 0, "full": 1, "selective": 2}[checkpointing]
+    return [bool(every) and i % every == 0 for i in range(n_blocks)]
+
+
 def _stage_activations(cfg: ModelConfig, layers: list[int], first: bool, last: bool, b: int, t: int,
                        layout: Layout, pbytes: int, abytes: int, checkpointing: str) -> tuple[int, int]:
     """(bytes one microbatch keeps through a stage between its forward and backward, the extra bytes of the
@@ -290,13 +297,9 @@ def _stage_activations(cfg: ModelConfig, layers: list[int], first: bool, last: b
     blocks = [_block_activations(cfg, i, b, t, layout, abytes) for i in layers]
     sp = layout.tp if layout.sequence_parallel else 1
     block_input = b * t * cfg.d_model * pbytes  # the residual stream, in the weights' dtype
-    if checkpointing == "none":
-        kept, recompute = sum(blocks), 0
-    else:
-        every = 1 if checkpointing == "full" else 2  # selective: every second block, as torchtitan's op-free policy
-        ckpt = [i % every == 0 for i in range(len(blocks))]
-        kept = sum(block_input // sp if c else a for a, c in zip(blocks, ckpt))
-        recompute = max((a for a, c in zip(blocks, ckpt) if c), default=0)
+    ckpt = checkpointed(checkpointing, len(blocks))
+    kept = sum(block_input // sp if c else a for a, c in zip(blocks, ckpt))
+    recompute = max((a for a, c in zip(blocks, ckpt) if c), default=0)
     if first:
         kept += b * t * 8  # the token ids the embedding saves
     if last:
@@ -333,9 +336,11 @@ def check_layout(work: Workload, layout: Layout) -> None:
         raise ConfigError(f"ep {layout.ep} must divide moe_experts {cfg.moe_experts} and dp_shard x cp")
 
 
-def runnable_today(cfg: ModelConfig, layout: Layout) -> str:
+def runnable_today(cfg: ModelConfig, layout: Layout, checkpointing: str = "none") -> str:
     """"" when a strategy of this tree runs `layout`, else why not (what issue #13's composition adds)."""
     moe = cfg.moe_experts > 0
+    if checkpointing != "none":
+        return "activation checkpointing (#13)"
     if layout.cp > 1:
         return "context parallelism (#14, composed in #13)"
     if layout.dp_replicate > 1:
@@ -356,9 +361,9 @@ def estimate(work: Workload, layout: Layout) -> Estimate:
     pbytes, abytes = PRECISIONS[work.precision]
     inventory = _inventory(_config_key(cfg))
     p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
-    stages = split_layers(cfg.n_layers, p, v)
-    sched = build_schedule(layout.schedule, p, m, v) if p > 1 else None
-    in_flight = _peak_in_flight(layout.schedule, p, m, v) if p > 1 else [1]
+    stages = _split(cfg.n_layers, p, v)
+    sched = _schedule(layout.schedule, p, m, v) if p > 1 else None
+    in_flight = sched.peak_in_flight() if sched is not None else [1]
     local_batch = work.global_batch // layout.dp
     micro = local_batch // layout.accumulate  # sequences of one forward/backward (one Lightning batch)
     mb, t = micro // m, work.seq_len // layout.cp
@@ -390,16 +395,19 @@ def estimate(work: Workload, layout: Layout) -> Estimate:
                                                    pbytes, abytes, work.checkpointing) for i, c in enumerate(chunks)))
         rank.activations = in_flight[r] * max(kept) + max(recompute)
         if p > 1:  # the runner keeps each in-flight microbatch's stage output for its backward
-            rank.buffers += in_flight[r] * mb * t * cfg.d_model * pbytes
+            rank.buffers += in_flight[r] * mb * t * cfg.d_model * pbytes // (layout.tp if layout.sequence_parallel
+                                                                               else 1)
 
         n_active = cfg.num_params(include_embedding=False, active=True)
         share = sum(len(c) for c in chunks) / cfg.n_layers
         rank.flops = flops_per_token(n_active, cfg.n_layers, cfg.d_model, work.seq_len) * share * tokens_per_rank
         rank.flops /= layout.tp
+        recomputed = sum(checkpointed(work.checkpointing, len(c)).count(True) for c in chunks)
+        rank.recompute_flops = rank.flops / 3 * recomputed / max(1, sum(len(c) for c in chunks))  # a forward: 2N
         _activation_comm(rank, r, cfg, layout, chunks, first, last, mb, t, local_batch, abytes, pbytes, sched)
         ranks.append(rank)
     bubble = bubble_theory(layout.schedule, p, m, v) if p > 1 else 0.0
-    why = runnable_today(cfg, layout)
+    why = runnable_today(cfg, layout, work.checkpointing)
     return Estimate(work, layout, ranks, bubble, not why, why)
 
 
@@ -410,8 +418,13 @@ def _root_on(name: str, first: bool, last: bool) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _peak_in_flight(name: str, p: int, m: int, v: int) -> list[int]:
-    return build_schedule(name, p, m, v).peak_in_flight()
+def _schedule(name: str, p: int, m: int, v: int) -> Schedule:
+    return build_schedule(name, p, m, v)
+
+
+@functools.lru_cache(maxsize=256)
+def _split(n_layers: int, p: int, v: int) -> list[list[int]]:
+    return split_layers(n_layers, p, v)
 
 
 def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout: Layout, chunks: list[list[int]],
