@@ -37,7 +37,7 @@ import torch
 
 from lit_lm.config import ConfigError, ModelConfig
 from strategies.comm import wire_factor
-from strategies.pp_schedules import SCHEDULES, Schedule, bubble_theory, build_schedule
+from strategies.pp_schedules import SCHEDULES, bubble_theory, build_schedule
 from strategies.pp_split import split_layers
 
 PRECISIONS = {"32-true": (4, 4), "bf16-mixed": (4, 2), "bf16-true": (2, 2)}  # (parameter, activation) bytes
@@ -362,8 +362,7 @@ def estimate(work: Workload, layout: Layout) -> Estimate:
     inventory = _inventory(_config_key(cfg))
     p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
     stages = _split(cfg.n_layers, p, v)
-    sched = _schedule(layout.schedule, p, m, v) if p > 1 else None
-    in_flight = sched.peak_in_flight() if sched is not None else [1]
+    in_flight = peak_in_flight(layout.schedule, p, m, v) if p > 1 else [1]
     local_batch = work.global_batch // layout.dp
     micro = local_batch // layout.accumulate  # sequences of one forward/backward (one Lightning batch)
     mb, t = micro // m, work.seq_len // layout.cp
@@ -404,7 +403,7 @@ def estimate(work: Workload, layout: Layout) -> Estimate:
         rank.flops /= layout.tp
         recomputed = sum(checkpointed(work.checkpointing, len(c)).count(True) for c in chunks)
         rank.recompute_flops = rank.flops / 3 * recomputed / max(1, sum(len(c) for c in chunks))  # a forward: 2N
-        _activation_comm(rank, r, cfg, layout, chunks, first, last, mb, t, local_batch, abytes, pbytes, sched)
+        _activation_comm(rank, r, cfg, layout, chunks, first, last, mb, t, local_batch, abytes, pbytes)
         ranks.append(rank)
     bubble = bubble_theory(layout.schedule, p, m, v) if p > 1 else 0.0
     why = runnable_today(cfg, layout, work.checkpointing)
@@ -418,8 +417,12 @@ def _root_on(name: str, first: bool, last: bool) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _schedule(name: str, p: int, m: int, v: int) -> Schedule:
-    return build_schedule(name, p, m, v)
+def peak_in_flight(name: str, p: int, m: int, v: int) -> list[int]:
+    """`Schedule.peak_in_flight` per pipeline rank. Past m = 2pv microbatches the 1F1B family is in its steady
+    state (each new forward follows a finished backward), so the peak is simulated there: the simulation costs
+    O(m^2 p) and the planner asks for hundreds of microbatches. GPipe holds every microbatch: simulated at m."""
+    cap = m if name == "gpipe" else min(m, 2 * p * v)
+    return build_schedule(name, p, cap, v).peak_in_flight()
 
 
 @functools.lru_cache(maxsize=256)
@@ -428,7 +431,7 @@ def _split(n_layers: int, p: int, v: int) -> list[list[int]]:
 
 
 def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout: Layout, chunks: list[list[int]],
-                     first: bool, last: bool, mb: int, t: int, local_batch: int, abytes: int, pbytes: int, sched: Optional[Schedule]) -> None:
+                     first: bool, last: bool, mb: int, t: int, local_batch: int, abytes: int, pbytes: int) -> None:
     """The collectives that move activations: tp region borders, pipeline sends, cp ring, ep all-to-alls."""
     layers = [i for c in chunks for i in c]
     act = local_batch * t * cfg.d_model * abytes  # one (B, T, d) activation of the whole local batch
@@ -450,13 +453,13 @@ def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout:
             rank.add_comm("tp", "all_reduce", partial * rows // cfg.d_model * pbytes, layout.tp)
         if last:  # loss-parallel cross-entropy: max, sum-exp and target logit per token, fp32
             rank.add_comm("tp", "all_reduce", 3 * tokens * 4, layout.tp)
-    if sched is not None:
+    if layout.pp > 1:
         p = layout.pp
         one = mb * t * cfg.d_model * pbytes  # the residual stream keeps the weights' dtype between stages
-        for c in range(sched.chunks):
-            stage = sched.stage(pp_rank, c)
-            n = sched.microbatches
-            sends = (stage < sched.num_stages - 1) + (stage > 0)  # activations forward, their gradients back
+        stages, n = p * layout.virtual_stages, layout.microbatches
+        for c in range(layout.virtual_stages):
+            stage = c * p + pp_rank  # as `Schedule.stage`: chunk c of rank r
+            sends = (stage < stages - 1) + (stage > 0)  # activations forward, their gradients back
             rank.add_comm("pp", "send", layout.accumulate * sends * n * one // layout.tp, p)
             rank.add_comm("pp", "recv", layout.accumulate * sends * n * one // layout.tp, p)
         rank.add_comm("pp", "broadcast", layout.accumulate * 2 * 4, p)  # the batch loss and ce, from the last stage

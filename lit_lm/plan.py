@@ -26,6 +26,7 @@ from lit_lm.config import ConfigError
 from lit_lm.estimate import CHECKPOINTING, Estimate, Layout, Workload, estimate
 
 USABLE_MEMORY = 0.9  # of a GPU's memory: the CUDA context, allocator fragmentation and workspaces take the rest
+MAX_PP = 16  # deeper pipelines are not planned (Llama 3 405B used 16): the schedule simulation grows as p^2 m^2
 BACKWARD_SHARE = 2 / 3  # of a step's compute: the window in which the data-parallel reduction can hide
 
 
@@ -94,7 +95,7 @@ def layouts(work: Workload, cluster: Cluster) -> Iterator[Layout]:
             continue
         for cp in (c for c in (1, 2, 4, 8) if tp * c <= gpn and (c == 1 or work.seq_len >= 16384)):
             for pp in _divisors(cluster.world // (tp * cp)):
-                if pp > cfg.n_layers:
+                if pp > min(cfg.n_layers, MAX_PP):
                     continue
                 dp = cluster.world // (tp * cp * pp)
                 stages = (0, 1) if pp > 1 else (0, 1, 2, 3)  # ZeRO-2/3 under pp would reduce every microbatch

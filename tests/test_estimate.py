@@ -16,10 +16,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dist_utils import TINY, TinyLM, rank_share, run_distributed, token_data
 from lit_lm.config import ModelConfig
-from lit_lm.estimate import Layout, Workload, estimate, flops_per_token
+from lit_lm.estimate import Layout, Workload, estimate, flops_per_token, peak_in_flight
 from lit_lm.model import Transformer
 from strategies.comm import COMM_LOG
 from strategies.pp import PipelineStrategy
+from strategies.pp_schedules import build_schedule
 from strategies.tp import TensorParallelStrategy
 from strategies.zero import ZeroStrategy
 from strategies.zero_engine import model_state_bytes
@@ -197,6 +198,10 @@ def test_pipeline_bubble_and_in_flight_microbatches() -> None:
     # rank 1 holds 2 blocks of every microbatch: all 8 under GPipe, 3 (p - rank) under 1F1B
     assert gpipe.ranks[1].activations / one_f.ranks[1].activations == pytest.approx(8 / 3)
     assert estimate(work, Layout(pp=4, microbatches=8, schedule="zb_h1")).bubble < one_f.bubble
+    # the steady state: simulating 2pv microbatches gives the peak of any larger count
+    for name, p, v in (("1f1b", 4, 1), ("interleaved_1f1b", 4, 2), ("zb_h1", 3, 1), ("interleaved_1f1b", 2, 3)):
+        for m in (3 * p * v, 5 * p * v):
+            assert peak_in_flight(name, p, m, v) == build_schedule(name, p, m, v).peak_in_flight(), (name, m)
 
 
 def test_layouts_beyond_this_tree_are_estimated_and_marked() -> None:
