@@ -1,5 +1,6 @@
 """What a layout costs per rank before launching it: model-state and activation bytes, FLOPs, communication and
-the pipeline bubble. Plain arithmetic on the model's shapes (no Lightning, no process group).
+the pipeline bubble. Plain arithmetic on the model's shapes: no Lightning API and no process group (importing
+`strategies` for its pure helpers still registers the strategies with Lightning, as for every engine).
 
     est = estimate(Workload(cfg, seq_len=4096, global_batch=512, precision="bf16-mixed"),
                    Layout(dp_shard=8, zero_stage=3, tp=8))
@@ -19,6 +20,8 @@ Where the figures come from, so that they match what the strategies allocate and
   attention 3btd + 2b t kv (activation dtype) + the fp32 softmax statistics b h t, MLP btd + 4btf, each RMSNorm
   2btd + bt in fp32; tensor parallelism splits the regions' insides, sequence parallelism also the norms;
   a pipeline rank holds as many microbatches as its schedule keeps in flight (`Schedule.peak_in_flight`);
+  measured for dense models in fp32; bf16 (2-byte matmul activations) and MoE layers follow the same counting
+  unmeasured, and checkpointing (not in this tree yet) keeps each checkpointed block's input plus one block;
 - communication: the collectives the strategies issue, in the accounting layer's terms (`strategies.comm`: the
   full logical tensor per call; on the wire times `wire_factor`): all-reduce 2(N-1)/N Φ, ZeRO-3 3(N-1)/N Φ,
   tensor parallelism 4 collectives per block per step each way, pipelines their activations, experts 4 all-to-alls
@@ -128,6 +131,7 @@ class RankEstimate:
     flops: float = 0.0  # model FLOPs (what MFU counts)
     recompute_flops: float = 0.0  # the forwards activation checkpointing runs again
     comm: dict[tuple[str, str], int] = field(default_factory=dict)  # (group, op) -> logical bytes, as recorded
+    _sizes: dict[str, int] = field(default_factory=dict, repr=False)  # ranks per group
 
     @property
     def model_state(self) -> int:
@@ -141,8 +145,6 @@ class RankEstimate:
         """Bytes this rank sends per step (ring algorithm), over one group (and op) or all."""
         return sum(nbytes * wire_factor(o, self._sizes[g]) for (g, o), nbytes in self.comm.items()
                    if group in (None, g) and op in (None, o))
-
-    _sizes: dict[str, int] = field(default_factory=dict, repr=False)
 
     def add_comm(self, group: str, op: str, nbytes: float, size: int) -> None:
         if size > 1 and nbytes:
@@ -244,7 +246,7 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
         rank.params += numel * pbytes
         rank.grads += numel * pbytes
         rank.optimizer += 2 * numel * pbytes + 4 * len(shapes)  # Adam m, v (parameter dtype), step
-        rank.buffers += numel * pbytes  # the buckets
+        rank.buffers += numel * pbytes if group > 1 else 0  # GradSync's buckets (strategies build none for dp 1)
         rank.add_comm(group_name, "all_reduce", numel * pbytes, group)
         return
     master_copy = pbytes != 4  # fp32 parameters are their own master rows (a view)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
 import yaml
 
 from lit_lm.config import ConfigError, ModelConfig
-from lit_lm.estimate import Workload
-from lit_lm.plan import Cluster, best_runnable, plan, strategy_yaml
+from lit_lm.estimate import Layout, Workload, estimate
+from lit_lm.plan import Cluster, Ranked, best_runnable, plan, strategy_yaml
 from lit_lm.plan_cli import quantity
 from test_cli import CORPUS, REPO, read_metrics, run_cli
 
@@ -87,6 +88,22 @@ def test_the_3d_rule_comes_out_of_the_estimates() -> None:
     needs = next(r for r in ranked if not r.estimate.runs_today)
     with pytest.raises(ConfigError, match="#13"):
         strategy_yaml(needs, cluster)
+
+
+@pytest.mark.parametrize("layout", [Layout(), Layout(dp_shard=4, zero_stage=2), Layout(dp_shard=2, tp=2, zero_stage=1),
+                                    Layout(dp_shard=2, pp=2, microbatches=4, schedule="zb_h1"),
+                                    Layout(dp_shard=4, ep=2, zero_stage=1)])
+def test_emitted_strategy_arguments_are_the_strategies_own(layout: Layout) -> None:
+    """Every runnable kind's yaml names a strategy class and arguments its constructor takes."""
+    moe = dict(moe_experts=4, moe_d_ff=64) if layout.ep > 1 else {}
+    work = Workload(ModelConfig(d_model=64, n_layers=4, n_heads=4, vocab_size=256, **moe), 32, 16, "32-true")
+    est = estimate(work, layout)
+    emitted = strategy_yaml(Ranked(est, 1.0, {}), Cluster(1, 4, 80e9))
+    strategy = emitted["trainer"]["strategy"]
+    module, _, name = strategy["class_path"].rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    cls(**strategy["init_args"])
+    assert emitted["data"]["init_args"]["batch_size"] == 16 // layout.dp
 
 
 def test_quantities() -> None:
