@@ -327,6 +327,8 @@ def check_layout(work: Workload, layout: Layout) -> None:
                           f"per-replica batch {local}")
     if layout.pp * layout.virtual_stages > cfg.n_layers:
         raise ConfigError(f"pp x virtual_stages = {layout.pp * layout.virtual_stages} exceeds n_layers {cfg.n_layers}")
+    if cfg.moe_experts and layout.tp > 1:
+        raise ConfigError("tp with MoE layers: the model publishes no tensor-parallel plan for them (use ep)")
     if cfg.n_kv_heads % layout.tp or cfg.d_ff % layout.tp:
         raise ConfigError(f"tp {layout.tp} must divide n_kv_heads {cfg.n_kv_heads} and d_ff {cfg.d_ff}")
     if layout.tp > 1 and layout.sequence_parallel and work.seq_len // layout.cp % layout.tp:
