@@ -20,8 +20,9 @@ Where the figures come from, so that they match what the strategies allocate and
   attention 3btd + 2b t kv (activation dtype) + the fp32 softmax statistics b h t, MLP btd + 4btf, each RMSNorm
   2btd + bt in fp32; tensor parallelism splits the regions' insides, sequence parallelism also the norms;
   a pipeline rank holds as many microbatches as its schedule keeps in flight (`Schedule.peak_in_flight`);
-  measured for dense models in fp32; bf16 (2-byte matmul activations) and MoE layers follow the same counting
-  unmeasured, and checkpointing (not in this tree yet) keeps each checkpointed block's input plus one block;
+  under bf16 autocast also each projection's own cast of its input and the cast weights; measured in fp32 and
+  bf16 autocast (dense within 1%, MoE within 10%); checkpointing (not in this tree yet) keeps each checkpointed
+  block's input plus one block, unmeasured;
 - communication: the collectives the strategies issue, in the accounting layer's terms (`strategies.comm`: the
   full logical tensor per call; on the wire times `wire_factor`): all-reduce 2(N-1)/N Φ, ZeRO-3 3(N-1)/N Φ,
   tensor parallelism 4 collectives per block per step each way, pipelines their activations, experts 4 all-to-alls
@@ -268,21 +269,26 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
 
 
 # -- activations -----------------------------------------------------------------------------------------------
-def _block_activations(cfg: ModelConfig, layer: int, b: int, t: int, layout: Layout, abytes: int) -> int:
-    """Bytes one block saves for backward on one rank for b sequences of t positions (t already split by cp)."""
+def _block_activations(cfg: ModelConfig, layer: int, b: int, t: int, layout: Layout, abytes: int,
+                       autocast: bool) -> int:
+    """Bytes one block saves for backward on one rank for b sequences of t positions (t already split by cp).
+    Under autocast each projection casts (and saves) its own copy of the region's input: q, k, v three, gate
+    and up two."""
     tp, sp = layout.tp, layout.tp if layout.sequence_parallel else 1
     d, kv, h = cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg.n_heads
     bt = b * t
     norm = (2 * bt * d * 4 + bt * 4) // sp  # RMSNorm: its input and normalised value, 1/rms: fp32
     rope = t * cfg.head_dim * 4  # cos and sin tables, each block its own
-    attn = bt * d * abytes + ((2 * bt * d + 2 * bt * kv) * abytes + b * h * t * 4) // tp + rope
+    attn = (3 if autocast else 1) * bt * d * abytes + ((2 * bt * d + 2 * bt * kv) * abytes + b * h * t * 4) // tp + rope
     if cfg.is_moe_layer(layer):
         k, f, e = cfg.moe_top_k, cfg.moe_d_ff, cfg.moe_experts
-        routed = bt * k * (2 * d + 4 * f) * abytes  # gathered rows, the expert SwiGLU, the gated outputs
-        shared = 4 * bt * cfg.moe_shared_experts * f * abytes
+        # gathered rows, the expert SwiGLU, the gated outputs: on the fp32 residual stream's rows, measured as
+        # large under bf16 autocast as in fp32
+        routed = bt * k * (2 * d + 4 * f) * 4
+        shared = 4 * bt * cfg.moe_shared_experts * f * 4
         mlp = bt * d * 4 + 3 * bt * e * 4 + routed + shared  # fp32 router input and scores
     else:
-        mlp = bt * d * abytes + 4 * bt * cfg.d_ff * abytes // tp
+        mlp = (2 if autocast else 1) * bt * d * abytes + 4 * bt * cfg.d_ff * abytes // tp
     return 2 * norm + attn + mlp
 
 
@@ -296,7 +302,8 @@ def _stage_activations(cfg: ModelConfig, layers: list[int], first: bool, last: b
                        layout: Layout, pbytes: int, abytes: int, checkpointing: str) -> tuple[int, int]:
     """(bytes one microbatch keeps through a stage between its forward and backward, the extra bytes of the
     block recomputed during backward under checkpointing)."""
-    blocks = [_block_activations(cfg, i, b, t, layout, abytes) for i in layers]
+    autocast = pbytes != abytes  # bf16-mixed
+    blocks = [_block_activations(cfg, i, b, t, layout, abytes, autocast) for i in layers]
     sp = layout.tp if layout.sequence_parallel else 1
     block_input = b * t * cfg.d_model * pbytes  # the residual stream, in the weights' dtype
     ckpt = checkpointed(checkpointing, len(blocks))
@@ -397,6 +404,8 @@ def estimate(work: Workload, layout: Layout) -> Estimate:
         kept, recompute = zip(*(_stage_activations(cfg, c, first and i == 0, last and i == v - 1, mb, t, layout,
                                                    pbytes, abytes, work.checkpointing) for i, c in enumerate(chunks)))
         rank.activations = in_flight[r] * max(kept) + max(recompute)
+        if pbytes != abytes:  # autocast's low-precision copies of the matmul weights, saved for backward
+            rank.activations += abytes * sum(math.prod(_local_shape(q, layout)) for q in keep if _cast(q, cfg, p))
         if p > 1:  # the runner keeps each in-flight microbatch's stage output for its backward
             rank.buffers += in_flight[r] * mb * t * cfg.d_model * pbytes // (layout.tp if layout.sequence_parallel
                                                                                else 1)
@@ -412,6 +421,14 @@ def estimate(work: Workload, layout: Layout) -> Estimate:
     bubble = bubble_theory(layout.schedule, p, m, v) if p > 1 else 0.0
     why = runnable_today(cfg, layout, work.checkpointing)
     return Estimate(work, layout, ranks, bubble, not why, why)
+
+
+def _cast(q: ParamSpec, cfg: ModelConfig, pp: int) -> bool:
+    """Whether autocast runs the parameter through a matmul in low precision (not norms, the embedding lookup,
+    the fp32 router; a tied embedding is the head's weight, unless a pipeline gives the head its own copy)."""
+    if q.name.startswith("tok_embeddings"):
+        return cfg.tie_embeddings and pp == 1
+    return len(q.shape) >= 2 and not q.name.endswith("router.weight")
 
 
 def _root_on(name: str, first: bool, last: bool) -> bool:

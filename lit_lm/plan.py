@@ -128,8 +128,13 @@ def fitting(work: Workload, layout: Layout, budget: float) -> Optional[Estimate]
     """The layout with the least accumulation that fits `budget` bytes per GPU, or None."""
     local = work.global_batch // layout.dp if work.global_batch % layout.dp == 0 else 0
     options = [a for a in _divisors(local) if layout.pp == 1 or local // a >= layout.pp]
-    lo, hi, found = 0, len(options) - 1, None
-    while lo <= hi:  # memory falls as accumulation grows: the least that fits, by bisection
+    if not options:
+        return None
+    first = _estimate(work, layout, options[0])  # no accumulation: ZeRO-2/3 keep only gradient shards
+    if first is not None and first.peak_bytes <= budget:
+        return first
+    lo, hi, found = 1, len(options) - 1, None
+    while lo <= hi:  # past that, memory falls as accumulation grows: the least that fits, by bisection
         mid = (lo + hi) // 2
         est = _estimate(work, layout, options[mid])
         if est is not None and est.peak_bytes <= budget:
