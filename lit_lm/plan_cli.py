@@ -55,6 +55,8 @@ def read_configs(paths: list[str]) -> dict[str, Any]:
 
     merged: dict[str, Any] = {}
     for path in ([str(DEFAULT_CONFIG)] if DEFAULT_CONFIG.is_file() else []) + paths:
+        if not Path(path).is_file():
+            raise ConfigError(f"--config {path}: no such file")
         merged = merge(merged, yaml.safe_load(Path(path).read_text()) or {})
     return merged
 
@@ -66,6 +68,9 @@ def workload_from(config: dict[str, Any], args: argparse.Namespace, world: int) 
     data = {**defaults, **((config.get("data") or {}).get("init_args") or {})}
     trainer = config.get("trainer") or {}
     model = dict(((config.get("model") or {}).get("init_args") or {}).get("config") or {})
+    unknown = set(model) - {f.name for f in dataclasses.fields(ModelConfig)}
+    if unknown:
+        raise ConfigError(f"model.init_args.config: unknown field(s) {', '.join(sorted(unknown))}")
     cfg = ModelConfig(**{**model, "vocab_size": data["vocab_size"], "max_seq_len": data["seq_len"]})
     precision = str(args.precision or trainer.get("precision") or "32-true")
     if precision not in PRECISIONS:

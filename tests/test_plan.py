@@ -66,6 +66,8 @@ def test_plan_for_two_nodes_ranks_layouts_and_answers(tmp_path: Path) -> None:
 
     bad = run_cli("plan", "--gpu-memory", "eighty", cwd=tmp_path)
     assert bad.returncode != 0 and "--gpu-memory" in bad.stderr
+    missing = run_cli("plan", "--config", str(tmp_path / "none.yaml"), cwd=tmp_path)
+    assert missing.returncode != 0 and "none.yaml: no such file" in missing.stderr
 
 
 def test_the_3d_rule_comes_out_of_the_estimates() -> None:
