@@ -1,4 +1,4 @@
-"""`lit-lm fit|validate|test|predict` (and `lit-lm plan`, see `lit_lm.plan_cli`): LightningCLI with the model and the data in subclass mode.
+"""`lit-lm fit|validate|test|predict`: LightningCLI with the model and the data in subclass mode.
 
 `lit-lm fit` with no `--config` runs `configs/default.yaml`; more `--config` fragments compose on top of it
 (later files win; lists such as callbacks are replaced unless a fragment uses jsonargparse's `callbacks+:` form).
@@ -46,9 +46,10 @@ class LitLMCLI(LightningCLI):
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    if (sys.argv[1:] if args is None else args)[:1] == ["plan"]:  # not a LightningCLI subcommand: no Trainer
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["plan"]:  # `lit-lm plan` (lit_lm.plan_cli) is not a LightningCLI subcommand: no Trainer
         from lit_lm.plan_cli import main as plan
-        return plan((sys.argv[1:] if args is None else args)[1:])
+        return plan(argv[1:])
     defaults = [str(DEFAULT_CONFIG)] if DEFAULT_CONFIG.is_file() else []
     LitLMCLI(
         LanguageModel,
