@@ -43,10 +43,10 @@ class Throughput(L.Callback):
 
     Reads the model shape from `pl_module.model.config` (a `lit_lm` ModelConfig: `num_params` (MoE: the active
     ones), `n_layers`, `d_model`) and the sequence length from the batch, a (B, T + 1) LongTensor. Time runs from
-    batch start to batch start (data loading and optimizer step included) with CUDA synchronised at both ends, so
-    it measures what a run achieves, not one kernel. tokens/s is summed over `trainer.world_size` ranks, i.e. it assumes every rank
-    consumes its own tokens (data parallelism); MFU = achieved model FLOP/s per device / `peak_flops` (looked up
-    from the device name when not given; without a peak, MFU is not logged).
+    batch start to batch start (data loading and optimizer step included) with CUDA synchronised at both ends, so it
+    measures what a run achieves, not one kernel. tokens/s is summed over `trainer.world_size` ranks, i.e. it
+    assumes every rank consumes its own tokens (data parallelism); MFU = achieved model FLOP/s per device /
+    `peak_flops` (looked up from the device name when not given; without a peak, MFU is not logged).
     """
 
     def __init__(self, peak_flops: Optional[float] = None, window: int = 10) -> None:
