@@ -10,6 +10,8 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
+from lit_lm.estimate import flops_per_token  # noqa: F401  (one formula, shared with the planner)
+
 # Dense bf16 tensor-core peak FLOP/s per GPU (NVIDIA datasheets, no sparsity), matched by substring of the CUDA
 # device name, first match wins (so "H100 PCIe" is tested before "H100", "L40S" before "L4").
 PEAK_FLOPS: list[tuple[str, float]] = [
@@ -28,17 +30,6 @@ def peak_flops_for(device_name: str) -> Optional[float]:
     return next((flops for key, flops in PEAK_FLOPS if key in device_name), None)
 
 
-def flops_per_token(num_params: int, n_layers: int, d_model: int, seq_len: int) -> int:
-    """Training FLOPs per token, forward + backward: 6N + 12 L d T (PaLM, appendix B).
-
-    6N: each parameter that takes part in a matmul costs 2 FLOPs (multiply-add) per token forward and 4 backward
-    (gradients of input and weight); N excludes the input embedding (a lookup), includes the LM head.
-    12 L d T: per layer, q k^T and (softmax) v are 2 * 2 * T * d FLOPs per token forward, x3 with backward. The
-    causal mask halves the work actually needed but, as in PaLM and most MFU reports, it is not discounted.
-    """
-    return 6 * num_params + 12 * n_layers * d_model * seq_len
-
-
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak CUDA memory allocated by tensors, or on CPU the process's peak resident set size."""
     if device.type == "cuda":
@@ -50,12 +41,12 @@ def peak_memory_bytes(device: torch.device) -> int:
 class Throughput(L.Callback):
     """Logs `throughput/{tokens_per_sec, flops_per_token, mfu, peak_memory_gb}` every `window` training batches.
 
-    Reads the model shape from `pl_module.model.config` (a `lit_lm` ModelConfig: `num_params`, `n_layers`,
-    `d_model`) and the sequence length from the batch, a (B, T + 1) LongTensor. Time runs from batch start to
-    batch start (data loading and optimizer step included) with CUDA synchronised at both ends, so it measures what
-    a run achieves, not one kernel. tokens/s is summed over `trainer.world_size` ranks, i.e. it assumes every rank
-    consumes its own tokens (data parallelism); MFU = achieved model FLOP/s per device / `peak_flops` (looked up
-    from the device name when not given; without a peak, MFU is not logged).
+    Reads the model shape from `pl_module.model.config` (a `lit_lm` ModelConfig: `num_params` (MoE: the active
+    ones), `n_layers`, `d_model`) and the sequence length from the batch, a (B, T + 1) LongTensor. Time runs from
+    batch start to batch start (data loading and optimizer step included) with CUDA synchronised at both ends, so it
+    measures what a run achieves, not one kernel. tokens/s is summed over `trainer.world_size` ranks, i.e. it
+    assumes every rank consumes its own tokens (data parallelism); MFU = achieved model FLOP/s per device /
+    `peak_flops` (looked up from the device name when not given; without a peak, MFU is not logged).
     """
 
     def __init__(self, peak_flops: Optional[float] = None, window: int = 10) -> None:
@@ -91,7 +82,8 @@ class Throughput(L.Callback):
         now = self._now(pl_module.device)
         tokens_per_sec = self._tokens / (now - self._start)
         cfg = pl_module.model.config
-        flops = flops_per_token(cfg.num_params(include_embedding=False), cfg.n_layers, cfg.d_model, seq_len)
+        flops = flops_per_token(cfg.num_params(include_embedding=False, active=True), cfg.n_layers, cfg.d_model,
+                                seq_len)
         metrics = {
             "throughput/tokens_per_sec": tokens_per_sec * trainer.world_size,
             "throughput/flops_per_token": float(flops),

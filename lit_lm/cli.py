@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -45,6 +46,10 @@ class LitLMCLI(LightningCLI):
 
 
 def main(args: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["plan"]:  # `lit-lm plan` (lit_lm.plan_cli) is not a LightningCLI subcommand: no Trainer
+        from lit_lm.plan_cli import main as plan
+        return plan(argv[1:])
     defaults = [str(DEFAULT_CONFIG)] if DEFAULT_CONFIG.is_file() else []
     LitLMCLI(
         LanguageModel,

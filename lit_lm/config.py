@@ -115,13 +115,16 @@ class ModelConfig:
     def padded_vocab_size(self) -> int:
         return round_up(self.vocab_size, self.vocab_multiple_of)
 
-    def num_params(self, include_embedding: bool = True) -> int:
-        """Parameter count from the shapes alone (used for FLOPs and memory theory)."""
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        """Parameter count from the shapes alone (used for FLOPs and memory theory). `active`: an MoE layer counts
+        its router, shared experts and `moe_top_k` routed experts only (what one token's forward multiplies by)."""
         d, kv = self.d_model, self.n_kv_heads * self.head_dim
         attn = d * d * 2 + d * kv * 2 + (2 * self.head_dim if self.qk_norm else 0)
-        mlp = 3 * d * self.d_ff
-        per_block = attn + mlp + 2 * d
+        dense_mlp = 3 * d * self.d_ff
+        expert = 3 * d * self.moe_d_ff
+        moe_mlp = self.moe_experts * d + self.moe_shared_experts * expert + \
+            (self.moe_top_k if active else self.moe_experts) * expert
+        blocks = sum(attn + 2 * d + (moe_mlp if self.is_moe_layer(i) else dense_mlp) for i in range(self.n_layers))
         emb = self.padded_vocab_size * d
         head = 0 if self.tie_embeddings else emb
-        total = self.n_layers * per_block + d + head + (emb if include_embedding else 0)
-        return total
+        return blocks + d + head + (emb if include_embedding else 0)

@@ -31,12 +31,16 @@ class CommRecord:
     @property
     def wire_bytes(self) -> float:
         """Bytes each rank sends under a ring algorithm."""
-        n = self.world
-        if n <= 1:
-            return 0.0
-        factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
-                  "all_to_all": (n - 1) / n, "broadcast": 1.0, "send": 1.0, "recv": 0.0}[self.op]
-        return factor * self.nbytes
+        return wire_factor(self.op, self.world) * self.nbytes
+
+
+def wire_factor(op: str, world: int) -> float:
+    """Bytes a rank sends per byte of an op's full logical tensor (ring algorithm): the volume theory's one place."""
+    n = world
+    if n <= 1:
+        return 0.0
+    return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
+            "all_to_all": (n - 1) / n, "broadcast": 1.0, "send": 1.0, "recv": 0.0}[op]
 
 
 class CommLog:

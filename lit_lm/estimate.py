@@ -1,0 +1,497 @@
+"""What a layout costs per rank before launching it: model-state and activation bytes, FLOPs, communication and
+the pipeline bubble. Plain arithmetic on the model's shapes: no Lightning API and no process group (importing
+`strategies` for its pure helpers still registers the strategies with Lightning, as for every engine).
+
+    est = estimate(Workload(cfg, seq_len=4096, global_batch=512, precision="bf16-mixed"),
+                   Layout(dp_shard=8, zero_stage=3, tp=8))
+    est.peak_bytes, est.flops, est.wire_bytes, est.bubble
+
+The layout space is the full one of the composed strategy (`pp x dp_replicate x dp_shard x cp x tp`, with `ep`
+carved from `dp_shard x cp`, activation checkpointing none | full | selective); `runs_today` says whether the
+strategies of this tree can run it (`lit_lm.plan` only emits those).
+
+Where the figures come from, so that they match what the strategies allocate and send:
+- shapes: the model built on the meta device (the same `Transformer`), its `tensor_parallel_plan()` and
+  `expert_plan()`; shards use `torch.chunk` rows (the largest shard, rank 0 of each group, is reported);
+- model state: the ZeRO engine's layout (`strategies.zero_engine`): fp32 master rows, Adam m and v at shard size
+  (plus one 4-byte `step` per tensor, as torch keeps it), stage >= 2 gradients in one padded buffer per unit
+  (the root or one block); without ZeRO, gradients and optimizer state of the whole local model;
+- activations: the tensors this model's autograd saves, counted from the code (`model.py`): per block
+  attention 3btd + 2b t kv (activation dtype) + the fp32 softmax statistics b h t, MLP btd + 4btf, each RMSNorm
+  2btd + bt in fp32; tensor parallelism splits the regions' insides, sequence parallelism also the norms;
+  a pipeline rank holds as many microbatches as its schedule keeps in flight (`Schedule.peak_in_flight`);
+  under bf16 autocast also each projection's own cast of its input and the cast weights; measured in fp32 and
+  bf16 autocast (dense within 1%, MoE within 10%); checkpointing (not in this tree yet) keeps each checkpointed
+  block's input plus one block, unmeasured;
+- communication: the collectives the strategies issue, in the accounting layer's terms (`strategies.comm`: the
+  full logical tensor per call; on the wire times `wire_factor`): all-reduce 2(N-1)/N Φ, ZeRO-3 3(N-1)/N Φ,
+  tensor parallelism 4 collectives per block per step each way, pipelines their activations, experts 4 all-to-alls
+  per MoE layer; the bubble from `strategies.pp_schedules.bubble_theory`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from lit_lm.config import ConfigError, ModelConfig
+from strategies.comm import wire_factor
+from strategies.pp_schedules import SCHEDULES, bubble_theory, build_schedule
+from strategies.pp_split import split_layers
+
+PRECISIONS = {"32-true": (4, 4), "bf16-mixed": (4, 2), "bf16-true": (2, 2)}  # (parameter, activation) bytes
+CHECKPOINTING = ("none", "full", "selective")
+
+
+def flops_per_token(num_params: int, n_layers: int, d_model: int, seq_len: int) -> int:
+    """Training FLOPs per token, forward + backward: 6N + 12 L d T (PaLM, appendix B).
+
+    6N: each parameter that takes part in a matmul costs 2 FLOPs (multiply-add) per token forward and 4 backward
+    (gradients of input and weight); N excludes the input embedding (a lookup), includes the LM head, and for MoE
+    counts the experts a token is routed to (`ModelConfig.num_params(active=True)`).
+    12 L d T: per layer, q k^T and (softmax) v are 2 * 2 * T * d FLOPs per token forward, x3 with backward. The
+    causal mask halves the work actually needed but, as in PaLM and most MFU reports, it is not discounted.
+    Activation recomputation is not counted (model FLOPs, not hardware FLOPs).
+    """
+    return 6 * num_params + 12 * n_layers * d_model * seq_len
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of each parallel dimension; world = pp * dp_replicate * dp_shard * cp * tp. ZeRO shards over
+    dp_shard (stage 0: plain all-reduce); dp_replicate replicates those shards (HSDP); ep divides dp_shard * cp."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    zero_stage: int = 0
+    tp: int = 1
+    sequence_parallel: bool = True
+    pp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual_stages: int = 1
+    cp: int = 1
+    ep: int = 1
+    accumulate: int = 1  # Lightning's accumulate_grad_batches: micro-steps per optimizer step
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    def describe(self) -> str:
+        parts = [f"{k}{v}" for k, v in (("pp", self.pp), ("tp", self.tp), ("cp", self.cp), ("ep", self.ep)) if v > 1]
+        dp = f"dp{self.dp_shard}" if self.dp_replicate == 1 else f"dp{self.dp_replicate}x{self.dp_shard}"
+        parts.insert(0, dp + (f" zero{self.zero_stage}" if self.zero_stage else ""))
+        if self.pp > 1:
+            v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+            parts.append(f"{self.schedule} m{self.microbatches}{v}")
+        if self.accumulate > 1:
+            parts.append(f"accum{self.accumulate}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: the model, tokens per sequence and per optimizer step, precision and recomputation."""
+
+    config: ModelConfig
+    seq_len: int
+    global_batch: int  # sequences per optimizer step, over all replicas
+    precision: str = "bf16-mixed"
+    checkpointing: str = "none"  # none | full (every block) | selective (every second block, torchtitan's)
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision {self.precision!r}: the estimate knows {', '.join(PRECISIONS)}")
+        if self.checkpointing not in CHECKPOINTING:
+            raise ConfigError(f"activation checkpointing {self.checkpointing!r}: choose {', '.join(CHECKPOINTING)}")
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.global_batch
+
+
+@dataclass
+class RankEstimate:
+    """One pipeline rank (rank 0 of its other groups: the largest shards). Bytes and FLOPs per optimizer step."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    buffers: int = 0  # communication buffers: DDP buckets, ZeRO-3 gathered units, pipeline outputs held
+    activations: int = 0
+    flops: float = 0.0  # model FLOPs (what MFU counts)
+    recompute_flops: float = 0.0  # the forwards activation checkpointing runs again
+    comm: dict[tuple[str, str], int] = field(default_factory=dict)  # (group, op) -> logical bytes, as recorded
+    _sizes: dict[str, int] = field(default_factory=dict, repr=False)  # ranks per group
+
+    @property
+    def model_state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def peak(self) -> int:
+        return self.model_state + self.buffers + self.activations
+
+    def wire(self, group: Optional[str] = None, op: Optional[str] = None) -> float:
+        """Bytes this rank sends per step (ring algorithm), over one group (and op) or all."""
+        return sum(nbytes * wire_factor(o, self._sizes[g]) for (g, o), nbytes in self.comm.items()
+                   if group in (None, g) and op in (None, o))
+
+    def add_comm(self, group: str, op: str, nbytes: float, size: int) -> None:
+        if size > 1 and nbytes:
+            self.comm[(group, op)] = self.comm.get((group, op), 0) + int(nbytes)
+            self._sizes[group] = size
+
+
+@dataclass
+class Estimate:
+    workload: Workload
+    layout: Layout
+    ranks: list[RankEstimate]  # per pipeline rank
+    bubble: float
+    runs_today: bool
+    why_not: str = ""  # what the strategies of this tree lack for this layout
+
+    @property
+    def worst(self) -> RankEstimate:
+        return max(self.ranks, key=lambda r: r.peak)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.worst.peak
+
+    @property
+    def flops(self) -> float:
+        return max(r.flops for r in self.ranks)
+
+    def wire_bytes(self, group: Optional[str] = None, op: Optional[str] = None) -> float:
+        return max(r.wire(group, op) for r in self.ranks)
+
+    @property
+    def groups(self) -> list[str]:
+        return sorted({g for r in self.ranks for g, _ in r.comm})
+
+
+# -- the model's parameters, from a meta-device build --------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    unit: str  # "root" or "blocks.<i>": what ZeRO gathers and reduces together
+    layer: Optional[int]
+    tp_style: Optional[str]  # the plan's style for the parameter's module (column, row, vocab_*, sequence, ...)
+    expert: bool
+
+
+def _config_key(cfg: ModelConfig) -> tuple:
+    return tuple(dataclasses.asdict(cfg).items())
+
+
+@functools.lru_cache(maxsize=16)
+def _inventory(key: tuple) -> tuple[ParamSpec, ...]:
+    from lit_lm.model import Transformer
+
+    cfg = ModelConfig(**dict(key))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    try:
+        plan = model.tensor_parallel_plan()
+    except ConfigError:  # MoE: no tensor-parallel plan (yet)
+        plan = {}
+    experts = set(model.expert_plan())
+    out = []
+    for name, p in model.named_parameters():
+        module = name.rpartition(".")[0]
+        layer = int(name.split(".")[1]) if name.startswith("blocks.") else None
+        out.append(ParamSpec(name, tuple(p.shape), "root" if layer is None else f"blocks.{layer}", layer,
+                             plan[module].style if module in plan else None, module in experts))
+    return tuple(out)
+
+
+def _chunk(n: int, parts: int) -> int:
+    """Rows of the largest `torch.chunk` piece (rank 0's)."""
+    return -(-n // parts)
+
+
+def _local_shape(p: ParamSpec, layout: Layout) -> tuple[int, ...]:
+    """The shape rank 0 of the tp (and ep) group holds."""
+    shape = list(p.shape)
+    if layout.tp > 1 and p.tp_style in ("column", "vocab_embedding", "vocab_head"):
+        shape[0] = _chunk(shape[0], layout.tp)
+    elif layout.tp > 1 and p.tp_style == "row":
+        shape[1] = _chunk(shape[1], layout.tp)
+    if p.expert and layout.ep > 1:
+        shape[0] = _chunk(shape[0], layout.ep)
+    return tuple(shape)
+
+
+# -- model state -----------------------------------------------------------------------------------------------
+def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], stage: int, group: int,
+                 pbytes: int, group_name: str, accumulate: int) -> None:
+    """Params, grads, optimizer state and the data-parallel collectives of `units` ({unit: local shapes}) under
+    ZeRO `stage` over `group` ranks (stage 0: `GradSync`'s bucketed all-reduce). Accumulation micro-steps keep
+    whole local gradients (the engine reduces once, at the window's last backward), ZeRO-3 gathers every time."""
+    shapes = [s for unit in units.values() for s in unit]
+    numel = sum(math.prod(s) for s in shapes)
+    if stage == 0:
+        rank.params += numel * pbytes
+        rank.grads += numel * pbytes
+        rank.optimizer += 2 * numel * pbytes + 4 * len(shapes)  # Adam m, v (parameter dtype), step
+        rank.buffers += numel * pbytes if group > 1 else 0  # GradSync's buckets (strategies build none for dp 1)
+        rank.add_comm(group_name, "all_reduce", numel * pbytes, group)
+        return
+    master_copy = pbytes != 4  # fp32 parameters are their own master rows (a view)
+    for shapes in units.values():
+        rows = [(_chunk(s[0], group), min(_chunk(s[0], group), s[0]), math.prod(s[1:])) for s in shapes]
+        segment = sum(chunk * row for chunk, _, row in rows)  # padded, one rank's share of the packed buffer
+        local = sum(mine * row for _, mine, row in rows)
+        full = sum(math.prod(s) for s in shapes)
+        rank.params += full * pbytes * (stage < 3) + local * 4 * (stage == 3 or master_copy)
+        rank.grads += full * pbytes if stage == 1 else segment * pbytes + full * pbytes * (accumulate > 1)
+        rank.grads += local * 4 if master_copy else 0
+        rank.optimizer += 2 * local * 4 + 4 * len(shapes)
+        gathers = 2 * accumulate if stage == 3 else 1
+        rank.add_comm(group_name, "reduce_scatter", group * segment * pbytes, group)
+        rank.add_comm(group_name, "all_gather", gathers * group * segment * pbytes, group)
+    if stage == 3:  # the unit being used and the one prefetched, whole
+        biggest = sorted((sum(math.prod(s) for s in unit) for unit in units.values()), reverse=True)[:2]
+        rank.buffers += sum(biggest) * pbytes
+
+
+# -- activations -----------------------------------------------------------------------------------------------
+def _block_activations(cfg: ModelConfig, layer: int, b: int, t: int, layout: Layout, abytes: int,
+                       autocast: bool) -> int:
+    """Bytes one block saves for backward on one rank for b sequences of t positions (t already split by cp).
+    Under autocast each projection casts (and saves) its own copy of the region's input: q, k, v three, gate
+    and up two."""
+    tp, sp = layout.tp, layout.tp if layout.sequence_parallel else 1
+    d, kv, h = cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg.n_heads
+    bt = b * t
+    norm = (2 * bt * d * 4 + bt * 4) // sp  # RMSNorm: its input and normalised value, 1/rms: fp32
+    rope = t * cfg.head_dim * 4  # cos and sin tables, each block its own
+    attn = (3 if autocast else 1) * bt * d * abytes + ((2 * bt * d + 2 * bt * kv) * abytes + b * h * t * 4) // tp + rope
+    if cfg.is_moe_layer(layer):
+        k, f, e = cfg.moe_top_k, cfg.moe_d_ff, cfg.moe_experts
+        # gathered rows, the expert SwiGLU, the gated outputs: on the fp32 residual stream's rows, measured as
+        # large under bf16 autocast as in fp32
+        routed = bt * k * (2 * d + 4 * f) * 4
+        shared = 4 * bt * cfg.moe_shared_experts * f * 4
+        mlp = bt * d * 4 + 3 * bt * e * 4 + routed + shared  # fp32 router input and scores
+    else:
+        mlp = (2 if autocast else 1) * bt * d * abytes + 4 * bt * cfg.d_ff * abytes // tp
+    return 2 * norm + attn + mlp
+
+
+def checkpointed(checkpointing: str, n_blocks: int) -> list[bool]:
+    """Which of a stage's blocks are recomputed in backward: full = all, selective = every second one."""
+    every = {"none": 0, "full": 1, "selective": 2}[checkpointing]
+    return [bool(every) and i % every == 0 for i in range(n_blocks)]
+
+
+def _stage_activations(cfg: ModelConfig, layers: list[int], first: bool, last: bool, b: int, t: int,
+                       layout: Layout, pbytes: int, abytes: int, checkpointing: str) -> tuple[int, int]:
+    """(bytes one microbatch keeps through a stage between its forward and backward, the extra bytes of the
+    block recomputed during backward under checkpointing)."""
+    autocast = pbytes != abytes  # bf16-mixed
+    blocks = [_block_activations(cfg, i, b, t, layout, abytes, autocast) for i in layers]
+    sp = layout.tp if layout.sequence_parallel else 1
+    block_input = b * t * cfg.d_model * pbytes  # the residual stream, in the weights' dtype
+    ckpt = checkpointed(checkpointing, len(blocks))
+    kept = sum(block_input // sp if c else a for a, c in zip(blocks, ckpt))
+    recompute = max((a for a, c in zip(blocks, ckpt) if c), default=0)
+    if first:
+        kept += b * t * 8  # the token ids the embedding saves
+    if last:
+        v = _chunk(cfg.padded_vocab_size, layout.tp)
+        kept += (2 * b * t * cfg.d_model * 4 + b * t * 4) // sp + b * t * cfg.d_model * abytes  # final norm, head
+        kept += b * t * v * 4 * (2 if cfg.z_loss else 1)  # fp32 log-softmax (and the z-loss's logsumexp input)
+    return kept, recompute
+
+
+# -- the estimate ----------------------------------------------------------------------------------------------
+def check_layout(work: Workload, layout: Layout) -> None:
+    """Raise ConfigError naming what does not divide."""
+    cfg = work.config
+    if layout.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_stage {layout.zero_stage}: choose 0, 1, 2 or 3")
+    if layout.schedule not in SCHEDULES:
+        raise ConfigError(f"schedule {layout.schedule!r}: choose {', '.join(SCHEDULES)}")
+    if work.global_batch % layout.dp:
+        raise ConfigError(f"global batch {work.global_batch} is not divisible by dp {layout.dp}")
+    local = work.global_batch // layout.dp
+    if local % layout.accumulate or local // layout.accumulate % layout.microbatches:
+        raise ConfigError(f"accumulate {layout.accumulate} x microbatches {layout.microbatches} must divide the "
+                          f"per-replica batch {local}")
+    if layout.pp * layout.virtual_stages > cfg.n_layers:
+        raise ConfigError(f"pp x virtual_stages = {layout.pp * layout.virtual_stages} exceeds n_layers {cfg.n_layers}")
+    if cfg.moe_experts and layout.tp > 1:
+        raise ConfigError("tp with MoE layers: the model publishes no tensor-parallel plan for them (use ep)")
+    if cfg.n_kv_heads % layout.tp or cfg.d_ff % layout.tp:
+        raise ConfigError(f"tp {layout.tp} must divide n_kv_heads {cfg.n_kv_heads} and d_ff {cfg.d_ff}")
+    if layout.tp > 1 and layout.sequence_parallel and work.seq_len // layout.cp % layout.tp:
+        raise ConfigError(f"sequence parallelism: tp {layout.tp} must divide the sequence {work.seq_len}")
+    if work.seq_len % (2 * layout.cp) and layout.cp > 1:
+        raise ConfigError(f"cp {layout.cp}: the sequence {work.seq_len} must split into 2 x cp chunks")
+    if layout.ep > 1 and (not cfg.moe_experts or cfg.moe_experts % layout.ep or
+                          (layout.dp_shard * layout.cp) % layout.ep):
+        raise ConfigError(f"ep {layout.ep} must divide moe_experts {cfg.moe_experts} and dp_shard x cp")
+
+
+def runnable_today(cfg: ModelConfig, layout: Layout, checkpointing: str = "none") -> str:
+    """"" when a strategy of this tree runs `layout`, else why not (what issue #13's composition adds)."""
+    moe = cfg.moe_experts > 0
+    if checkpointing != "none":
+        return "activation checkpointing (#13)"
+    if layout.cp > 1:
+        return "context parallelism (#14, composed in #13)"
+    if layout.dp_replicate > 1:
+        return "HSDP: dp_replicate x dp_shard (#13)"
+    if layout.tp > 1 and (layout.pp > 1 or layout.ep > 1 or moe):
+        return "tp with pp, ep or MoE (#13)"
+    if layout.pp > 1 and (layout.zero_stage or moe):
+        return "pp with ZeRO or MoE (#13)"
+    if layout.zero_stage == 3 and (layout.tp > 1 or layout.ep > 1):
+        return "ZeRO-3 with tp or ep (#13)"
+    return ""
+
+
+def estimate(work: Workload, layout: Layout) -> Estimate:
+    """Per-rank bytes, FLOPs and communication of one optimizer step of `work` under `layout`."""
+    check_layout(work, layout)
+    cfg = work.config
+    pbytes, abytes = PRECISIONS[work.precision]
+    inventory = _inventory(_config_key(cfg))
+    p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
+    stages = _split(cfg.n_layers, p, v)
+    in_flight = peak_in_flight(layout.schedule, p, m, v) if p > 1 else [1]
+    local_batch = work.global_batch // layout.dp
+    micro = local_batch // layout.accumulate  # sequences of one forward/backward (one Lightning batch)
+    mb, t = micro // m, work.seq_len // layout.cp
+    tokens_per_rank = local_batch * work.seq_len / layout.cp  # each tp peer works on all of them
+    ranks = []
+    for r in range(p):
+        rank = RankEstimate()
+        chunks = [stages[c * p + r] for c in range(v)]
+        layers = {i for c in chunks for i in c}
+        first, last = r == 0, r == p - 1
+        keep = [q for q in inventory if (q.layer in layers) or (q.layer is None and _root_on(q.name, first, last))]
+        if last and p > 1 and cfg.tie_embeddings:  # the head's own copy of the tied embedding
+            keep += [dataclasses.replace(q, name="lm_head.weight", tp_style="vocab_head") for q in inventory
+                     if q.name == "tok_embeddings.weight"]
+        dense: dict[str, list[tuple[int, ...]]] = {}
+        experts: dict[str, list[tuple[int, ...]]] = {}
+        for q in keep:
+            (experts if q.expert else dense).setdefault(q.unit, []).append(_local_shape(q, layout))
+        dp_group = layout.dp_shard * layout.cp  # gradients are averaged over every rank that saw other tokens
+        _model_state(rank, dense, layout.zero_stage, dp_group, pbytes, "dp", layout.accumulate)
+        if experts:  # one unit, over the ranks holding the same experts
+            _model_state(rank, {"experts": [s for u in experts.values() for s in u]}, layout.zero_stage,
+                         dp_group // layout.ep, pbytes, "edp", layout.accumulate)
+        if layout.dp_replicate > 1:  # HSDP: the shard's gradient averaged over the replicas
+            shard = sum(_chunk(s[0], dp_group) * math.prod(s[1:]) for u in dense.values() for s in u)
+            rank.add_comm("dp_replicate", "all_reduce", shard * pbytes, layout.dp_replicate)
+
+        kept, recompute = zip(*(_stage_activations(cfg, c, first and i == 0, last and i == v - 1, mb, t, layout,
+                                                   pbytes, abytes, work.checkpointing) for i, c in enumerate(chunks)))
+        rank.activations = in_flight[r] * max(kept) + max(recompute)
+        if pbytes != abytes:  # autocast's low-precision copies of the matmul weights, saved for backward
+            rank.activations += abytes * sum(math.prod(_local_shape(q, layout)) for q in keep if _cast(q, cfg, p))
+        if p > 1:  # the runner keeps each in-flight microbatch's stage output for its backward
+            rank.buffers += in_flight[r] * mb * t * cfg.d_model * pbytes // (layout.tp if layout.sequence_parallel
+                                                                               else 1)
+
+        n_active = cfg.num_params(include_embedding=False, active=True)
+        share = sum(len(c) for c in chunks) / cfg.n_layers
+        rank.flops = flops_per_token(n_active, cfg.n_layers, cfg.d_model, work.seq_len) * share * tokens_per_rank
+        rank.flops /= layout.tp
+        recomputed = sum(checkpointed(work.checkpointing, len(c)).count(True) for c in chunks)
+        rank.recompute_flops = rank.flops / 3 * recomputed / max(1, sum(len(c) for c in chunks))  # a forward: 2N
+        _activation_comm(rank, r, cfg, layout, chunks, first, last, mb, t, local_batch, abytes, pbytes)
+        ranks.append(rank)
+    bubble = bubble_theory(layout.schedule, p, m, v) if p > 1 else 0.0
+    why = runnable_today(cfg, layout, work.checkpointing)
+    return Estimate(work, layout, ranks, bubble, not why, why)
+
+
+def _cast(q: ParamSpec, cfg: ModelConfig, pp: int) -> bool:
+    """Whether autocast runs the parameter through a matmul in low precision (not norms, the embedding lookup,
+    the fp32 router; a tied embedding is the head's weight, unless a pipeline gives the head its own copy)."""
+    if q.name.startswith("tok_embeddings"):
+        return cfg.tie_embeddings and pp == 1
+    return len(q.shape) >= 2 and not q.name.endswith("router.weight")
+
+
+def _root_on(name: str, first: bool, last: bool) -> bool:
+    if name.startswith("tok_embeddings"):
+        return first
+    return last  # the final norm and the head
+
+
+@functools.lru_cache(maxsize=256)
+def peak_in_flight(name: str, p: int, m: int, v: int) -> list[int]:
+    """`Schedule.peak_in_flight` per pipeline rank. Past m = 2pv microbatches the 1F1B family is in its steady
+    state (each new forward follows a finished backward), so the peak is simulated there: the simulation costs
+    O(m^2 p) and the planner asks for hundreds of microbatches. GPipe holds every microbatch: simulated at m."""
+    cap = m if name == "gpipe" else min(m, 2 * p * v)
+    return build_schedule(name, p, cap, v).peak_in_flight()
+
+
+@functools.lru_cache(maxsize=256)
+def _split(n_layers: int, p: int, v: int) -> list[list[int]]:
+    return split_layers(n_layers, p, v)
+
+
+def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout: Layout, chunks: list[list[int]],
+                     first: bool, last: bool, mb: int, t: int, local_batch: int, abytes: int, pbytes: int) -> None:
+    """The collectives that move activations: tp region borders, pipeline sends, cp ring, ep all-to-alls."""
+    layers = [i for c in chunks for i in c]
+    act = local_batch * t * cfg.d_model * abytes  # one (B, T, d) activation of the whole local batch
+    tokens = local_batch * t
+    if layout.tp > 1:
+        # per block: 2 regions, each an entry and an exit collective forward and their conjugates backward; the
+        # embedding exits like a region, the head enters like one
+        calls = 4 * len(layers) + first + last
+        if layout.sequence_parallel:
+            rank.add_comm("tp", "all_gather", calls * act, layout.tp)
+            rank.add_comm("tp", "reduce_scatter", calls * act, layout.tp)
+            partial = (2 * len(layers) + last) * cfg.d_model  # norm weights on sequence shards
+        else:
+            rank.add_comm("tp", "all_reduce", calls * act, layout.tp)
+            partial = 0
+        partial += 2 * len(layers) * cfg.head_dim if cfg.qk_norm else 0
+        if partial:  # one all-reduce of the partial gradients (under ZeRO: this rank's dp rows of each)
+            rows = _chunk(cfg.d_model, layout.dp_shard) if layout.zero_stage else cfg.d_model
+            rank.add_comm("tp", "all_reduce", partial * rows // cfg.d_model * pbytes, layout.tp)
+        if last:  # loss-parallel cross-entropy: max, sum-exp and target logit per token, fp32
+            rank.add_comm("tp", "all_reduce", 3 * tokens * 4, layout.tp)
+    if layout.pp > 1:
+        p = layout.pp
+        one = mb * t * cfg.d_model * pbytes  # the residual stream keeps the weights' dtype between stages
+        stages, n = p * layout.virtual_stages, layout.microbatches
+        for c in range(layout.virtual_stages):
+            stage = c * p + pp_rank  # as `Schedule.stage`: chunk c of rank r
+            sends = (stage < stages - 1) + (stage > 0)  # activations forward, their gradients back
+            rank.add_comm("pp", "send", layout.accumulate * sends * n * one // layout.tp, p)
+            rank.add_comm("pp", "recv", layout.accumulate * sends * n * one // layout.tp, p)
+        rank.add_comm("pp", "broadcast", layout.accumulate * 2 * 4, p)  # the batch loss and ce, from the last stage
+        if cfg.tie_embeddings and (first or last):
+            emb = _chunk(cfg.padded_vocab_size, layout.tp) * cfg.d_model
+            rank.add_comm("pp_embedding", "all_reduce", emb * pbytes, 2)
+    if layout.cp > 1:  # ring attention: k, v passed around the ring forward, and with their gradients backward
+        kv = cfg.n_kv_heads * cfg.head_dim // layout.tp
+        rank.add_comm("cp", "send", 3 * (layout.cp - 1) * len(layers) * 2 * local_batch * t * kv * abytes,
+                      layout.cp)
+    if layout.ep > 1:
+        moe = [i for i in layers if cfg.is_moe_layer(i)]
+        rows = tokens * cfg.moe_top_k * cfg.d_model * abytes  # dispatched rows (dropless, balanced routing)
+        rank.add_comm("ep", "all_to_all", len(moe) * (4 * rows + cfg.moe_experts * 8), layout.ep)

@@ -1,0 +1,238 @@
+"""The planner: every layout of a cluster, those that fit memory ranked by estimated step time, the winner as yaml.
+
+    ranked = plan(workload, Cluster(nodes=2, gpus_per_node=8, gpu_memory=80e9))
+    ranked[0].layout, ranked[0].step_time, ranked[0].reason
+    strategy_yaml(best_runnable(ranked), workload, cluster)   # for `lit-lm fit --config ... --config plan.yaml`
+
+The 3D rule it rediscovers from the estimates rather than hard-codes: tensor parallelism up to the GPUs of one
+node (its collectives are on the critical path and want NVLink), pipeline stages or ZeRO-3 across nodes when the
+model state does not fit, data parallelism over the rest, context parallelism when one sequence's activations do
+not fit, gradient accumulation (more, smaller micro-batches) before any of them when only activations overflow.
+
+Step time = compute at the assumed MFU / (1 - bubble) + exposed communication: tensor, context, expert and
+pipeline traffic is on the critical path; the data-parallel reduction overlaps the backward (2/3 of the compute;
+ZeRO-3's prefetched gathers the whole step) and only what exceeds it shows. Bandwidth: a group whose ranks share
+a node (rank order pp, dp_replicate, dp_shard, cp, tp: tp innermost) uses `intra_bw`, others `inter_bw` (each
+GPU's share of the node's network).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+from lit_lm.config import ConfigError
+from lit_lm.estimate import CHECKPOINTING, Estimate, Layout, Workload, estimate
+
+USABLE_MEMORY = 0.9  # of a GPU's memory: the CUDA context, allocator fragmentation and workspaces take the rest
+MAX_PP = 16  # deeper pipelines are not planned (Llama 3 405B used 16): the schedule simulation grows as p^2 m^2
+BACKWARD_SHARE = 2 / 3  # of a step's compute: the window in which the data-parallel reduction can hide
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    gpu_memory: float  # bytes
+    intra_bw: float = 450e9  # bytes/s per GPU inside a node (NVLink 4 on H100: 450 GB/s each way)
+    inter_bw: float = 50e9  # bytes/s per GPU across nodes (one 400 Gb/s NIC per GPU)
+    peak_flops: float = 989e12  # dense bf16 per GPU (H100 SXM)
+    mfu: float = 0.4  # the model FLOPs utilisation assumed for compute
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass
+class Ranked:
+    estimate: Estimate
+    step_time: float  # seconds per optimizer step
+    parts: dict[str, float]  # compute, bubble, exposed communication per group
+    reason: str = ""
+
+    @property
+    def layout(self) -> Layout:
+        return self.estimate.layout
+
+
+# -- time --------------------------------------------------------------------------------------------------------
+def _spans(layout: Layout) -> dict[str, int]:
+    """How many consecutive ranks each group spans (rank order pp, dp_replicate, dp_shard, cp, tp)."""
+    tp, cp, shard = layout.tp, layout.cp, layout.dp_shard
+    return {"tp": tp, "cp": cp * tp, "ep": layout.ep * tp, "dp": shard * cp * tp, "edp": shard * cp * tp,
+            "dp_replicate": layout.dp * cp * tp, "pp": layout.world, "pp_embedding": layout.world}
+
+
+def step_time(est: Estimate, cluster: Cluster) -> tuple[float, dict[str, float]]:
+    layout, spans = est.layout, _spans(est.layout)
+    compute = (est.flops + max(r.recompute_flops for r in est.ranks)) / (cluster.peak_flops * cluster.mfu)
+    parts = {"compute": compute, "bubble": compute * est.bubble / (1 - est.bubble)}
+    hidden = compute if layout.zero_stage == 3 else BACKWARD_SHARE * compute
+    for group in est.groups:
+        bw = cluster.intra_bw if spans[group] <= cluster.gpus_per_node else cluster.inter_bw
+        seconds = est.wire_bytes(group) / bw
+        if group in ("dp", "edp", "dp_replicate"):
+            # ZeRO-1/2 gather the updated shards after the step: that part cannot hide behind the backward
+            after_step = est.wire_bytes(group, "all_gather") / bw if layout.zero_stage in (1, 2) else 0.0
+            seconds = after_step + max(0.0, seconds - after_step - hidden)
+        parts[group] = seconds
+    return sum(parts.values()), parts
+
+
+# -- the layouts -------------------------------------------------------------------------------------------------
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(work: Workload, cluster: Cluster) -> Iterator[Layout]:
+    """Every layout the estimator accepts on `cluster` (accumulation and microbatches left to `plan`)."""
+    cfg, gpn = work.config, cluster.gpus_per_node
+    moe = cfg.moe_experts > 0
+    for tp in _divisors(gpn):
+        if moe and tp > 1:  # the model publishes no tensor-parallel plan for MoE layers
+            continue
+        for cp in (c for c in (1, 2, 4, 8) if tp * c <= gpn and (c == 1 or work.seq_len >= 16384)):
+            for pp in _divisors(cluster.world // (tp * cp)):
+                if pp > min(cfg.n_layers, MAX_PP):
+                    continue
+                dp = cluster.world // (tp * cp * pp)
+                stages = (0, 1) if pp > 1 else (0, 1, 2, 3)  # ZeRO-2/3 under pp would reduce every microbatch
+                for zero in stages if dp * cp > 1 else (0,):
+                    for replicate in _replicas(dp, tp * cp, gpn, zero):
+                        for ep in (_divisors(cfg.moe_experts) if moe else [1]):
+                            if (dp // replicate * cp) % ep:
+                                continue
+                            yield from _schedules(Layout(dp_replicate=replicate, dp_shard=dp // replicate,
+                                                         zero_stage=zero, tp=tp, pp=pp, cp=cp, ep=ep), cfg.n_layers)
+
+
+def _replicas(dp: int, inner: int, gpn: int, zero: int) -> list[int]:
+    """No replication, and for ZeRO-3 also HSDP: shards within a node, replicas across nodes."""
+    within = max(1, gpn // inner)
+    return [1, dp // within] if zero == 3 and dp > within and dp % within == 0 else [1]
+
+
+def _schedules(layout: Layout, n_layers: int) -> Iterator[Layout]:
+    if layout.pp == 1:
+        yield layout
+        return
+    yield dataclasses.replace(layout, schedule="1f1b")
+    yield dataclasses.replace(layout, schedule="zb_h1")
+    if n_layers >= 2 * layout.pp:
+        yield dataclasses.replace(layout, schedule="interleaved_1f1b", virtual_stages=2)
+
+
+def fitting(work: Workload, layout: Layout, budget: float) -> Optional[Estimate]:
+    """The layout with the least accumulation that fits `budget` bytes per GPU, or None."""
+    local = work.global_batch // layout.dp if work.global_batch % layout.dp == 0 else 0
+    options = [a for a in _divisors(local) if layout.pp == 1 or local // a >= layout.pp]
+    if not options:
+        return None
+    first = _estimate(work, layout, options[0])  # no accumulation: ZeRO-2/3 keep only gradient shards
+    if first is not None and first.peak_bytes <= budget:
+        return first
+    lo, hi, found = 1, len(options) - 1, None
+    while lo <= hi:  # past that, memory falls as accumulation grows: the least that fits, by bisection
+        mid = (lo + hi) // 2
+        est = _estimate(work, layout, options[mid])
+        if est is not None and est.peak_bytes <= budget:
+            found, hi = est, mid - 1
+        else:
+            lo = mid + 1
+    return found
+
+
+def _estimate(work: Workload, layout: Layout, accumulate: int) -> Optional[Estimate]:
+    """With `accumulate` micro-steps; a pipeline gets 4 microbatches per stage (or the most the batch allows)."""
+    micro = work.global_batch // layout.dp // accumulate
+    if layout.pp > 1:
+        m = next((m for m in (4 * layout.pp, 2 * layout.pp, layout.pp) if micro % m == 0), None)
+        if m is None:
+            return None
+        layout = dataclasses.replace(layout, microbatches=m)
+    try:
+        return estimate(work, dataclasses.replace(layout, accumulate=accumulate))
+    except ConfigError:
+        return None
+
+
+def plan(work: Workload, cluster: Cluster, checkpointing: Sequence[str] = CHECKPOINTING) -> list[Ranked]:
+    """Fitting layouts, fastest first, under each activation checkpointing mode tried."""
+    budget = cluster.gpu_memory * USABLE_MEMORY
+    ranked = []
+    for mode in checkpointing:
+        for layout in layouts(work, cluster):
+            est = fitting(dataclasses.replace(work, checkpointing=mode), layout, budget)
+            if est is not None:
+                seconds, parts = step_time(est, cluster)
+                ranked.append(Ranked(est, seconds, parts))
+    ranked.sort(key=lambda r: (r.step_time, r.layout.world - r.layout.dp))  # ties: the simpler layout
+    for r in ranked:
+        r.reason = reason(r, cluster)
+    return ranked
+
+
+def best_runnable(ranked: list[Ranked]) -> Optional[Ranked]:
+    return next((r for r in ranked if r.estimate.runs_today), None)
+
+
+# -- explaining ---------------------------------------------------------------------------------------------------
+def reason(r: Ranked, cluster: Cluster) -> str:
+    """Why each dimension is there, and what the step time is made of."""
+    lay, est = r.layout, r.estimate
+    why = []
+    if lay.tp > 1:
+        why.append(f"tp{lay.tp} inside a node splits weights and activations, its collectives on NVLink")
+    if lay.pp > 1:
+        why.append(f"pp{lay.pp} across {'nodes' if lay.world > cluster.gpus_per_node else 'GPUs'}: only "
+                   f"activations cross stage borders, bubble {est.bubble:.0%}")
+    if lay.cp > 1:
+        why.append(f"cp{lay.cp}: one sequence's activations split {lay.cp} ways")
+    if lay.ep > 1:
+        why.append(f"ep{lay.ep}: each rank holds 1/{lay.ep} of the experts")
+    if lay.zero_stage:
+        shard = {1: "optimizer state", 2: "optimizer state + gradients", 3: "all model state"}[lay.zero_stage]
+        why.append(f"ZeRO-{lay.zero_stage} shards {shard} over {lay.dp_shard * lay.cp} ranks")
+    if lay.dp_replicate > 1:
+        why.append(f"replicated over {lay.dp_replicate} groups: the gradient all-reduce crosses nodes once")
+    if est.workload.checkpointing != "none":
+        why.append(f"{est.workload.checkpointing} activation checkpointing trades a forward for memory")
+    if lay.accumulate > 1:
+        why.append(f"{lay.accumulate} accumulation micro-steps keep the activations in memory")
+    comm = sum(v for k, v in r.parts.items() if k not in ("compute", "bubble"))
+    why.append(f"exposed comm {comm / r.step_time:.0%} of the step")
+    if not est.runs_today:
+        why.append(f"needs {est.why_not}")
+    return "; ".join(why)
+
+
+# -- the yaml ----------------------------------------------------------------------------------------------------
+def strategy_yaml(r: Ranked, cluster: Cluster, precision: Optional[str] = None) -> dict:
+    """The `trainer` and `data` settings that run layout `r` with the strategies of this tree."""
+    lay = r.layout
+    if not r.estimate.runs_today:
+        raise ConfigError(f"layout {lay.describe()} needs {r.estimate.why_not}: no strategy of this tree runs it")
+    if lay.pp > 1:
+        strategy = {"class_path": "strategies.pp.PipelineStrategy",
+                    "init_args": {"pipeline_parallel_size": lay.pp, "microbatches": lay.microbatches,
+                                  "schedule": lay.schedule, "virtual_stages": lay.virtual_stages,
+                                  "balance": "layers"}}
+    elif lay.tp > 1:
+        strategy = {"class_path": "strategies.tp.TensorParallelStrategy",
+                    "init_args": {"tensor_parallel_size": lay.tp, "sequence_parallel": lay.sequence_parallel,
+                                  "zero_stage": lay.zero_stage}}
+    elif lay.ep > 1:
+        strategy = {"class_path": "strategies.ep.ExpertParallelStrategy",
+                    "init_args": {"expert_parallel_size": lay.ep, "zero_stage": lay.zero_stage}}
+    elif lay.zero_stage:
+        strategy = {"class_path": "strategies.zero.ZeroStrategy", "init_args": {"stage": lay.zero_stage}}
+    else:
+        strategy = {"class_path": "strategies.ddp.DataParallelStrategy", "init_args": {"bucket_cap_mb": 25.0}}
+    trainer = {"num_nodes": cluster.nodes, "devices": cluster.gpus_per_node,
+               "accumulate_grad_batches": lay.accumulate, "strategy": strategy}
+    if precision is not None:
+        trainer["precision"] = precision
+    micro = r.estimate.workload.global_batch // lay.dp // lay.accumulate
+    return {"trainer": trainer, "data": {"init_args": {"batch_size": micro}}}

@@ -1,0 +1,115 @@
+"""`lit-lm plan` end to end: a ranked table, and a yaml that `lit-lm fit` runs on the planned number of ranks."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lit_lm.config import ConfigError, ModelConfig
+from lit_lm.estimate import Layout, Workload, estimate
+from lit_lm.plan import Cluster, Ranked, best_runnable, plan, strategy_yaml
+from lit_lm.plan_cli import quantity
+from test_cli import CORPUS, REPO, read_metrics, run_cli
+
+STRATEGIES = {"strategies.ddp.DataParallelStrategy", "strategies.zero.ZeroStrategy",
+              "strategies.tp.TensorParallelStrategy", "strategies.pp.PipelineStrategy"}
+
+
+def tiny_config(tmp_path: Path) -> Path:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(CORPUS)
+    config = {"trainer": {"default_root_dir": str(tmp_path / "run"), "max_steps": 2, "limit_val_batches": 1},
+              "model": {"init_args": {"warmup_steps": 1,
+                                      "config": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}}},
+              "data": {"init_args": {"files": [str(corpus)], "data_dir": str(tmp_path / "data"), "vocab_size": 300,
+                                     "seq_len": 16, "batch_size": 4, "val_fraction": 0.2}}}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_plan_yaml_runs_under_fit(tmp_path: Path) -> None:
+    """The acceptance run, on CPU: plan 1 node x 4 GPUs for a tiny model, then fit two steps with the plan."""
+    configs = ["--config", str(REPO / "configs/default.yaml"), "--config", str(tiny_config(tmp_path))]
+    out = tmp_path / "plan.yaml"
+    planned = run_cli("plan", *configs, "--nodes", "1", "--gpus-per-node", "4", "--gpu-memory", "80GB",
+                      "--out", str(out), cwd=tmp_path)
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    assert "layouts that fit, fastest first" in planned.stdout and f"wrote {out}" in planned.stdout
+    emitted = yaml.safe_load(out.read_text())
+    trainer = emitted["trainer"]
+    assert (trainer["num_nodes"], trainer["devices"]) == (1, 4)
+    assert trainer["strategy"]["class_path"] in STRATEGIES
+    # the global batch of the config (4 per device on 4 devices) is kept
+    dp = 4 // trainer["strategy"]["init_args"].get("tensor_parallel_size", 1) // \
+        trainer["strategy"]["init_args"].get("pipeline_parallel_size", 1)
+    assert emitted["data"]["init_args"]["batch_size"] * dp * trainer["accumulate_grad_batches"] == 16
+
+    fit = run_cli("fit", *configs, "--config", str(out), cwd=tmp_path)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    losses = [float(r["train_loss"]) for r in read_metrics(tmp_path / "run", 0) if r.get("train_loss")]
+    assert len(losses) == 2
+
+
+def test_plan_for_two_nodes_ranks_layouts_and_answers(tmp_path: Path) -> None:
+    out = tmp_path / "plan.yaml"
+    planned = run_cli("plan", "--config", str(REPO / "configs/default.yaml"), "--nodes", "2", "--gpus-per-node",
+                      "8", "--gpu-memory", "80GB", "--out", str(out), "--answer", "--tokens", "1e9", cwd=tmp_path)
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    rows = [line for line in planned.stdout.splitlines() if line.startswith("│")]
+    assert len(rows) == 8  # --top's default
+    assert "largest Llama-shaped model that fits 16 GPUs" in planned.stdout and "days" in planned.stdout
+    assert yaml.safe_load(out.read_text())["trainer"]["num_nodes"] == 2
+
+    bad = run_cli("plan", "--gpu-memory", "eighty", cwd=tmp_path)
+    assert bad.returncode != 0 and "--gpu-memory" in bad.stderr
+    missing = run_cli("plan", "--config", str(tmp_path / "none.yaml"), cwd=tmp_path)
+    assert missing.returncode != 0 and "none.yaml: no such file" in missing.stderr
+
+
+def test_the_3d_rule_comes_out_of_the_estimates() -> None:
+    """A model that fits one GPU trains data-parallel; one whose state needs sharding gets ZeRO or tp inside the
+    node; tp never spans nodes; a layout that needs #13 is never emitted."""
+    small = Workload(ModelConfig(d_model=512, n_layers=8, n_heads=8, vocab_size=32000, max_seq_len=1024), 1024,
+                     256, "bf16-mixed")
+    cluster = Cluster(nodes=2, gpus_per_node=8, gpu_memory=80e9)
+    ranked = plan(small, cluster, ("none",))
+    assert ranked[0].layout.tp == ranked[0].layout.pp == 1
+    big = Workload(ModelConfig(d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672, vocab_size=128256,
+                               max_seq_len=4096), 4096, 512, "bf16-mixed")
+    ranked = plan(big, Cluster(nodes=8, gpus_per_node=8, gpu_memory=80e9), ("none",))
+    assert ranked and all(r.layout.tp <= 8 for r in ranked)
+    assert all(r.estimate.peak_bytes <= 80e9 for r in ranked)
+    assert ranked[0].layout.tp * ranked[0].layout.pp > 1 or ranked[0].layout.zero_stage == 3
+    best = best_runnable(ranked)
+    if best is not None:
+        assert strategy_yaml(best, cluster)["trainer"]["strategy"]["class_path"] in STRATEGIES
+    needs = next(r for r in ranked if not r.estimate.runs_today)
+    with pytest.raises(ConfigError, match="#13"):
+        strategy_yaml(needs, cluster)
+
+
+@pytest.mark.parametrize("layout", [Layout(), Layout(dp_shard=4, zero_stage=2), Layout(dp_shard=2, tp=2, zero_stage=1),
+                                    Layout(dp_shard=2, pp=2, microbatches=4, schedule="zb_h1"),
+                                    Layout(dp_shard=4, ep=2, zero_stage=1)])
+def test_emitted_strategy_arguments_are_the_strategies_own(layout: Layout) -> None:
+    """Every runnable kind's yaml names a strategy class and arguments its constructor takes."""
+    moe = dict(moe_experts=4, moe_d_ff=64) if layout.ep > 1 else {}
+    work = Workload(ModelConfig(d_model=64, n_layers=4, n_heads=4, vocab_size=256, **moe), 32, 16, "32-true")
+    est = estimate(work, layout)
+    emitted = strategy_yaml(Ranked(est, 1.0, {}), Cluster(1, 4, 80e9))
+    strategy = emitted["trainer"]["strategy"]
+    module, _, name = strategy["class_path"].rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    cls(**strategy["init_args"])
+    assert emitted["data"]["init_args"]["batch_size"] == 16 // layout.dp
+
+
+def test_quantities() -> None:
+    assert quantity("80GB", "x") == 80e9 and quantity("80GiB", "x") == 80 * 2**30
+    assert quantity("450GB/s", "x") == 450e9 and quantity("989T", "x") == 989e12 and quantity("1e9", "x") == 1e9
+    with pytest.raises(ConfigError, match="--x"):
+        quantity("lots", "x")
