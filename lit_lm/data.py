@@ -263,10 +263,14 @@ class TextDataModule(L.LightningDataModule):
         size, _ = self._dp()
         return self._base_samples + (self._batches_processed() - self._base_batches) * self.batch_size * size
 
-    def state_dict(self) -> dict[str, int]:
-        return {"samples_consumed": self.samples_consumed()}
+    def state_dict(self) -> dict[str, Any]:
+        """The data position, and the tokenizer, so that every checkpoint can be decoded on its own."""
+        state: dict[str, Any] = {"samples_consumed": self.samples_consumed()}
+        if self.tokenizer is not None:
+            state["tokenizer"] = self.tokenizer.state_dict()
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self._resumed_samples = int(state["samples_consumed"])
 
 

@@ -12,7 +12,9 @@ import torch
 from torch import Tensor
 from torchmetrics import MeanMetric
 
+from lit_lm.checkpoints import with_tied_head
 from lit_lm.config import ConfigError, ModelConfig
+from lit_lm.generate import generate
 from lit_lm.model import Transformer
 from lit_lm.moe import moe_metrics, update_router_bias
 
@@ -67,6 +69,12 @@ class LanguageModel(L.LightningModule):
 
             kernels.apply(self.model, self.kernels)
 
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Before the strict load: a sharded checkpoint names a tied head once, by the embedding's name. (lit-lm's
+        strategies load the tensors themselves, before this hook, and pass no state_dict.)"""
+        if "state_dict" in checkpoint:
+            with_tied_head(checkpoint["state_dict"], self.config.tie_embeddings, prefix="model.")
+
     # -- steps ---------------------------------------------------------------------------------------------
     def _split(self, batch: Tensor, batch_idx: int) -> tuple[Tensor, Tensor]:
         if batch_idx == 0:  # one check per loop: a sync on GPU, so not every step
@@ -107,10 +115,12 @@ class LanguageModel(L.LightningModule):
     def on_test_epoch_end(self) -> None:
         self._log_eval("test")
 
-    def predict_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        """Greedy continuation of the first quarter of each window (a sanity check of what the model learnt)."""
+    def predict_step(self, batch: Tensor, batch_idx: int) -> dict[str, Tensor]:
+        """Greedy continuation of the first quarter of each validation window (what `lit-lm predict` writes to
+        `<default_root_dir>/predictions.jsonl`): a look at what the model learnt."""
         prompt = batch[:, : max(batch.shape[1] // 4, 1)]
-        return self.model.generate(prompt, max_new_tokens=batch.shape[1] // 4, temperature=0.0)
+        out = generate(self.model, prompt, max_new_tokens=batch.shape[1] // 4, temperature=0.0)
+        return {"prompt": prompt, "completion": out[:, prompt.shape[1]:]}
 
     # -- throughput and lr ---------------------------------------------------------------------------------
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

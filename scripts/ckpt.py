@@ -14,11 +14,10 @@ import json
 import math
 from pathlib import Path
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from strategies.checkpoint import META, check_complete, is_sharded_checkpoint, to_single_file
+from strategies.checkpoint import META, check_complete, is_sharded_checkpoint, read_meta, to_single_file
 
 
 def inspect(directory: Path) -> None:
@@ -26,7 +25,7 @@ def inspect(directory: Path) -> None:
         raise SystemExit(f"{directory} is not a lit-lm sharded checkpoint (a directory with {META})")
     marker = check_complete(directory)
     print(f"{directory}\n  marker: {json.dumps(marker)}")
-    meta = torch.load(directory / META, map_location="cpu", weights_only=False)
+    meta = read_meta(directory)
     print(f"  epoch {meta.get('epoch')}, global_step {meta.get('global_step')}, "
           f"lightning {meta.get('pytorch-lightning_version')}")
     tensors = {k: v for k, v in dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata.items()

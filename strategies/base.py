@@ -360,11 +360,11 @@ class BaseStrategy(ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
+        optimizers = [_unwrap(o) for o in self.optimizers]
+        for optimizer in optimizers:  # either format loads into the live (sharded) state
+            self.init_optimizer_state(optimizer)
         if not path.is_dir():
             return self._load_single_file(path, weights_only)
-        optimizers = [_unwrap(o) for o in self.optimizers]
-        for optimizer in optimizers:
-            self.init_optimizer_state(optimizer)
         state = {"model": self.lightning_module_state_dict()}
         state.update({f"optimizer_{i}": self.optimizer_state(o) for i, o in enumerate(optimizers)})
         meta = ckpt.load(path, state, weights_only=bool(weights_only))
