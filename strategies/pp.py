@@ -302,6 +302,9 @@ class PipelineStrategy(BaseStrategy):
         if self._grad_sync is not None:
             self._grad_sync.remove_hooks()
             self._grad_sync = None
+        module = self.lightning_module
+        if module is not None and any(p.is_meta for p in module.parameters()):
+            self._lightning_module = None  # the split failed: nothing was materialised to move back to the CPU
         super().teardown()
 
 
