@@ -34,12 +34,15 @@ class LitLMCLI(LightningCLI):
         parser.link_arguments("data.init_args.seq_len", "model.init_args.config.max_seq_len")
 
     def before_instantiate_classes(self) -> None:
-        """Route the default logger into `trainer.default_root_dir`, so one directory holds every output."""
+        """Route the default loggers into `trainer.default_root_dir`, so one directory holds every output: CSV
+        (`lightning_logs/version_N/metrics.csv`) and TensorBoard (`tensorboard/version_N`)."""
         cfg = self.config[self.subcommand].trainer
         check_trainer_config(cfg)
         if cfg.logger in (None, True):
             root = cfg.default_root_dir or "."
-            cfg.logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": root}}
+            cfg.logger = [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": root}},
+                          {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                           "init_args": {"save_dir": root, "name": "tensorboard", "default_hp_metric": False}}]
 
     def _parse_ckpt_path(self) -> None:
         """Lightning's version lets a single file's hyper-parameters replace the config (and cannot read a sharded

@@ -10,7 +10,10 @@ from typing import Any, Optional
 import lightning as L
 import torch
 from torch import Tensor
+from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
+
+from callbacks.throughput import flops_per_token
 
 from lit_lm.checkpoints import with_tied_head
 from lit_lm.config import ConfigError, ModelConfig
@@ -74,6 +77,12 @@ class LanguageModel(L.LightningModule):
         strategies load the tensors themselves, before this hook, and pass no state_dict.)"""
         if "state_dict" in checkpoint:
             with_tied_head(checkpoint["state_dict"], self.config.tie_embeddings, prefix="model.")
+
+    def on_fit_start(self) -> None:
+        cfg, seq_len = self.config, self.config.max_seq_len
+        flops = flops_per_token(cfg.num_params(include_embedding=False), cfg.n_layers, cfg.d_model, seq_len)
+        rank_zero_info(f"[lit-lm] model: {cfg.num_params() / 1e6:.2f}M parameters, {cfg.n_layers} layers x d_model "
+                       f"{cfg.d_model}; {flops / 1e6:.1f} MFLOPs per trained token (6N + 12·L·d·T, T={seq_len})")
 
     # -- steps ---------------------------------------------------------------------------------------------
     def _split(self, batch: Tensor, batch_idx: int) -> tuple[Tensor, Tensor]:
