@@ -20,6 +20,7 @@ from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.generate import generate
 from lit_lm.model import Transformer
 from lit_lm.moe import moe_metrics, update_router_bias
+from strategies.checkpoint import OPTIMIZER_FQNS
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -71,6 +72,14 @@ class LanguageModel(L.LightningModule):
             import kernels
 
             kernels.apply(self.model, self.kernels)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Name the optimizer's parameters (torch keys its state by position), so that a single file resumes under
+        a strategy whose ranks hold other parameters (pipeline stages). lit-lm's strategies key by name already."""
+        names = {p: n for n, p in self.named_parameters()}
+        groups = [[[names.get(p) for p in g["params"]] for g in o.param_groups] for o in self.trainer.optimizers]
+        if all(n is not None for o in groups for g in o for n in g):
+            checkpoint[OPTIMIZER_FQNS] = groups
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Before the strict load: a sharded checkpoint names a tied head once, by the embedding's name. (lit-lm's

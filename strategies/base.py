@@ -376,8 +376,10 @@ class BaseStrategy(ParallelStrategy):
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         state = {"model": checkpoint["state_dict"]}
         names = self.param_names()
+        saved_fqns = checkpoint.get(ckpt.OPTIMIZER_FQNS)  # else the saving optimizer held the same parameters
         for i, (optimizer, saved) in enumerate(zip(self.optimizers, checkpoint.get("optimizer_states", []))):
-            groups = [[names[p] for p in g["params"]] for g in _unwrap(optimizer).param_groups]
+            groups = saved_fqns[i] if saved_fqns else [[names[p] for p in g["params"]]
+                                                       for g in _unwrap(optimizer).param_groups]
             state[f"optimizer_{i}"] = ckpt.fqn_keyed(saved, groups)
         self.load_sharded_state(state)
         return checkpoint

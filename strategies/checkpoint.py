@@ -41,6 +41,9 @@ from torch.optim import Optimizer
 from strategies.errors import ConfigError
 
 META = "meta.pt"
+# In a single-file checkpoint: the FQNs of each optimizer's param groups, in order (torch keys the state by
+# position), so a strategy holding other parameters (a pipeline stage) can tell which state is whose.
+OPTIMIZER_FQNS = "optimizer_param_fqns"
 COMPLETE = "COMPLETE"
 TMP, OLD = ".tmp-", ".old-"  # + 8 hex digits: a save in progress (or killed), a replaced checkpoint
 PathLike = Union[str, Path]

@@ -3,6 +3,7 @@ resume `last` after a kill, generate text from any checkpoint."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +135,23 @@ def test_generate_from_a_zero3_checkpoint_streams_the_greedy_continuation(tmp_pa
             ids.append(int(logits.argmax()))
     assert out.stdout == tokenizer.decode(ids) + "\n"
     assert len(ids) > len(tokenizer.encode(prompt))
+
+
+def test_single_file_resumes_under_pp_like_one_process(tmp_path):
+    """A single file holds every stage's tensors and names its optimizer's parameters: pp on 2 ranks takes each
+    stage's share and continues with the losses of a one-process resume (tied embeddings: the head's state is the
+    embedding's)."""
+    base = every_2_steps(tmp_path) + ["--model.init_args.config.n_layers", "2"]
+    first = run_cli("fit", *base, "--trainer.max_steps", "4", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shutil.copytree(tmp_path / "run", tmp_path / "pp")
+    losses = {}
+    for name, extra in (("run", []), ("pp", ["--config", str(REPO / "configs/strategies/pp.yaml"),
+                                               "--trainer.devices", "2", "--trainer.default_root_dir",
+                                               str(tmp_path / "pp")])):
+        resumed = run_cli("fit", *base, "--trainer.max_steps", "6", "--ckpt_path", "last", *extra, cwd=tmp_path)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        losses[name] = {int(r["step"]): float(r["train_loss"]) for r in read_metrics(tmp_path / name, 1)
+                        if r.get("train_loss")}
+    assert sorted(losses["run"]) == [4, 5]
+    assert losses["pp"] == pytest.approx(losses["run"], rel=1e-5)
