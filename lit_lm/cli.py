@@ -20,7 +20,6 @@ from lit_lm import generate
 from lit_lm.checkpoints import prepare_run
 from lit_lm.data import TextDataModule
 from lit_lm.errors import check_trainer_config, pop_debug_flag, reporting_errors, stop_other_ranks
-from lit_lm.generate import GenerationWriter
 from lit_lm.module import LanguageModel
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
@@ -49,10 +48,13 @@ class LitLMCLI(LightningCLI):
         directory); lit-lm instead refuses a checkpoint of another model, in `_run_subcommand`."""
 
     def _run_subcommand(self, subcommand: str) -> None:
+        """lit-lm's checkpoint handling (`lit_lm.checkpoints.prepare_run`) and the predictions file around
+        Lightning's run."""
         kwargs = self.config_init[subcommand]
         kwargs["ckpt_path"] = prepare_run(self.trainer, kwargs.get("ckpt_path"), getattr(self.model, "config", None))
         if subcommand == "predict":
-            self.trainer.callbacks.append(GenerationWriter(Path(self.trainer.default_root_dir) / "predictions.jsonl"))
+            predictions = Path(self.trainer.default_root_dir) / "predictions.jsonl"
+            self.trainer.callbacks.append(generate.GenerationWriter(predictions))
         try:
             super()._run_subcommand(subcommand)
         except BaseException:
@@ -75,11 +77,10 @@ def main(args: Optional[list[str]] = None) -> None:
     defaults = [str(DEFAULT_CONFIG)] if DEFAULT_CONFIG.is_file() else []
     args, debug = pop_debug_flag(args)
     argv = sys.argv[1:] if args is None else args
-    if argv[:1] == ["generate"]:
-        with reporting_errors(debug):
-            generate.main(argv[1:])
-        return
     with reporting_errors(debug):
+        if argv[:1] == ["generate"]:
+            generate.main(argv[1:])
+            return
         LitLMCLI(
             LanguageModel,
             TextDataModule,
@@ -89,7 +90,6 @@ def main(args: Optional[list[str]] = None) -> None:
             parser_kwargs={cmd: {"default_config_files": defaults} for cmd in SUBCOMMANDS},
             args=args,
         )
-
 
 if __name__ == "__main__":
     main()

@@ -3,6 +3,7 @@ resume `last` after a kill, generate text from any checkpoint."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -55,6 +56,12 @@ def test_single_file_resumes_under_zero2_then_loads_anywhere(tmp_path):
     validate = run_cli("validate", *tiny_args(tmp_path), "--ckpt_path", str(last), cwd=tmp_path)
     assert validate.returncode == 0, validate.stderr[-3000:]
     assert _val_losses(run, 2) == pytest.approx(_val_losses(run, 1)[-1:], rel=1e-5)
+
+    predict = run_cli("predict", *tiny_args(tmp_path), "--ckpt_path", "last", cwd=tmp_path)
+    assert predict.returncode == 0, predict.stderr[-3000:]
+    assert f"predictions: {run / 'predictions.jsonl'}" in predict.stdout
+    rows = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 * 2 and all(r["prompt"] and r["completion"] for r in rows)  # 2 val batches of 4
 
     converted = tmp_path / "model.ckpt"
     done = subprocess.run([sys.executable, str(REPO / "scripts/ckpt.py"), "convert", str(last), str(converted)],
