@@ -77,7 +77,8 @@ class LanguageModel(L.LightningModule):
         """Name the optimizer's parameters (torch keys its state by position), so that a single file resumes under
         a strategy whose ranks hold other parameters (pipeline stages). lit-lm's strategies key by name already."""
         names = {p: n for n, p in self.named_parameters()}
-        groups = [[[names.get(p) for p in g["params"]] for g in o.param_groups] for o in self.trainer.optimizers]
+        optimizers = self._trainer.optimizers if self._trainer is not None else []
+        groups = [[[names.get(p) for p in g["params"]] for g in o.param_groups] for o in optimizers]
         if all(n is not None for o in groups for g in o for n in g):
             checkpoint[OPTIMIZER_FQNS] = groups
 
