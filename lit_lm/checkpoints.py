@@ -54,7 +54,7 @@ def prepare_run(trainer: Trainer, ckpt_path: Optional[str], config: Optional[Mod
     if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
         trainer.strategy.checkpoint_io = AtomicCheckpointIO()
     if ckpt_path == "last":
-        folders = {c.dirpath for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)} or {folder}
+        folders = {c.dirpath for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)} or {str(folder)}
         last = find_last(*folders)
         rank_zero_info(f"[lit-lm] --ckpt_path last: resuming from {last}" if last else
                        f"[lit-lm] --ckpt_path last: no complete checkpoint in {', '.join(sorted(folders))}; "
