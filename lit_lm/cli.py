@@ -1,4 +1,7 @@
-"""`lit-lm fit|validate|test|predict`: LightningCLI with the model and the data in subclass mode.
+"""`lit-lm fit|validate|test|predict`: LightningCLI with the model and the data in subclass mode;
+`lit-lm generate` (lit_lm/generate.py) streams text from a checkpoint.
+
+Errors in the configuration or the input print one line (`lit-lm: error: ...`); `--debug` shows the traceback.
 
 `lit-lm fit` with no `--config` runs `configs/default.yaml`; more `--config` fragments compose on top of it
 (later files win; lists such as callbacks are replaced unless a fragment uses jsonargparse's `callbacks+:` form).
@@ -13,7 +16,10 @@ from typing import Optional
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import strategies  # noqa: F401  (registers lm_ddp, zero1/2/3, ... by name before any Trainer is built)
+from lit_lm import generate
+from lit_lm.checkpoints import prepare_run
 from lit_lm.data import TextDataModule
+from lit_lm.errors import check_trainer_config, pop_debug_flag, reporting_errors, stop_other_ranks
 from lit_lm.module import LanguageModel
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
@@ -27,11 +33,33 @@ class LitLMCLI(LightningCLI):
         parser.link_arguments("data.init_args.seq_len", "model.init_args.config.max_seq_len")
 
     def before_instantiate_classes(self) -> None:
-        """Route the default logger into `trainer.default_root_dir`, so one directory holds every output."""
+        """Route the default loggers into `trainer.default_root_dir`, so one directory holds every output: CSV
+        (`lightning_logs/version_N/metrics.csv`) and TensorBoard (`tensorboard/version_N`)."""
         cfg = self.config[self.subcommand].trainer
+        check_trainer_config(cfg)
         if cfg.logger in (None, True):
             root = cfg.default_root_dir or "."
-            cfg.logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": root}}
+            cfg.logger = [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": root}},
+                          {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                           "init_args": {"save_dir": root, "name": "tensorboard", "default_hp_metric": False}}]
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's version lets a single file's hyper-parameters replace the config (and cannot read a sharded
+        directory); lit-lm instead refuses a checkpoint of another model, in `_run_subcommand`."""
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """lit-lm's checkpoint handling (`lit_lm.checkpoints.prepare_run`) and the predictions file around
+        Lightning's run."""
+        kwargs = self.config_init[subcommand]
+        kwargs["ckpt_path"] = prepare_run(self.trainer, kwargs.get("ckpt_path"), getattr(self.model, "config", None))
+        if subcommand == "predict":
+            predictions = Path(self.trainer.default_root_dir) / "predictions.jsonl"
+            self.trainer.callbacks.append(generate.GenerationWriter(predictions))
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            stop_other_ranks(self.trainer)  # the ranks this process launched may wait in a collective for it
+            raise
 
     def after_fit(self) -> None:
         trainer = self.trainer
@@ -51,16 +79,21 @@ def main(args: Optional[list[str]] = None) -> None:
         from lit_lm.plan_cli import main as plan
         return plan(argv[1:])
     defaults = [str(DEFAULT_CONFIG)] if DEFAULT_CONFIG.is_file() else []
-    LitLMCLI(
-        LanguageModel,
-        TextDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={cmd: {"default_config_files": defaults} for cmd in SUBCOMMANDS},
-        args=args,
-    )
-
+    args, debug = pop_debug_flag(args)
+    argv = sys.argv[1:] if args is None else args
+    with reporting_errors(debug):
+        if argv[:1] == ["generate"]:
+            generate.main(argv[1:])
+            return
+        LitLMCLI(
+            LanguageModel,
+            TextDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={cmd: {"default_config_files": defaults} for cmd in SUBCOMMANDS},
+            args=args,
+        )
 
 if __name__ == "__main__":
     main()

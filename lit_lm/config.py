@@ -5,13 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from strategies.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A bad configuration value: the message names the field and the fix."""
+__all__ = ["ARCHITECTURE", "ConfigError", "ModelConfig", "round_up"]
 
 
 def round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
+
+
+# The fields that decide which tensors a model has and their shapes: a checkpoint loads only into a model equal in
+# all of them (the others, e.g. losses' weights, init_std or max_seq_len, may change between runs).
+ARCHITECTURE = ("vocab_size", "vocab_multiple_of", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                "tie_embeddings", "qk_norm", "moe_experts", "moe_every", "moe_first_dense", "moe_d_ff",
+                "moe_shared_experts")
 
 
 @dataclass
@@ -103,6 +110,11 @@ class ModelConfig:
             raise ConfigError(f"model config `moe_experts`={self.moe_experts} but no block is MoE: "
                               f"`moe_first_dense`={self.moe_first_dense} and `moe_every`={self.moe_every} "
                               f"skip all {self.n_layers} layers")
+
+    def architecture_differences(self, saved: ModelConfig) -> list[str]:
+        """`name: saved (checkpoint) != this` for every ARCHITECTURE field that differs."""
+        return [f"{name} {getattr(saved, name)} (checkpoint) != {getattr(self, name)} (config)"
+                for name in ARCHITECTURE if getattr(saved, name) != getattr(self, name)]
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe_experts > 0 and layer >= self.moe_first_dense and layer % self.moe_every == 0

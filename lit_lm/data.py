@@ -8,6 +8,7 @@ inputs (paths, sizes, modification times, field, vocabulary size), and reused wh
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
@@ -56,7 +57,27 @@ def _builder_for(path: Path) -> str:
     return "text"
 
 
-def load_documents(files: list[str], text_field: str, cache_dir: Path) -> list[str]:
+def check_utf8(path: Path) -> None:
+    """Refuse a file that is not UTF-8 text (a binary file in the list), naming it and the first bad byte."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            pending = len(decoder.getstate()[0])  # bytes of a character cut by the previous chunk
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{path} is not UTF-8 text: byte {offset - pending + e.start} is "
+                                  f"0x{e.object[e.start]:02x} (data.init_args.files); remove binary files from "
+                                  "the list or convert the file to UTF-8") from None
+            if not chunk:
+                return
+            offset += len(chunk)
+
+
+def load_documents(files: list[str], text_field: str, cache_dir: Path, skip_missing_text: bool = False
+                   ) -> list[str]:
     """Read every document of `files` through `datasets`; each text file is one document."""
     import datasets  # heavy import, only when the corpus is (re)built
 
@@ -75,13 +96,24 @@ def load_documents(files: list[str], text_field: str, cache_dir: Path) -> list[s
         if len(builders) > 1:
             raise ConfigError(f"data.init_args.files mixes formats {sorted(builders)}: use one kind per run")
         builder = builders.pop()
+        if builder in ("text", "json"):
+            for path in paths:
+                check_utf8(path)
         kwargs: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
         ds = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train",
                                    cache_dir=str(cache_dir), **kwargs)
     if text_field not in ds.column_names:
         raise ConfigError(f"data.init_args.text_field={text_field!r} is not a column of the dataset; "
                           f"available columns: {ds.column_names}")
-    docs = [d for d in ds[text_field] if d]
+    texts = ds[text_field]
+    missing = sum(t is None for t in texts)
+    if missing and not skip_missing_text:
+        raise ConfigError(f"{missing} of {len(texts)} rows of {files[:3]} have no {text_field!r} "
+                          "(data.init_args.text_field); fix those rows, name the right field, or set "
+                          "data.init_args.skip_missing_text: true to train without them")
+    if missing:
+        _log(f"skipping {missing} of {len(texts)} rows without {text_field!r} (data.init_args.skip_missing_text)")
+    docs = [d for d in texts if d]
     if not docs:
         raise ConfigError(f"data.init_args.files {files[:3]}... contain no text in field {text_field!r}")
     return docs
@@ -128,12 +160,13 @@ class TextDataModule(L.LightningDataModule):
         tokenizer_dir: use this saved tokenizer instead of training one.
         num_workers: DataLoader workers; tokenizer_workers: processes for BPE pre-tokenization.
         seed: shuffling seed (the order is a function of seed and epoch only).
+        skip_missing_text: train without jsonl/parquet rows that lack `text_field` (default: refuse them).
     """
 
     def __init__(self, files: Optional[list[str]] = None, text_field: str = "text", data_dir: str = "data",
                  vocab_size: int = 4096, seq_len: int = 256, batch_size: int = 16, val_fraction: float = 0.05,
                  corpus_mb: float = 4.0, tokenizer_dir: Optional[str] = None, num_workers: int = 0,
-                 tokenizer_workers: int = 2, seed: int = 1234) -> None:
+                 tokenizer_workers: int = 2, seed: int = 1234, skip_missing_text: bool = False) -> None:
         super().__init__()
         if not 0.0 < val_fraction < 1.0:
             raise ConfigError(f"data.init_args.val_fraction must be in (0, 1), got {val_fraction}")
@@ -155,6 +188,7 @@ class TextDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.tokenizer_workers = tokenizer_workers
         self.seed = seed
+        self.skip_missing_text = skip_missing_text
         self.tokenizer: Optional[BPETokenizer] = None
         self.train_set: Optional[TokenWindows] = None
         self.val_set: Optional[TokenWindows] = None
@@ -182,7 +216,7 @@ class TextDataModule(L.LightningDataModule):
         if (cache / "tokens.json").exists():
             return
         cache.mkdir(parents=True, exist_ok=True)
-        docs = load_documents(self.source_files, self.text_field, self.data_dir / "hf_cache")
+        docs = load_documents(self.source_files, self.text_field, self.data_dir / "hf_cache", self.skip_missing_text)
         random.Random(0).shuffle(docs)  # so the validation tail is a random sample of documents
         if self.tokenizer_dir is not None:
             tokenizer = BPETokenizer.load(self.tokenizer_dir)
@@ -190,6 +224,10 @@ class TextDataModule(L.LightningDataModule):
             _log(f"training a {self.vocab_size}-token BPE tokenizer on {len(docs)} documents")
             tokenizer = BPETokenizer.train(docs, self.vocab_size, special_tokens=[EOT],
                                            num_workers=self.tokenizer_workers)
+            if tokenizer.vocab_size < self.vocab_size // 2:  # the corpus has fewer distinct pairs than asked
+                raise ConfigError(f"the corpus yields only {tokenizer.vocab_size} tokens, far fewer than asked "
+                                  f"(data.init_args.vocab_size={self.vocab_size}); set vocab_size to "
+                                  f"{tokenizer.vocab_size} or add data")
             tokenizer.save(cache / "tokenizer")
         if tokenizer.vocab_size > self.vocab_size:
             raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but data.init_args.vocab_size is "
@@ -210,10 +248,13 @@ class TextDataModule(L.LightningDataModule):
         n_val = int(len(tokens) * self.val_fraction)
         self.train_set = TokenWindows(tokens[: len(tokens) - n_val], self.seq_len)
         self.val_set = TokenWindows(tokens[len(tokens) - n_val:], self.seq_len)
+        dp, _ = self._dp()
         for split, ds, n in (("train", self.train_set, len(tokens) - n_val), ("val", self.val_set, n_val)):
-            if len(ds) == 0:
-                raise ConfigError(f"data.init_args.seq_len={self.seq_len} is larger than the {split} split "
-                                  f"({n} tokens): lower seq_len, add data, or change val_fraction")
+            if len(ds) < self.batch_size * dp:
+                raise ConfigError(f"the {split} split has {len(ds)} windows of seq_len {self.seq_len} ({n} tokens), "
+                                  f"fewer than one batch of {self.batch_size} x {dp} data-parallel ranks "
+                                  "(data.init_args.val_fraction); raise val_fraction, lower batch_size or seq_len, "
+                                  "or add data")
 
     # -- loaders -------------------------------------------------------------------------------------------
     def _dp(self) -> tuple[int, int]:
@@ -263,10 +304,14 @@ class TextDataModule(L.LightningDataModule):
         size, _ = self._dp()
         return self._base_samples + (self._batches_processed() - self._base_batches) * self.batch_size * size
 
-    def state_dict(self) -> dict[str, int]:
-        return {"samples_consumed": self.samples_consumed()}
+    def state_dict(self) -> dict[str, Any]:
+        """The data position, and the tokenizer, so that every checkpoint can be decoded on its own."""
+        state: dict[str, Any] = {"samples_consumed": self.samples_consumed()}
+        if self.tokenizer is not None:
+            state["tokenizer"] = self.tokenizer.state_dict()
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self._resumed_samples = int(state["samples_consumed"])
 
 

@@ -94,6 +94,31 @@ class CausalAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+class KVCache:
+    """One layer's keys and values (B, Hkv, L, D) of the positions processed so far, for incremental decoding."""
+
+    def __init__(self) -> None:
+        self.k: Optional[Tensor] = None
+        self.v: Optional[Tensor] = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+def cached_attention(q: Tensor, k: Tensor, v: Tensor, sliding_window: Optional[int]) -> Tensor:
+    """Attention of the last q.shape[2] positions over all k.shape[2] cached ones (causal, optional window)."""
+    q_pos = torch.arange(k.shape[2] - q.shape[2], k.shape[2], device=q.device)
+    distance = q_pos[:, None] - torch.arange(k.shape[2], device=q.device)[None, :]
+    mask = (distance >= 0) & (distance < (sliding_window or k.shape[2]))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with separate q/k/v projections (so tensor parallelism and checkpoint
     resharding split heads without de-interleaving a fused weight) and optional QK-norm."""
@@ -109,8 +134,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         self.core = CausalAttention(cfg.sliding_window)
+        self.sliding_window = cfg.sliding_window
 
-    def forward(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
         b, t, _ = x.shape
         # Head counts come from the weights, so a tensor-parallel shard runs the same code on its heads.
         q = self.wq(x).view(b, t, -1, self.head_dim)
@@ -118,8 +144,13 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, t, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, k, positions)
-        y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        if cache is None:
+            q, k = self.rope(q, k, positions)
+            y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        else:  # decoding: positions continue after the cached ones
+            q, k = self.rope(q, k, torch.arange(cache.length, cache.length + t))
+            k, v = cache.append(k.transpose(1, 2), v.transpose(1, 2))
+            y = cached_attention(q.transpose(1, 2), k, v, self.sliding_window)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -151,8 +182,8 @@ class Block(nn.Module):
         else:
             self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
 
-    def forward(self, x: Tensor, positions: Optional[Tensor] = None) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), positions)
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -254,12 +285,15 @@ class Transformer(nn.Module):
         return plan
 
     # -- forward --------------------------------------------------------------------------------------------
-    def forward(self, idx: Tensor, positions: Optional[Tensor] = None) -> Tensor:
+    def forward(self, idx: Tensor, positions: Optional[Tensor] = None, cache: Optional[list[KVCache]] = None
+                ) -> Tensor:
         """idx (B, T) token ids -> logits (B, T, padded_vocab_size). `positions` (T,) are the tokens' places in
-        the sequence (for RoPE): None means 0..T-1; a context-parallel rank passes those of the chunks it holds."""
+        the sequence (for RoPE): None means 0..T-1; a context-parallel rank passes those of the chunks it holds.
+        With `cache` (one `KVCache` per block), idx continues the cached positions and the cache is extended
+        (`lit_lm.generate`)."""
         x = self.tok_embeddings(idx)
-        for block in self.blocks.values():
-            x = block(x, positions)
+        for i, block in enumerate(self.blocks.values()):
+            x = block(x, positions, None if cache is None else cache[i])
         return self.lm_head(self.norm(x))
 
     def loss(self, idx: Tensor, targets: Tensor, positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
@@ -311,23 +345,3 @@ class Transformer(nn.Module):
         if targets is None:
             return x
         return self.loss_fn(self.lm_head(self.norm(x)), targets)
-
-    @torch.no_grad()
-    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                 generator: Optional[torch.Generator] = None) -> Tensor:
-        """Sample continuations of idx (B, T): greedy when temperature == 0, else nucleus (top-p) sampling.
-        No KV cache: a sanity tool, not a server."""
-        for _ in range(max_new_tokens):
-            context = idx[:, -self.config.max_seq_len:]
-            logits = self(context)[:, -1, : self.config.vocab_size].float()
-            if temperature == 0.0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                sorted_p, order = probs.sort(dim=-1, descending=True)
-                keep = sorted_p.cumsum(-1) - sorted_p < top_p  # smallest prefix whose mass reaches top_p
-                sorted_p = sorted_p * keep
-                choice = torch.multinomial(sorted_p / sorted_p.sum(-1, keepdim=True), 1, generator=generator)
-                nxt = order.gather(-1, choice)
-            idx = torch.cat([idx, nxt], dim=1)
-        return idx

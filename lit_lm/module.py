@@ -10,11 +10,17 @@ from typing import Any, Optional
 import lightning as L
 import torch
 from torch import Tensor
+from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
+from callbacks.throughput import flops_per_token
+
+from lit_lm.checkpoints import with_tied_head
 from lit_lm.config import ConfigError, ModelConfig
+from lit_lm.generate import generate
 from lit_lm.model import Transformer
 from lit_lm.moe import moe_metrics, update_router_bias
+from strategies.checkpoint import OPTIMIZER_FQNS
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -67,6 +73,27 @@ class LanguageModel(L.LightningModule):
 
             kernels.apply(self.model, self.kernels)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Name the optimizer's parameters (torch keys its state by position), so that a single file resumes under
+        a strategy whose ranks hold other parameters (pipeline stages). lit-lm's strategies key by name already."""
+        names = {p: n for n, p in self.named_parameters()}
+        optimizers = self._trainer.optimizers if self._trainer is not None else []
+        groups = [[[names.get(p) for p in g["params"]] for g in o.param_groups] for o in optimizers]
+        if all(n is not None for o in groups for g in o for n in g):
+            checkpoint[OPTIMIZER_FQNS] = groups
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Before the strict load: a sharded checkpoint names a tied head once, by the embedding's name. (lit-lm's
+        strategies load the tensors themselves, before this hook, and pass no state_dict.)"""
+        if "state_dict" in checkpoint:
+            with_tied_head(checkpoint["state_dict"], self.config.tie_embeddings, prefix="model.")
+
+    def on_fit_start(self) -> None:
+        cfg, seq_len = self.config, self.config.max_seq_len
+        flops = flops_per_token(cfg.num_params(include_embedding=False), cfg.n_layers, cfg.d_model, seq_len)
+        rank_zero_info(f"[lit-lm] model: {cfg.num_params() / 1e6:.2f}M parameters, {cfg.n_layers} layers x d_model "
+                       f"{cfg.d_model}; {flops / 1e6:.1f} MFLOPs per trained token (6N + 12·L·d·T, T={seq_len})")
+
     # -- steps ---------------------------------------------------------------------------------------------
     def _split(self, batch: Tensor, batch_idx: int) -> tuple[Tensor, Tensor]:
         if batch_idx == 0:  # one check per loop: a sync on GPU, so not every step
@@ -107,10 +134,12 @@ class LanguageModel(L.LightningModule):
     def on_test_epoch_end(self) -> None:
         self._log_eval("test")
 
-    def predict_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        """Greedy continuation of the first quarter of each window (a sanity check of what the model learnt)."""
+    def predict_step(self, batch: Tensor, batch_idx: int) -> dict[str, Tensor]:
+        """Greedy continuation of the first quarter of each validation window (what `lit-lm predict` writes to
+        `<default_root_dir>/predictions.jsonl`): a look at what the model learnt."""
         prompt = batch[:, : max(batch.shape[1] // 4, 1)]
-        return self.model.generate(prompt, max_new_tokens=batch.shape[1] // 4, temperature=0.0)
+        out = generate(self.model, prompt, max_new_tokens=batch.shape[1] // 4, temperature=0.0)
+        return {"prompt": prompt, "completion": out[:, prompt.shape[1]:]}
 
     # -- throughput and lr ---------------------------------------------------------------------------------
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -338,20 +338,32 @@ class BPETokenizer:
 
     # ---- save / load ----
 
+    def state_dict(self) -> dict:
+        """Everything `from_state_dict` needs, as plain types (kept inside every checkpoint)."""
+        return {"format": FORMAT, "version": VERSION, "pattern": GPT2_PATTERN, "vocab_size": self.vocab_size,
+                "special_tokens": self._special_ids, "merges": [f"{a} {b}" for a, b in self.merges]}
+
+    @classmethod
+    def from_state_dict(cls, state: dict, source: str = "the tokenizer state") -> BPETokenizer:
+        if state.get("format") != FORMAT or state.get("version") != VERSION:
+            raise ValueError(f"{source} is not a {FORMAT} v{VERSION} file (format={state.get('format')!r}, "
+                             f"version={state.get('version')!r})")
+        if state["pattern"] != GPT2_PATTERN:
+            raise ValueError(f"{source} uses a different pre-tokenization pattern than this code supports")
+        merges = [tuple(int(i) for i in m.split()) for m in state["merges"]]
+        specials = sorted(state["special_tokens"], key=state["special_tokens"].__getitem__)
+        tokenizer = cls(merges, specials)
+        if tokenizer.special_tokens != state["special_tokens"]:
+            raise ValueError(f"{source}: special token ids {state['special_tokens']} are not the ids after the "
+                             f"merges ({tokenizer.special_tokens}); the file was edited or is corrupt")
+        return tokenizer
+
     def save(self, directory: str | os.PathLike) -> Path:
         """Write `directory/tokenizer.json`: merges as "left right" id pairs (merge i creates id 256 + i),
         special tokens with their ids, and every token's text for reading (not used by `load`)."""
         path = Path(directory) / FILE_NAME
         path.parent.mkdir(parents=True, exist_ok=True)
-        state = {
-            "format": FORMAT,
-            "version": VERSION,
-            "pattern": GPT2_PATTERN,
-            "vocab_size": self.vocab_size,
-            "special_tokens": self._special_ids,
-            "merges": [f"{a} {b}" for a, b in self.merges],
-            "tokens": [t.decode("utf-8", errors="backslashreplace") for t in self._vocab],
-        }
+        state = {**self.state_dict(), "tokens": [t.decode("utf-8", errors="backslashreplace") for t in self._vocab]}
         path.write_text(json.dumps(state, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         return path
 
@@ -361,16 +373,4 @@ class BPETokenizer:
         if not path.is_file():
             raise ValueError(f"no tokenizer in {directory}: {path} does not exist; pass the directory that "
                              "BPETokenizer.save() wrote (or train one with BPETokenizer.train)")
-        state = json.loads(path.read_text(encoding="utf-8"))
-        if state.get("format") != FORMAT or state.get("version") != VERSION:
-            raise ValueError(f"{path} is not a {FORMAT} v{VERSION} file (format={state.get('format')!r}, "
-                             f"version={state.get('version')!r})")
-        if state["pattern"] != GPT2_PATTERN:
-            raise ValueError(f"{path} uses a different pre-tokenization pattern than this code supports")
-        merges = [tuple(int(i) for i in m.split()) for m in state["merges"]]
-        specials = sorted(state["special_tokens"], key=state["special_tokens"].__getitem__)
-        tokenizer = cls(merges, specials)
-        if tokenizer.special_tokens != state["special_tokens"]:
-            raise ValueError(f"{path}: special token ids {state['special_tokens']} are not the ids after the "
-                             f"merges ({tokenizer.special_tokens}); the file was edited or is corrupt")
-        return tokenizer
+        return cls.from_state_dict(json.loads(path.read_text(encoding="utf-8")), str(path))

@@ -1,10 +1,12 @@
-"""Inspect or export a lit-lm checkpoint directory.
+"""Inspect or export a lit-lm checkpoint.
 
     python scripts/ckpt.py inspect runs/.../checkpoints/last.ckpt      # step, topology, every tensor and its size
     python scripts/ckpt.py convert runs/.../checkpoints/last.ckpt model.ckpt   # one plain torch.save file
+    python scripts/ckpt.py export-hf runs/.../checkpoints/last.ckpt hf/        # a Hugging Face Llama model
 
 `inspect` reads only the DCP metadata, the marker and meta.pt (no tensor data), so it is instant on any size;
-`convert` is `strategies.checkpoint.to_single_file` and needs the whole state in CPU memory.
+`convert` is `strategies.checkpoint.to_single_file` and needs the whole state in CPU memory; `export-hf` (any
+checkpoint, file or directory) is `lit_lm.hf_export.export_hf`.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import json
 import math
 from pathlib import Path
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from strategies.checkpoint import META, check_complete, is_sharded_checkpoint, to_single_file
+from lit_lm.checkpoints import read_checkpoint
+from lit_lm.hf_export import export_hf
+from strategies.checkpoint import META, check_complete, is_sharded_checkpoint, read_meta, to_single_file
 
 
 def inspect(directory: Path) -> None:
@@ -26,7 +29,7 @@ def inspect(directory: Path) -> None:
         raise SystemExit(f"{directory} is not a lit-lm sharded checkpoint (a directory with {META})")
     marker = check_complete(directory)
     print(f"{directory}\n  marker: {json.dumps(marker)}")
-    meta = torch.load(directory / META, map_location="cpu", weights_only=False)
+    meta = read_meta(directory)
     print(f"  epoch {meta.get('epoch')}, global_step {meta.get('global_step')}, "
           f"lightning {meta.get('pytorch-lightning_version')}")
     tensors = {k: v for k, v in dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata.items()
@@ -48,12 +51,18 @@ def main() -> None:
     convert = commands.add_parser("convert", help="one ordinary Lightning .ckpt file (torch.save)")
     convert.add_argument("directory", type=Path)
     convert.add_argument("out_file", type=Path)
+    export = commands.add_parser("export-hf", help="safetensors + config.json + tokenizer for transformers")
+    export.add_argument("checkpoint", type=Path)
+    export.add_argument("out_dir", type=Path)
     args = parser.parse_args()
     if args.command == "inspect":
         inspect(args.directory)
-    else:
+    elif args.command == "convert":
         to_single_file(args.directory, args.out_file)
         print(f"wrote {args.out_file}")
+    else:
+        export_hf(read_checkpoint(args.checkpoint), args.out_dir)
+        print(f"wrote {args.out_dir} (load with transformers.AutoModelForCausalLM.from_pretrained)")
 
 
 if __name__ == "__main__":

@@ -360,11 +360,11 @@ class BaseStrategy(ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
+        optimizers = [_unwrap(o) for o in self.optimizers]
+        for optimizer in optimizers:  # either format loads into the live (sharded) state
+            self.init_optimizer_state(optimizer)
         if not path.is_dir():
             return self._load_single_file(path, weights_only)
-        optimizers = [_unwrap(o) for o in self.optimizers]
-        for optimizer in optimizers:
-            self.init_optimizer_state(optimizer)
         state = {"model": self.lightning_module_state_dict()}
         state.update({f"optimizer_{i}": self.optimizer_state(o) for i, o in enumerate(optimizers)})
         meta = ckpt.load(path, state, weights_only=bool(weights_only))
@@ -376,8 +376,10 @@ class BaseStrategy(ParallelStrategy):
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         state = {"model": checkpoint["state_dict"]}
         names = self.param_names()
+        saved_fqns = checkpoint.get(ckpt.OPTIMIZER_FQNS)  # else the saving optimizer held the same parameters
         for i, (optimizer, saved) in enumerate(zip(self.optimizers, checkpoint.get("optimizer_states", []))):
-            groups = [[names[p] for p in g["params"]] for g in _unwrap(optimizer).param_groups]
+            groups = saved_fqns[i] if saved_fqns else [[names[p] for p in g["params"]]
+                                                       for g in _unwrap(optimizer).param_groups]
             state[f"optimizer_{i}"] = ckpt.fqn_keyed(saved, groups)
         self.load_sharded_state(state)
         return checkpoint

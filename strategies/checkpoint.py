@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import pickle
 import re
 import shutil
 import uuid
@@ -33,10 +34,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.optim import Optimizer
 
+from strategies.errors import ConfigError
+
 META = "meta.pt"
+# In a single-file checkpoint: the FQNs of each optimizer's param groups, in order (torch keys the state by
+# position), so a strategy holding other parameters (a pipeline stage) can tell which state is whose.
+OPTIMIZER_FQNS = "optimizer_param_fqns"
 COMPLETE = "COMPLETE"
 TMP, OLD = ".tmp-", ".old-"  # + 8 hex digits: a save in progress (or killed), a replaced checkpoint
 PathLike = Union[str, Path]
@@ -132,7 +139,7 @@ def load(path: PathLike, state: dict[str, Any], weights_only: bool = False) -> d
     for key in [k for k in state if k not in saved]:
         del state[key]
     dcp.load(state, checkpoint_id=path)
-    return torch.load(Path(path) / META, map_location="cpu", weights_only=weights_only)
+    return read_meta(path, weights_only)
 
 
 # -- optimizer state keyed by FQN (torch keys it by the parameter's position in the param groups) --------------
@@ -169,17 +176,36 @@ def index_keyed(state: dict[str, Any], groups: Optional[list[list[str]]] = None)
     }
 
 
-def to_single_file(directory: PathLike, out_file: PathLike) -> None:
-    """Convert a sharded checkpoint directory into one ordinary Lightning checkpoint file (on one process)."""
-    directory, out_file = Path(directory), Path(out_file)
+def read_whole(directory: PathLike) -> dict[str, Any]:
+    """A sharded checkpoint directory as the ordinary Lightning checkpoint dict (whole tensors, index-keyed
+    optimizer state), read on one process without a process group; raises, naming the file, for a truncated
+    or missing `meta.pt` and for an incomplete directory."""
+    directory = Path(directory)
     if not is_sharded_checkpoint(directory):
         raise FileNotFoundError(f"{directory} is not a lit-lm sharded checkpoint (a directory with {META})")
     check_complete(directory)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    dcp_to_torch_save(directory, out_file)  # whole tensors, gathered from every shard file
-    sharded = torch.load(out_file, map_location="cpu", weights_only=False)
-    checkpoint = torch.load(directory / META, map_location="cpu", weights_only=False)
+    checkpoint = read_meta(directory)
+    sharded: dict[str, Any] = {}
+    _load_state_dict(sharded, storage_reader=dcp.FileSystemReader(str(directory)),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)  # whole tensors from every shard file
     checkpoint["state_dict"] = sharded.pop("model")
     n_optimizers = sum(key.startswith("optimizer_") for key in sharded)
     checkpoint["optimizer_states"] = [index_keyed(sharded[f"optimizer_{i}"]) for i in range(n_optimizers)]
+    return checkpoint
+
+
+def read_meta(directory: PathLike, weights_only: bool = False) -> dict[str, Any]:
+    """`meta.pt` of a checkpoint directory; a truncated or unreadable one is reported by its path."""
+    meta = Path(directory) / META
+    try:
+        return torch.load(meta, map_location="cpu", weights_only=weights_only)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+        raise ConfigError(f"{meta} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]}): the "
+                              "checkpoint is damaged; resume from an earlier one") from e
+
+
+def to_single_file(directory: PathLike, out_file: PathLike) -> None:
+    """Convert a sharded checkpoint directory into one ordinary Lightning checkpoint file (on one process)."""
+    checkpoint = read_whole(directory)
+    Path(out_file).parent.mkdir(parents=True, exist_ok=True)
     torch.save(checkpoint, out_file)

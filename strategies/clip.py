@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from strategies import comm
+from strategies.errors import ConfigError
 
 
 @dataclass
@@ -107,11 +108,11 @@ def with_global_norm_clip(plugin: Precision, clip_fn: Callable[[float], Any]) ->
         converted = GlobalNormPrecision()
     elif type(plugin) is MixedPrecision:
         if plugin.scaler is not None or plugin.precision != "bf16-mixed":
-            raise ValueError(FP16_REFUSED)
+            raise ConfigError(FP16_REFUSED)
         converted = GlobalNormMixedPrecision(plugin.precision, plugin.device)
     elif type(plugin) is HalfPrecision:
         if plugin.precision != "bf16-true":
-            raise ValueError(FP16_REFUSED)
+            raise ConfigError(FP16_REFUSED)
         converted = GlobalNormHalfPrecision(plugin.precision)
     else:
         raise ValueError(

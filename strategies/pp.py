@@ -252,10 +252,19 @@ class PipelineStrategy(BaseStrategy):
         # The tied head's optimizer state is saved under the embedding's name, as a one-process run names it.
         return {q: self._canonical.get(name, name) for q, name in super().param_names().items()}
 
+    def load_sharded_state(self, state: dict[str, Any]) -> None:
+        """A single-file checkpoint holds every stage's tensors: this stage takes its own (a missing one fails)."""
+        own = self.lightning_module.state_dict().keys()
+        state["model"] = {k: v for k, v in state["model"].items() if k in own}
+        super().load_sharded_state(state)
+
     def teardown(self) -> None:
         if self._grad_sync is not None:
             self._grad_sync.remove_hooks()
             self._grad_sync = None
+        module = self.lightning_module
+        if module is not None and any(p.is_meta for p in module.parameters()):
+            self._lightning_module = None  # the split failed: nothing was materialised to move back to the CPU
         super().teardown()
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 from typing import Optional, Sequence
 
+from strategies.errors import ConfigError
+
 
 def split_layers(n_layers: int, stages: int, chunks: int = 1, layers_per_stage: Optional[Sequence[int]] = None,
                  costs: Optional[Sequence[float]] = None, first_extra: float = 0.0, last_extra: float = 0.0
@@ -25,7 +27,7 @@ def split_layers(n_layers: int, stages: int, chunks: int = 1, layers_per_stage: 
         return [list(range(bounds[s], bounds[s + 1])) for s in range(n_stages)]
     if n_stages > n_layers:
         what = "pipeline_parallel_size" if chunks == 1 else "pipeline_parallel_size x virtual_stages"
-        raise ValueError(f"{what} = {n_stages} stages but the model has {n_layers} layers: every stage needs at "
+        raise ConfigError(f"{what} = {n_stages} stages but the model has {n_layers} layers: every stage needs at "
                          f"least one layer; lower {'virtual_stages' if chunks > 1 else 'pipeline_parallel_size'}")
     costs = list(costs) if costs is not None else [1.0] * n_layers
     prefix = list(itertools.accumulate(costs, initial=0.0))

@@ -136,8 +136,12 @@ class ZeroStrategy(BaseStrategy):
     def load_sharded_state(self, state: dict[str, Any]) -> None:
         """DCP filled the live shards in place; a single-file checkpoint brings whole tensors to slice."""
         shards = {sp.fqn: sp for sp in self.engine.sharded_params()}
+        module = self.lightning_module  # a tied parameter's second name (lm_head.weight) is in a single file too
+        tied = {n for n, _ in module.named_parameters(remove_duplicate=False)} - {n for n, _ in module.named_parameters()}
         with torch.no_grad():
             for fqn, value in state["model"].items():
+                if fqn in tied:
+                    continue
                 shards[fqn].master.copy_(_local_rows(value, shards[fqn]))
             for i, optimizer in enumerate(self.optimizers):
                 saved = state.get(f"optimizer_{i}")

@@ -45,7 +45,7 @@ def test_fit_then_validate_from_checkpoint(tmp_path):
     val = [float(r["val_loss"]) for r in rows if r.get("val_loss")]
     assert len(train) == 6 and len(val) == 2
     assert all(r["val_ppl"] for r in rows if r.get("val_loss"))
-    ckpt = tmp_path / "run/lightning_logs/version_0/checkpoints/last.ckpt"
+    ckpt = tmp_path / "run/checkpoints/last.ckpt"
     assert ckpt.is_file() and f"checkpoint: {ckpt}" in fit.stdout
     # everything the run wrote is under default_root_dir (the data cache is under data_dir)
     assert {p.name for p in tmp_path.iterdir()} == {"corpus.txt", "run", "data"}
@@ -72,7 +72,7 @@ def test_zero2_on_two_ranks_resumes_exactly_on_one(tmp_path):
     full = run_cli("fit", *base, "--trainer.devices", "2", "--data.init_args.batch_size", "2", *ckpt_every,
                    cwd=tmp_path)
     assert full.returncode == 0, full.stderr[-3000:]
-    ckpt = tmp_path / "run/lightning_logs/version_0/checkpoints/at_step=4.ckpt"
+    ckpt = tmp_path / "run/checkpoints/at_step=4.ckpt"
     assert (ckpt / "meta.pt").is_file()  # a sharded (DCP) checkpoint directory
     resumed = run_cli("fit", *base, "--trainer.devices", "1", "--data.init_args.batch_size", "4",
                       "--ckpt_path", str(ckpt), cwd=tmp_path)

@@ -89,7 +89,7 @@ def test_loaders_follow_the_dp_rank_and_resume(tmp_path, text_files):
     resumed = dm.train_dataloader()
     assert resumed.sampler.start == 8 and len(resumed.sampler) == len(loader.sampler)
     FakeTrainer.progress.processed = 8  # three more steps of 4 samples on 2 ranks
-    assert dm.state_dict() == {"samples_consumed": 8 + 3 * 4 * 2}
+    assert dm.state_dict() == {"samples_consumed": 8 + 3 * 4 * 2, "tokenizer": dm.tokenizer.state_dict()}
 
 
 def test_missing_file_names_the_field(tmp_path):
@@ -114,7 +114,7 @@ def test_unknown_text_field_lists_the_columns(tmp_path):
 
 
 def test_sequence_longer_than_the_corpus(tmp_path, text_files):
-    with pytest.raises(ConfigError, match="seq_len=100000 is larger than the train split"):
+    with pytest.raises(ConfigError, match="the train split has 0 windows of seq_len 100000"):
         make_dm(tmp_path, text_files, seq_len=100_000).setup("fit")
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lit_lm.config import ConfigError, ModelConfig
-from lit_lm.model import RotaryEmbedding, Transformer
+from lit_lm.generate import generate
+from lit_lm.model import KVCache, RotaryEmbedding, Transformer
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -137,12 +138,27 @@ def test_generate_greedy_is_deterministic():
     torch.manual_seed(0)
     model = Transformer(tiny()).eval()
     prompt = torch.randint(0, 61, (2, 4))
-    a = model.generate(prompt, 6, temperature=0.0)
-    b = model.generate(prompt, 6, temperature=0.0)
+    a = generate(model, prompt, 6, temperature=0.0)
+    b = generate(model, prompt, 6, temperature=0.0)
     assert a.shape == (2, 10) and torch.equal(a, b) and torch.equal(a[:, :4], prompt)
     assert int(a.max()) < 61  # padded vocabulary rows are never sampled
-    sampled = model.generate(prompt, 6, temperature=1.0, top_p=0.5, generator=torch.Generator().manual_seed(0))
+    sampled = generate(model, prompt, 6, temperature=1.0, top_k=3, top_p=0.5,
+                       generator=torch.Generator().manual_seed(0))
     assert int(sampled.max()) < 61
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_kv_cache_decoding_equals_the_full_forward(window):
+    """Logits of each position fed one at a time through the cache (after a prompt) equal the full forward's,
+    with GQA and a sliding window shorter than the sequence."""
+    torch.manual_seed(0)
+    model = Transformer(tiny(n_kv_heads=2, sliding_window=window)).eval()
+    idx = torch.randint(0, 61, (2, 9))
+    with torch.no_grad():
+        full = model(idx)
+        cache = [KVCache() for _ in model.blocks]
+        steps = [model(idx[:, :4], cache=cache)] + [model(idx[:, t: t + 1], cache=cache) for t in range(4, 9)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("overrides, field", [

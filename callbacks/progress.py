@@ -1,0 +1,93 @@
+"""`StepProgress`: training progress as optimizer steps of `max_steps`, on a terminal or in a log file.
+
+Lightning's bar counts the batches of the current epoch ("Epoch 0/-2" when only max_steps ends the run, "15/4"
+after a resume) and shows the logger's version as a metric (`v_num: 0.000`). This one shows one bar for the
+whole run, `step N/max_steps`, and, when stdout is not a terminal (a SLURM log, a pipe), where a bar draws
+nothing until the end, prints a plain line every `every_n_steps` steps instead:
+
+    step 120/400 | loss 4.3121 | lr 2.91e-03 | 5,123 tokens/s | grad_norm 0.8312 | eta 2m13s
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Optional
+
+import lightning as L
+from lightning.pytorch.callbacks import RichProgressBar
+from torch.optim import Optimizer
+
+from strategies.base import BaseStrategy
+from strategies.clip import clip_grad_norm_, local_grad_shards
+
+
+class StepProgress(RichProgressBar):
+    def __init__(self, every_n_steps: int = 10, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if every_n_steps <= 0:
+            raise ValueError(f"StepProgress every_n_steps must be positive, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self._started: Optional[tuple[float, int]] = None  # (time, step) when this run's training began
+        self._grad_norm: Optional[float] = None
+        self._printed = -1
+
+    @property
+    def total_train_batches(self) -> int:
+        return self.trainer.max_steps if self.trainer.max_steps > 0 else int(self.trainer.estimated_stepping_batches)
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        return "train (steps)"
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._started = (time.monotonic(), trainer.global_step)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.train_progress_bar_id is None:  # one bar for all epochs
+            super().on_train_epoch_start(trainer, pl_module)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Optimizer
+                                 ) -> None:
+        """Lightning's own strategies log no gradient norm: measure it here, before clipping (a no-op clip)."""
+        if not isinstance(trainer.strategy, BaseStrategy) and self._prints(trainer, trainer.global_step + 1):
+            self._grad_norm = float(clip_grad_norm_(local_grad_shards(pl_module), float("inf")))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self.is_disabled and self.train_progress_bar_id is None:
+            self._initialize_train_progress_bar_id()
+        self._update(self.train_progress_bar_id, trainer.global_step)
+        self._update_metrics(trainer, pl_module)
+        self.refresh()
+        step = trainer.global_step
+        if self._prints(trainer, step) and step != self._printed and trainer.is_global_zero:
+            self._printed = step  # once per step, not per accumulated micro-batch
+            print(self.line(trainer), flush=True)
+
+    def _prints(self, trainer: L.Trainer, step: int) -> bool:
+        return not sys.stdout.isatty() and (step % self.every_n_steps == 0 or step == self.total_train_batches)
+
+    def line(self, trainer: L.Trainer) -> str:
+        step, total, m = trainer.global_step, self.total_train_batches, trainer.callback_metrics
+        parts = [f"step {step}/{total}"]
+        for key, label, fmt in (("train_loss", "loss", ".4f"), ("lr", "lr", ".2e"),
+                                ("tokens_per_s", "tokens/s", ",.0f"), ("grad_norm", "grad_norm", ".4f")):
+            value = m.get(key) if key != "grad_norm" or self._grad_norm is None else self._grad_norm
+            if value is not None:
+                parts.append(f"{label} {float(value):{fmt}}")
+        if self._started is not None and step > self._started[1]:
+            per_step = (time.monotonic() - self._started[0]) / (step - self._started[1])
+            parts.append(f"eta {_duration(per_step * (total - step))}")
+        return " | ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{s:02d}s"

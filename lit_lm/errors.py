@@ -1,0 +1,67 @@
+"""Errors a user can fix, as one line: `lit-lm: error: <what> (<key>); <how to fix>`.
+
+Printed by rank 0 only, without a traceback (`--debug` or LIT_LM_DEBUG=1 restores it); every rank exits with
+status 2. The ranks a launcher process spawned are stopped with it, so none waits for a peer that is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from contextlib import contextmanager
+from typing import Any, Generator, Optional
+
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from lit_lm.config import ConfigError
+
+DEBUG_ENV = "LIT_LM_DEBUG"
+EXIT_CODE = 2
+FP16 = {"16", "16-mixed", "16-true"}
+
+
+def pop_debug_flag(args: Optional[list[str]]) -> tuple[Optional[list[str]], bool]:
+    """`--debug` is lit-lm's, not the parser's: remove it (from sys.argv too: spawned ranks re-read it)."""
+    argv = sys.argv[1:] if args is None else list(args)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    if "--debug" in argv:
+        os.environ[DEBUG_ENV] = "1"
+        argv = [a for a in argv if a != "--debug"]
+        if args is None:
+            sys.argv = sys.argv[:1] + argv
+    return (None if args is None else argv), debug
+
+
+@contextmanager
+def reporting_errors(debug: bool) -> Generator[None, None, None]:
+    try:
+        yield
+    except ConfigError as e:
+        if debug:
+            raise
+        if getattr(rank_zero_only, "rank", 0) == 0:
+            print(f"lit-lm: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CODE)
+
+
+def stop_other_ranks(trainer: Optional[Trainer]) -> None:
+    """In the process that launched the local ranks (Lightning's subprocess launcher), terminate them."""
+    launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
+    if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs:
+        launcher.kill(signal.SIGTERM)
+
+
+def check_trainer_config(trainer: Any) -> None:
+    """Trainer values Lightning would accept silently or report in its own terms."""
+    if str(trainer.precision) in FP16:
+        raise ConfigError(f"fp16 precision {trainer.precision!r} is not supported (trainer.precision): its loss "
+                          "scaler skips steps from one rank's gradients only; use bf16-mixed, bf16-true or 32-true")
+    name = trainer.strategy
+    if isinstance(name, str) and name != "auto" and name not in StrategyRegistry:
+        ours = sorted(n for n in StrategyRegistry if StrategyRegistry[n]["strategy"].__module__.startswith("strategies"))
+        raise ConfigError(f"unknown strategy {name!r} (trainer.strategy); use one of lit-lm's: {', '.join(ours)} "
+                          "(configs/strategies/*.yaml compose them), or one of Lightning's (e.g. ddp, fsdp)")
