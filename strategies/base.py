@@ -126,6 +126,25 @@ class WeightShard:
             return None
         return self.param.data if self.param.untyped_storage().nbytes() else None
 
+    @property
+    def index(self) -> tuple[slice, ...]:
+        """Where `local` sits in the global tensor (() when it is all of it)."""
+        if self.local.shape == self.global_shape:
+            return ()
+        return (slice(None),) * self.dim + (slice(self.start, self.end),)
+
+
+@dataclass(frozen=True)
+class GradPart:
+    """A parameter's gradient as this rank holds it: `grad` is `global_grad[index]` of the gradient of the
+    parameter called `name` (global FQN) with `global_shape`; `index` is () for a whole gradient. `grad` is None
+    where the parameter got none (frozen). Replicas (dp, a tied copy on another stage) hold the same part."""
+
+    name: str
+    global_shape: torch.Size
+    index: tuple[slice, ...]
+    grad: Optional[Tensor]
+
 
 def whole_weights(module: nn.Module) -> list[WeightShard]:
     """Every parameter of `module` as a whole `WeightShard` (no strategy, or a strategy that does not shard)."""
@@ -296,6 +315,12 @@ class BaseStrategy(ParallelStrategy):
     def owned_weights(self) -> list[WeightShard]:
         """Every parameter as this rank holds it (same order on all ranks; see `WeightShard`). Default: whole."""
         return whole_weights(self.lightning_module)
+
+    def named_grads(self) -> list[GradPart]:
+        """Every parameter's gradient as this rank holds it, under its global name (see `GradPart`): what the
+        optimizer steps with, read between the gradient collectives and the update (`on_before_optimizer_step`,
+        pre-clip there). Under ZeRO-2/3 `param.grad` is None: the reduced gradient lives only in this shard."""
+        return [GradPart(ws.name, ws.global_shape, ws.index, ws.local.grad) for ws in self.owned_weights()]
 
     # -- collectives for Lightning (logging, callbacks): objects and metrics, not model traffic -----------------
     def barrier(self, name: Optional[str] = None) -> None:

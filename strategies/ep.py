@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 
 from strategies import comm
-from strategies.base import BaseStrategy, _unwrap
+from strategies.base import BaseStrategy, WeightShard, _unwrap
 from strategies.clip import GradShards
 from strategies.ddp import GradSync, broadcast_parameters
 from strategies.plan import ExpertModel
@@ -269,6 +269,24 @@ class ExpertParallelStrategy(BaseStrategy):
         first = dist.get_rank(self._experts.ep_group) == 0
         owned = [p.grad for p in params if p in experts or first]
         return GradShards(grads, owned, groups=[self._experts.ep_group], device=self.root_device)
+
+    def owned_weights(self) -> list[WeightShard]:
+        """Experts are this rank's E/ep rows of the global (E, ...) tensor; under ZeRO a parameter is its engine's
+        rows of those (dense: of the whole tensor), all contiguous along dim 0 and spread over the world."""
+        assert self._experts is not None
+        owner = {p: shard for shard in self._shards.values() for p in shard.parameters()}
+        out = []
+        for name, p in self.lightning_module.named_parameters():
+            shard = owner.get(p)
+            first = shard.start if shard is not None else 0
+            shape = torch.Size((shard.num_experts, *p.shape[1:])) if shard is not None else p.shape
+            local, start, end = p, first, first + (p.shape[0] if p.dim() else 1)
+            group = self._experts.ep_group if shard is not None else None
+            if self._zero:
+                sp = self._zero[p][1]
+                local, start, end, group = sp.master, first + sp.start, first + sp.end, self.layout.dp_group
+            out.append(WeightShard(name, local, p, shape, 0, start, end, group))
+        return out
 
     def teardown(self) -> None:
         for sync in self._syncs:

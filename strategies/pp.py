@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import itertools
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from typing import Any, Generator, Optional, Sequence
 
 import torch
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from strategies import comm
-from strategies.base import BaseStrategy
+from strategies.base import BaseStrategy, GradPart
 from strategies.clip import GradShards
 from strategies.ddp import GradSync, broadcast_parameters
 from strategies.layout import ParallelLayout, rank_grid
@@ -291,6 +292,10 @@ class PipelineStrategy(BaseStrategy):
         counted = [q.grad for q in params if self.layout.pp_rank == 0 or all(q is not t for t in self._tied)]
         groups = [self.layout.pp_group] if self.layout.pp_size > 1 else []
         return GradShards([q.grad for q in params], counted, groups)
+
+    def named_grads(self) -> list[GradPart]:
+        """A tied copy on another stage is named as its first use (the name a one-process run gives it)."""
+        return [replace(g, name=self._canonical.get(g.name, g.name)) for g in super().named_grads()]
 
     # -- checkpoints --------------------------------------------------------------------------------------------
     def param_names(self) -> dict[Tensor, str]:

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
-from strategies.base import WeightShard, _unwrap
+from strategies.base import GradPart, WeightShard, _unwrap
 from strategies.clip import GradShards
 from strategies.ddp import DataParallelStrategy
 from strategies.plan import TensorParallelModel
@@ -146,6 +146,23 @@ class TensorParallelStrategy(DataParallelStrategy):
                 start, end = self.shards.tp.rows(shape[dim])
                 ws = WeightShard(ws.name, ws.local, ws.param, shape, dim, start, end, self.layout.tp_group)
             out.append(ws)
+        return out
+
+    def named_grads(self) -> list[GradPart]:
+        """Under ZeRO a gradient part is this rank's dp rows (dim 0) of its tp-local part (the tp split dim)."""
+        if self._engine is None:
+            return super().named_grads()
+        out = []
+        for sp in self._engine.sharded_params():
+            index, shape = [slice(sp.start, sp.end)], sp.param.shape
+            if sp.param in self.shards.sharded:
+                dim, shape = self.shards.sharded[sp.param]
+                start, _ = self.shards.tp.rows(shape[dim])
+                if dim == 0:
+                    index = [slice(start + sp.start, start + sp.end)]
+                else:
+                    index += [slice(None)] * (dim - 1) + [slice(start, start + sp.param.shape[dim])]
+            out.append(GradPart(sp.fqn, shape, tuple(index), sp.master.grad))
         return out
 
     # -- checkpoints ------------------------------------------------------------------------------------------
