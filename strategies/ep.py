@@ -240,7 +240,7 @@ class ExpertParallelStrategy(BaseStrategy):
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         with super().block_backward_sync(), ExitStack() as stack:
-            for sync in [*self._syncs, *self._engines]:
+            for sync in self._syncs:  # ZeRO engines reduce after every backward (see strategies.zero_engine)
                 stack.enter_context(sync.no_sync())
             yield
 

@@ -23,8 +23,7 @@ dp, tp and ZeRO settings.
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager, nullcontext
-from typing import Any, Generator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch import Trainer
@@ -106,11 +105,6 @@ class TensorParallelStrategy(DataParallelStrategy):
             self._engine.detach()
             self._engine, self._zero_params = None, {}
         super().teardown()
-
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        with super().block_backward_sync(), (self._engine.no_sync() if self._engine else nullcontext()):
-            yield
 
     def _grad(self, param: nn.Parameter) -> Optional[Tensor]:
         """What the optimizer steps with: the parameter's gradient, or under ZeRO the master's dp rows of it."""

@@ -86,11 +86,6 @@ class ZeroStrategy(BaseStrategy):
         super().teardown()
 
     # -- the step -----------------------------------------------------------------------------------------------
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        with super().block_backward_sync(), self.engine.no_sync():
-            yield
-
     def finish_grad_sync(self) -> None:
         self.engine.finish_grad_sync()
 

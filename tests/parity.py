@@ -14,7 +14,7 @@ update (`on_before_optimizer_step`: after the gradient collectives, before clipp
     grads       every gradient part it holds under its global name (the strategy's `named_grads()`), in fp32;
 
 and after training the final parameters under global names. `assert_parity` checks each rank's every part against
-the same slice of the single-process gradient (relative to that parameter's whole gradient norm), that the parts
+the same slice of the single-process gradient (relative to that parameter's gradient norm, see `_assert_grads`), that the parts
 cover every parameter, and the losses, norms and final parameters (all at 1e-5 for fp32).
 
 Why gradients and plain SGD: AdamW is invariant to a constant gradient factor and clipping every step hides one
@@ -28,8 +28,9 @@ Single-process references are cached per (model, optimizer, data, trainer settin
 
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import lightning as L
@@ -63,17 +64,18 @@ class Case:
     frozen: tuple[str, ...] = ()  # parameters (global names) with requires_grad=False, still in the optimizer
     lr: Optional[float] = None  # default: 0.1 (sgd), 3e-3 (adamw)
     mutation: Optional[Callable[[pytest.MonkeyPatch], None]] = None  # applied in every worker, undone after
+    callbacks: tuple[L.Callback, ...] = ()  # run on both sides; returned trained (e.g. to read what they recorded)
     label: str = ""
 
     def reference(self) -> "Case":
         """The same run on one process."""
-        return Case(None, self.model, self.optimizer, self.steps, self.global_batch, self.trainer, self.frozen,
-                    self.lr, None, "single")
+        return replace(self, strategy=None, mutation=None, label="single")
 
     @property
     def key(self) -> str:
+        callbacks = [(type(c).__name__, sorted(vars(c).items())) for c in self.callbacks]
         return repr((sorted(self.model.items()), self.optimizer, self.steps, self.global_batch,
-                     sorted(self.trainer.items()), self.frozen, self.lr))
+                     sorted(self.trainer.items()), self.frozen, self.lr, callbacks))
 
 
 class ParityLM(LanguageModel):
@@ -94,7 +96,10 @@ class ParityLM(LanguageModel):
             return torch.optim.SGD(params, lr=self.case.lr or 0.1)
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.case.lr or 3e-3)
+        # eps 1e-6, not 1e-8: Adam's first update is lr * g / (|g| + eps), whose slope lr / eps turns fp32
+        # summation-order noise in near-zero gradient elements into weight differences the next step's gradients
+        # show (1e-8: up to a sign flip, 2 lr); 1e-6 bounds that, and the gradients are compared directly anyway
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.case.lr or 3e-3, eps=1e-6)
 
     def train_dataloader(self) -> DataLoader:
         strategy = self.trainer.strategy
@@ -142,13 +147,13 @@ def fit_case(case: Case, devices: int = 1) -> dict[str, Any]:
         if case.mutation is not None:
             case.mutation(monkeypatch)
         L.seed_everything(0, verbose=False)
-        module, probe = ParityLM(case), Probe()
+        module, probe, callbacks = ParityLM(case), Probe(), copy.deepcopy(list(case.callbacks))
         trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=case.strategy() if case.strategy else "auto",
-                            max_steps=case.steps, callbacks=[probe], logger=False, enable_progress_bar=False,
+                            max_steps=case.steps, callbacks=[probe, *callbacks], logger=False, enable_progress_bar=False,
                             enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
                             enable_checkpointing=False, **case.trainer)
         trainer.fit(module)
-        return {"losses": probe.losses, "steps": probe.steps, "params": _final_params(trainer)}
+        return {"losses": probe.losses, "steps": probe.steps, "params": _final_params(trainer), "callbacks": callbacks}
 
 
 def _fit_cases(cases: list[Case], devices: int) -> list[dict[str, Any]]:
@@ -204,7 +209,12 @@ def assert_parity(run: dict[str, Any], rtol: float = 1e-5, params: bool = True, 
 
 
 def _assert_grads(parts: list[tuple], ref_parts: list[tuple], rtol: float, where: str) -> None:
+    """Each part against the same slice of the one-process gradient. The error is measured relative to the larger
+    of that parameter's gradient norm and 1% of the whole gradient's: after a few AdamW steps (whose first updates
+    are ~lr * sign(grad)) fp32 summation-order noise in near-zero gradients moves the weights a little, and a
+    parameter with a tiny gradient would show that noise at a scale nobody trains at."""
     ref = {name: g for name, _, _, g in ref_parts}
+    total = math.sqrt(sum(g.square().sum().item() for g in ref.values() if g is not None))
     for name, shape, index, grad in parts:
         assert name in ref, f"{where}: gradient of {name}, a parameter the single-process model does not have"
         expected = ref[name]
@@ -212,15 +222,15 @@ def _assert_grads(parts: list[tuple], ref_parts: list[tuple], rtol: float, where
             assert grad is None or not grad.any(), f"{where}: {name} has a gradient; single-process: none (frozen)"
             continue
         assert grad is not None, f"{where}: {name} has no gradient; single-process: one"
-        assert tuple(shape) == tuple(expected.shape), f"{where}: {name} global shape {tuple(shape)} != " \
-                                                      f"{tuple(expected.shape)}"
+        assert tuple(shape) == tuple(expected.shape), \
+            f"{where}: {name} global shape {tuple(shape)} != {tuple(expected.shape)}"
         part = expected[index]
-        assert grad.shape == part.shape, f"{where}: {name}{_fmt(index)} holds {tuple(grad.shape)}, expected " \
-                                         f"{tuple(part.shape)}"
-        err, scale = (grad - part).norm().item(), expected.norm().item()
-        assert err <= rtol * scale + 1e-12, (
-            f"{where}: gradient of {name}{_fmt(index)} differs: |diff| = {err:.3e}, {err / max(scale, 1e-30):.2e} "
-            f"of the parameter's gradient norm {scale:.3e} (ratio of norms {grad.norm().item() / max(part.norm().item(), 1e-30):.4f})")
+        assert grad.shape == part.shape, \
+            f"{where}: {name}{_fmt(index)} holds {tuple(grad.shape)}, expected {tuple(part.shape)}"
+        err, scale = (grad - part).norm().item(), max(expected.norm().item(), 0.01 * total)
+        ratio = grad.norm().item() / max(part.norm().item(), 1e-30)
+        assert err <= rtol * scale, (f"{where}: gradient of {name}{_fmt(index)} differs: |diff| = {err:.3e} = "
+                                     f"{err / max(scale, 1e-30):.2e} x {scale:.3e} (ratio of norms {ratio:.4f})")
 
 
 def _assert_covered(run: dict[str, Any], tag: str) -> None:
