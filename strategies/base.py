@@ -89,6 +89,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from strategies import checkpoint as ckpt
 from strategies.clip import GradShards, clip_grad_norm_, local_grad_shards, with_global_norm_clip
@@ -184,6 +185,7 @@ class BaseStrategy(ParallelStrategy):
         return True
 
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
@@ -203,6 +205,7 @@ class BaseStrategy(ParallelStrategy):
         return self._layout
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.layout.dp_size, "rank": self.layout.dp_rank}
 
@@ -213,6 +216,7 @@ class BaseStrategy(ParallelStrategy):
         # Some environments' setters are no-ops: read the rank back through the getter.
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         expected = self.num_processes * self.num_nodes
@@ -226,6 +230,7 @@ class BaseStrategy(ParallelStrategy):
         # Always a launcher: under torchrun/SLURM it spawns nothing but validates devices x num_nodes.
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
@@ -238,6 +243,7 @@ class BaseStrategy(ParallelStrategy):
 
     # -- precision --------------------------------------------------------------------------------------------
     @property
+    @override
     def precision_plugin(self) -> Precision:
         # Never cache a default here: the connector reads `_precision_plugin` to see whether the user set one.
         plugin = self._precision_plugin if self._precision_plugin is not None else Precision()
@@ -248,6 +254,7 @@ class BaseStrategy(ParallelStrategy):
         self._precision_plugin = None if plugin is None else with_global_norm_clip(plugin, self.clip_grad_norm_)
 
     # -- setup and teardown -------------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -261,10 +268,12 @@ class BaseStrategy(ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         self._reset_optimizers_and_schedulers()  # a second fit() must not keep the first one's optimizers
         super().setup_optimizers(trainer)
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -274,6 +283,7 @@ class BaseStrategy(ParallelStrategy):
 
     # -- the training step ----------------------------------------------------------------------------------------
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         self._sync_enabled = False
         try:
@@ -281,6 +291,7 @@ class BaseStrategy(ParallelStrategy):
         finally:
             self._sync_enabled = True
 
+    @override
     def optimizer_step(self, optimizer: Union[Optimizer, LightningOptimizer], closure: Callable[[], Any],
                        model: Optional[Union[LightningModule, nn.Module]] = None, **kwargs: Any) -> Any:
         def closure_then_sync() -> Any:
@@ -323,10 +334,12 @@ class BaseStrategy(ParallelStrategy):
         return [GradPart(ws.name, ws.global_shape, ws.index, ws.local.grad) for ws in self.owned_weights()]
 
     # -- collectives for Lightning (logging, callbacks): objects and metrics, not model traffic -----------------
+    @override
     def barrier(self, name: Optional[str] = None) -> None:
         if _distributed_is_initialized():
             dist.barrier()
 
+    @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
@@ -334,6 +347,7 @@ class BaseStrategy(ParallelStrategy):
         dist.broadcast_object_list(holder, src)
         return holder[0]
 
+    @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
                reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
         if isinstance(tensor, Tensor):
@@ -342,10 +356,12 @@ class BaseStrategy(ParallelStrategy):
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the (sharded) parameters and optimizer state must exist to be loaded into
 
     @property
+    @override
     def lightning_restore_optimizer(self) -> bool:
         return False  # done in load_checkpoint, by FQN
 
@@ -353,6 +369,7 @@ class BaseStrategy(ParallelStrategy):
         """Parameter -> FQN relative to the LightningModule (a tied parameter gets its first name)."""
         return {p: name for name, p in self.lightning_module.named_parameters()}
 
+    @override
     def optimizer_state(self, optimizer: Union[Optimizer, LightningOptimizer]) -> dict[str, Any]:
         return ckpt.optimizer_state_by_fqn(_unwrap(optimizer), self.param_names())
 
@@ -366,6 +383,7 @@ class BaseStrategy(ParallelStrategy):
             if f"optimizer_{i}" in state:
                 ckpt.load_optimizer_state_by_fqn(_unwrap(optimizer), state[f"optimizer_{i}"], self.param_names())
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Union[str, Path],
                         storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
@@ -378,11 +396,13 @@ class BaseStrategy(ParallelStrategy):
         topology = {"strategy": type(self).__name__, "dp": layout.dp_size, "tp": layout.tp_size, "pp": layout.pp_size}
         ckpt.save(path, state, checkpoint, topology)
 
+    @override
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
         if self.is_global_zero:
             ckpt.remove(filepath)
             ckpt.remove_stale(Path(filepath).parent)
 
+    @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         if not path.is_dir():
@@ -407,13 +427,16 @@ class BaseStrategy(ParallelStrategy):
         self.load_sharded_state(state)
         return checkpoint
 
+    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         pass  # loaded in load_checkpoint, into the live tensors
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # loaded in load_checkpoint, by FQN
 
     # -- failures -----------------------------------------------------------------------------------------------
+    @override
     def on_exception(self, exception: BaseException) -> None:
         if _distributed_is_initialized() and dist.get_world_size() > 1 and is_collective_failure(exception):
             grace = min(LOST_RANK_GRACE_S, self._timeout.total_seconds()) if self._timeout else LOST_RANK_GRACE_S

@@ -32,6 +32,7 @@ from typing import Any, Generator, Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from typing_extensions import override
 
 from strategies import comm
 from strategies.base import BaseStrategy
@@ -176,6 +177,7 @@ class DataParallelStrategy(BaseStrategy):
             broadcast_parameters(self.lightning_module, self.layout.dp_group)
 
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         with super().block_backward_sync(), (self._grad_sync.no_sync() if self._grad_sync else nullcontext()):
             yield
@@ -184,6 +186,7 @@ class DataParallelStrategy(BaseStrategy):
         if self._grad_sync is not None:
             self._grad_sync.finish()
 
+    @override
     def teardown(self) -> None:
         if self._grad_sync is not None:
             self._grad_sync.remove_hooks()

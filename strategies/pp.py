@@ -30,6 +30,7 @@ from typing import Any, Generator, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from typing_extensions import override
 
 from strategies import comm
 from strategies.base import BaseStrategy, GradPart
@@ -139,11 +140,13 @@ class PipelineStrategy(BaseStrategy):
 
     # -- building the stage -------------------------------------------------------------------------------------
     @contextmanager
+    @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         # configure_model builds on meta: a stage materialises only what it keeps (see parallelize).
         with torch.device("meta"):
             yield
 
+    @override
     def model_to_device(self) -> None:
         pass  # the model may still be on meta here; parallelize() materialises it, then moves the module
 
@@ -239,6 +242,7 @@ class PipelineStrategy(BaseStrategy):
             raise RuntimeError("strategy pp needs the LightningModule's step to compute its loss with "
                                "`model.loss(inputs, targets)`; it never called it")
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         params = [q for q in self.lightning_module.parameters() if q.requires_grad]
         if not self._window_open:  # Lightning zeroes only after this step: clear the last window's gradients
@@ -253,6 +257,7 @@ class PipelineStrategy(BaseStrategy):
             q.grad = None
         return output
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         # Every backward already ran inside the schedule; give back the gradients zero_grad would have taken.
         for q, grad in self._stash:
@@ -260,14 +265,17 @@ class PipelineStrategy(BaseStrategy):
         self._stash = []
         return closure_loss
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._pipelined(train=False):
             return super().validation_step(*args, **kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._pipelined(train=False):
             return super().test_step(*args, **kwargs)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("strategy pp has no predict (generation needs the whole model on one rank): "
                                   "convert the checkpoint (scripts/ckpt.py convert) and predict on one device")
@@ -302,6 +310,7 @@ class PipelineStrategy(BaseStrategy):
         # The tied head's optimizer state is saved under the embedding's name, as a one-process run names it.
         return {q: self._canonical.get(name, name) for q, name in super().param_names().items()}
 
+    @override
     def teardown(self) -> None:
         if self._grad_sync is not None:
             self._grad_sync.remove_hooks()

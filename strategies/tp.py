@@ -31,6 +31,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from strategies.base import GradPart, WeightShard, _unwrap
 from strategies.clip import GradShards
@@ -60,6 +61,7 @@ class TensorParallelStrategy(DataParallelStrategy):
         self._engine: Optional[ZeroEngine] = None
         self._zero_params: dict[nn.Parameter, ShardedParam] = {}  # tp-local parameter -> its dp rows (ZeRO)
 
+    @override
     def _configure_launcher(self) -> None:
         tp, world = self._tp_size, self.num_processes * self.num_nodes
         if world % tp:
@@ -94,12 +96,14 @@ class TensorParallelStrategy(DataParallelStrategy):
         elif self.layout.dp_size > 1:
             super().parallelize(fitting)
 
+    @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
         if self._engine is not None:
             for optimizer in self.optimizers:
                 self._engine.shard_optimizer(_unwrap(optimizer))
 
+    @override
     def teardown(self) -> None:
         if self._engine is not None:
             self._engine.detach()
@@ -188,11 +192,13 @@ class TensorParallelStrategy(DataParallelStrategy):
     def _zero_param(self, fqn: str) -> ShardedParam:
         return self._zero_params[self.lightning_module.get_parameter(fqn)]
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         sharded = self._sharded_names()
         return {name: self._to_global(value, *sharded[name]) if name in sharded else value
                 for name, value in self.lightning_module.state_dict().items()}
 
+    @override
     def optimizer_state(self, optimizer: Union[Optimizer, LightningOptimizer]) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)
         sharded = self._sharded_names()
