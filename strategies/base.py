@@ -71,7 +71,6 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
@@ -92,6 +91,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from strategies import checkpoint as ckpt
+from strategies import comm
 from strategies.clip import GradShards, clip_grad_norm_, local_grad_shards, with_global_norm_clip
 from strategies.layout import ParallelLayout
 from strategies.watchdog import failure_report, is_collective_failure
@@ -333,26 +333,36 @@ class BaseStrategy(ParallelStrategy):
         pre-clip there). Under ZeRO-2/3 `param.grad` is None: the reduced gradient lives only in this shard."""
         return [GradPart(ws.name, ws.global_shape, ws.index, ws.local.grad) for ws in self.owned_weights()]
 
-    # -- collectives for Lightning (logging, callbacks): objects and metrics, not model traffic -----------------
+    # -- collectives for Lightning (logging, callbacks): objects and metrics, not model traffic; still through the
+    # accounting layer, so the flight recorder names a hang in them ------------------------------------------------
     @override
     def barrier(self, name: Optional[str] = None) -> None:
         if _distributed_is_initialized():
-            dist.barrier()
+            comm.barrier(label=f"strategy.barrier {name}" if name else "strategy.barrier")
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src)
-        return holder[0]
+        return comm.broadcast_object(obj, src, label="strategy.broadcast")
 
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
                reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        """Lightning's metric sync (`self.log(..., sync_dist=True)`) and other small reductions (the MoE router
+        counts): sum, mean, max or min over `group` (default: the world), as a new tensor."""
+        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+            return tensor
+        name = (reduce_op or "mean").lower() if isinstance(reduce_op, str) else None
+        mean = name in ("mean", "avg") or reduce_op == ReduceOp.AVG
+        ops = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "avg": ReduceOp.SUM, "max": ReduceOp.MAX,
+               "min": ReduceOp.MIN}
+        if name is not None and name not in ops:
+            raise ValueError(f"reduce_op {reduce_op!r}: use sum, mean, max or min")
+        op = ReduceOp.SUM if mean else ops[name] if name is not None else reduce_op
+        out = tensor.detach().clone() if tensor.is_floating_point() or not mean else tensor.detach().float()
+        comm.all_reduce(out, group, op, label="strategy.reduce")
+        return out / dist.get_world_size(group) if mean else out
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     @property

@@ -43,7 +43,7 @@ def broadcast_parameters(module: nn.Module, group: Optional[dist.ProcessGroup] =
     src = 0 if group is None else dist.get_global_rank(group, 0)
     with torch.no_grad():
         for tensor in itertools.chain(module.parameters(), module.buffers()):
-            comm.broadcast(tensor.detach(), src, group)
+            comm.broadcast(tensor.detach(), src, group, label="broadcast parameters")
 
 
 @dataclass
@@ -134,7 +134,7 @@ class GradSync(nn.Module):
                 view.zero_()  # unused on this rank: contribute nothing, but take part in the collective
             else:
                 view.copy_(p.grad)
-        bucket.work = comm.all_reduce(bucket.flat, self.group, async_op=True)
+        bucket.work = comm.all_reduce(bucket.flat, self.group, async_op=True, label="GradSync bucket")
         self._next += 1
 
     def finish(self) -> None:

@@ -38,6 +38,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from strategies import comm
 from strategies.base import BaseStrategy, WeightShard, _unwrap
@@ -102,6 +103,7 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(x, out_splits, in_splits, group)
 
     @staticmethod
+    @override
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None]:
         in_splits, out_splits = ctx.splits
         return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
@@ -192,6 +194,7 @@ class ExpertParallelStrategy(BaseStrategy):
         self._engines: list[ZeroEngine] = []  # ZeRO: [dense over dp, experts over edp]
         self._zero: dict[nn.Parameter, tuple[ZeroEngine, ShardedParam]] = {}  # parameter -> its rows (ZeRO)
 
+    @override
     def setup_environment(self) -> None:
         if self._tp_size * self._pp_size != 1:
             raise ValueError("`ep` carves its groups from dp = the world: tensor_parallel_size and "
@@ -208,6 +211,8 @@ class ExpertParallelStrategy(BaseStrategy):
         assert self._experts is not None
         if not self._shards:  # a validate/test after fit keeps the shards
             self._shards = shard_experts(self.lightning_module, self._experts.ep_group)
+        for model in (m for m in self.lightning_module.modules() if isinstance(m, ExpertModel)):
+            model.set_batch_group(self.layout.dp_group)  # balancing statistics over the global batch
         experts = self._expert_params()  # a list: every rank must walk the parameters in the same order
         expert_ids = {id(p) for p in experts}
         dense = _param_holder([p for p in self.lightning_module.parameters() if id(p) not in expert_ids])
@@ -224,6 +229,7 @@ class ExpertParallelStrategy(BaseStrategy):
             if self._experts.edp_size > 1:
                 self._syncs.append(GradSync(replicas, self._experts.edp_group, self.bucket_cap_mb))
 
+    @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         """ZeRO: point the param groups at the master rows in place (as `ZeroEngine.shard_optimizer`, over the two
         engines), so the optimizer's state is created at shard size."""
@@ -238,6 +244,7 @@ class ExpertParallelStrategy(BaseStrategy):
         return self._zero[param][1].master.grad if self._zero else param.grad
 
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         with super().block_backward_sync(), ExitStack() as stack:
             for sync in self._syncs:  # ZeRO engines reduce after every backward (see strategies.zero_engine)
@@ -288,6 +295,7 @@ class ExpertParallelStrategy(BaseStrategy):
             out.append(WeightShard(name, local, p, shape, 0, start, end, group))
         return out
 
+    @override
     def teardown(self) -> None:
         for sync in self._syncs:
             sync.remove_hooks()
@@ -317,11 +325,13 @@ class ExpertParallelStrategy(BaseStrategy):
         engine, sp = self._zero[self.lightning_module.get_parameter(fqn)]
         return sp.gather_rows(rows, engine.group)
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         experts = self._expert_fqns()
         state = self.lightning_module.state_dict()
         return {k: self._dtensor(experts[k], v) if k in experts else v for k, v in state.items()}
 
+    @override
     def optimizer_state(self, optimizer: Union[Optimizer, LightningOptimizer]) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)
         experts = self._expert_fqns()

@@ -284,7 +284,8 @@ class ZeroEngine:
         for sp in unit.params:
             send[sp.offset: sp.offset + sp.local_numel].copy_(sp.master.view(-1))
         recv = torch.empty(self.world * unit.segment_numel, dtype=dtype, device=device)
-        unit.pending_gather = (comm.all_gather(recv, send, self.group, async_op=True), recv)
+        unit.pending_gather = (comm.all_gather(recv, send, self.group, async_op=True, label=f"zero gather {unit.name}"),
+                               recv)
 
     @torch.no_grad()
     def _complete_gather(self, unit: Unit) -> None:
@@ -331,7 +332,8 @@ class ZeroEngine:
             if self.stage >= 2:
                 sp.param.grad = None  # packed: the full gradient is not kept (stage 1 keeps it)
         recv = torch.empty(unit.segment_numel, dtype=send.dtype, device=send.device)
-        unit.pending_reduce = (comm.reduce_scatter(recv, send, self.group, async_op=True), send, recv)
+        unit.pending_reduce = (comm.reduce_scatter(recv, send, self.group, async_op=True, label=f"zero reduce {unit.name}"),
+                               send, recv)
 
     @torch.no_grad()
     def _complete_reduce(self, unit: Unit) -> None:

@@ -197,6 +197,8 @@ class CommPerStep(L.Callback):
         """{group: {op: (calls, elements)}} of the step."""
         step: dict[str, dict[str, tuple[int, int]]] = {}
         for r in COMM_LOG.records:
+            if r.label == "strategy.reduce":  # the metric sync of the logged loss, not tensor-parallel traffic
+                continue
             calls, numel = step.setdefault(r.group, {}).get(r.op, (0, 0))
             step[r.group][r.op] = (calls + 1, numel + r.numel)
         self.__dict__.setdefault("steps", []).append(step)
