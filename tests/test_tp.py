@@ -5,6 +5,7 @@ checkpoints across tp, dp and ZeRO settings, activation memory under SP, and err
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import TINY, Recorder, TinyLM, run_distributed
+from parity import Case, assert_parity, run_parity
 from lit_lm.config import ModelConfig
 from lit_lm.model import LMLoss, SwiGLU, Transformer
 from strategies.comm import COMM_LOG
@@ -335,6 +337,21 @@ def test_strategy_matches_single_process_and_reshards_checkpoints(tmp_path: Path
     for step in zero2["comm"]:
         assert step["tp"] == _expected_comm("dp2_tp2_sp_clip", dp=2, zero=True)
         assert step["dp"] == {"reduce_scatter": (units, phi), "all_gather": (units, phi), "all_reduce": (1, 1)}
+
+
+# -- the parity harness: every gradient part (tp slices, under ZeRO dp rows of them), SGD and AdamW --------------
+TP2 = partial(TensorParallelStrategy, 2, sequence_parallel=True, bucket_cap_mb=0.01)
+TIED_61 = dict(TINY, vocab_size=61, vocab_multiple_of=1, tie_embeddings=True, qk_norm=True)  # uneven vocab split
+
+
+def test_harness_parity_tp_and_dp_tp_zero() -> None:
+    on_two = run_parity([Case(TP2, model=TIED_61, label="tp2 sp sgd"),
+                         Case(partial(TP2, sequence_parallel=False), optimizer="adamw", trainer={"gradient_clip_val": 0.05},
+                              label="tp2 adamw clip")], 2)
+    # dp2 x tp2 with ZeRO-2 over dp: a part is this rank's dp rows of its tp slice (column and row parallel)
+    on_four = run_parity([Case(partial(TP2, zero_stage=2), model=TIED_61, label="dp2 tp2 zero2 sgd")], 4)
+    for run in on_two + on_four:
+        assert_parity(run)
 
 
 # -- bad configurations ----------------------------------------------------------------------------------------
