@@ -51,6 +51,9 @@ Service for callbacks (pruning, QAT: they never touch strategy internals)
     owned_weights() -> list[WeightShard]  every parameter as this rank holds it: the part the optimizer updates,
                                     the tensor the forward reads, its global shape, where the part sits in the
                                     global tensor and the group its parts are spread over (default: whole).
+    named_grads() -> list[GradPart]  every gradient as this rank holds it, under its global name and where it
+                                    sits in the global gradient (ZeRO-2/3 leave `param.grad` None: this is how
+                                    to read them); the parity harness (tests/parity.py) compares these parts.
 """
 
 from __future__ import annotations
