@@ -232,7 +232,10 @@ def _spawn(fn: Any, args: argparse.Namespace, *extra: Any) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
-    mp.spawn(fn, args=(args, port, accelerator, *extra), nprocs=args.devices, join=True)
+    # CPU: fork, so the ranks start with the interpreter and imports already loaded (a run's startup is then one
+    # import, not 1 + devices); CUDA must not be forked after initialisation
+    mp.start_processes(fn, args=(args, port, accelerator, *extra), nprocs=args.devices, join=True,
+                       start_method="fork" if accelerator == "cpu" else "spawn")
 
 
 FORWARDED = ["devices", "steps", "warmup", "global_batch", "seq_len", "vocab_size", "d_model", "n_layers", "n_heads",

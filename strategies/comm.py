@@ -100,7 +100,8 @@ def all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup] = None, op: di
 
 
 def reduce_scatter(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
-                   op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False, label: str = "") -> Optional[dist.Work]:
+                   op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False,
+                   label: str = "") -> Optional[dist.Work]:
     """`input` is the concatenation of N equal chunks; rank r receives the reduced chunk r in `output`."""
     COMM_LOG.add("reduce_scatter", group, input.numel(), input.element_size(), label)
     return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)

@@ -29,8 +29,9 @@ result into the gradient shard (as DeepSpeed's ZeRO-2 does): the gradients never
 during a backward, so the memory above holds for any `accumulate_grad_batches`, at the cost of one reduce-scatter
 per micro-step instead of one per step (see docs/zero.md). Stage 1 keeps full gradients anyway and reduces once,
 at the end of the window. Frozen parameters (requires_grad=False) get no gradient shard, so an optimizer that
-holds them leaves them alone, as torch's optimizers leave a parameter whose grad is None. Stage 3 gathers a unit in a forward pre-hook and, through an identity autograd function on
-its output, again just before its backward, prefetching the next unit, and frees it right after.
+holds them leaves them alone, as torch's optimizers leave a parameter whose grad is None. Stage 3 gathers a unit
+in a forward pre-hook and, through an identity autograd function on its output, again just before its backward,
+prefetching the next unit, and frees it right after.
 """
 
 from __future__ import annotations
@@ -284,8 +285,8 @@ class ZeroEngine:
         for sp in unit.params:
             send[sp.offset: sp.offset + sp.local_numel].copy_(sp.master.view(-1))
         recv = torch.empty(self.world * unit.segment_numel, dtype=dtype, device=device)
-        unit.pending_gather = (comm.all_gather(recv, send, self.group, async_op=True, label=f"zero gather {unit.name}"),
-                               recv)
+        work = comm.all_gather(recv, send, self.group, async_op=True, label=f"zero gather {unit.name}")
+        unit.pending_gather = (work, recv)
 
     @torch.no_grad()
     def _complete_gather(self, unit: Unit) -> None:
@@ -332,8 +333,8 @@ class ZeroEngine:
             if self.stage >= 2:
                 sp.param.grad = None  # packed: the full gradient is not kept (stage 1 keeps it)
         recv = torch.empty(unit.segment_numel, dtype=send.dtype, device=send.device)
-        unit.pending_reduce = (comm.reduce_scatter(recv, send, self.group, async_op=True, label=f"zero reduce {unit.name}"),
-                               send, recv)
+        work = comm.reduce_scatter(recv, send, self.group, async_op=True, label=f"zero reduce {unit.name}")
+        unit.pending_reduce = (work, send, recv)
 
     @torch.no_grad()
     def _complete_reduce(self, unit: Unit) -> None:

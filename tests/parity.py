@@ -13,8 +13,9 @@ update (`on_before_optimizer_step`: after the gradient collectives, before clipp
     grad_norm   the pre-clip global gradient norm from the strategy's own norm service (`grad_norm_shards`);
     grads       every gradient part it holds under its global name (the strategy's `named_grads()`), in fp32;
 
-and after training the final parameters under global names. `assert_parity` checks each rank's every part against
-the same slice of the single-process gradient (relative to that parameter's gradient norm, see `_assert_grads`), that the parts
+and after training the final parameters under global names. `assert_parity` checks each rank's every part
+against the same slice of the single-process gradient (relative to the parameter's gradient norm, see
+`_assert_grads`), that the parts
 cover every parameter, and the losses, norms and final parameters (all at 1e-5 for fp32).
 
 Why gradients and plain SGD: AdamW is invariant to a constant gradient factor and clipping every step hides one
@@ -148,8 +149,9 @@ def fit_case(case: Case, devices: int = 1) -> dict[str, Any]:
             case.mutation(monkeypatch)
         L.seed_everything(0, verbose=False)
         module, probe, callbacks = ParityLM(case), Probe(), copy.deepcopy(list(case.callbacks))
-        trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=case.strategy() if case.strategy else "auto",
-                            max_steps=case.steps, callbacks=[probe, *callbacks], logger=False, enable_progress_bar=False,
+        strategy = case.strategy() if case.strategy else "auto"
+        trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=case.steps,
+                            callbacks=[probe, *callbacks], logger=False, enable_progress_bar=False,
                             enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
                             enable_checkpointing=False, **case.trainer)
         trainer.fit(module)

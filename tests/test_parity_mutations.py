@@ -59,8 +59,9 @@ MUTANTS = {  # case, the parameter the report must name
                             label="lm_ddp, GradSync sums"), r"model\.\w+"),
     "zero2_doubled": (Case(partial(ZeroStrategy, stage=2), mutation=zero_reduce_scatter_doubled,
                            label="zero2, reduce-scatter doubled"), r"model\.\w+"),
-    "zero3_doubled_adamw": (Case(partial(ZeroStrategy, stage=3), optimizer="adamw", mutation=zero_reduce_scatter_doubled,
-                                 label="zero3 AdamW, reduce-scatter doubled"), r"model\.\w+"),
+    "zero3_doubled_adamw": (Case(partial(ZeroStrategy, stage=3), optimizer="adamw",
+                                 mutation=zero_reduce_scatter_doubled, label="zero3 AdamW, reduce-scatter doubled"),
+                            r"model\.\w+"),
     "ep_no_division": (Case(partial(ExpertParallelStrategy, expert_parallel_size=2), model=MOE,
                             mutation=ep_forgets_division, label="ep2, no / ep"), r"model\.blocks\.1\.mlp\.experts\.w_"),
 }

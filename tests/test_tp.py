@@ -346,8 +346,8 @@ TIED_61 = dict(TINY, vocab_size=61, vocab_multiple_of=1, tie_embeddings=True, qk
 
 def test_harness_parity_tp_and_dp_tp_zero() -> None:
     on_two = run_parity([Case(TP2, model=TIED_61, label="tp2 sp sgd"),
-                         Case(partial(TP2, sequence_parallel=False), optimizer="adamw", trainer={"gradient_clip_val": 0.05},
-                              label="tp2 adamw clip")], 2)
+                         Case(partial(TP2, sequence_parallel=False), optimizer="adamw",
+                              trainer={"gradient_clip_val": 0.05}, label="tp2 adamw clip")], 2)
     # dp2 x tp2 with ZeRO-2 over dp: a part is this rank's dp rows of its tp slice (column and row parallel)
     on_four = run_parity([Case(partial(TP2, zero_stage=2), model=TIED_61, label="dp2 tp2 zero2 sgd")], 4)
     for run in on_two + on_four:
