@@ -5,6 +5,7 @@ the devices (`tp`, and `tp_sp` with sequence parallelism).
     python scripts/bench_strategies.py                     # CPU/gloo, 2 processes, 5 rounds
     python scripts/bench_strategies.py --devices 4 --d-model 512 --n-layers 8   # GPUs/nccl when available
     python scripts/bench_strategies.py --one zero2         # one contender once (what the rounds run)
+    python scripts/bench_strategies.py --table runs/bench_strategies.json   # a saved run as a README table
 
 Fairness (`scripts/bench_runner.py`): every strategy runs in its own fresh processes (`--one NAME`), alternated
 with the others over `--rounds` rounds (>= 5) in an order shuffled per round; tokens/s is the median over rounds of
@@ -221,7 +222,9 @@ def worker_one(rank: int, args: argparse.Namespace, port: int, accelerator: str)
 
 def worker_activations(rank: int, args: argparse.Namespace, port: int, accelerator: str, out: str) -> None:
     config = _env(rank, args, port, accelerator)
+    dist.init_process_group("nccl" if accelerator == "gpu" else "gloo")
     acts = block_activations(config, args, rank)
+    dist.destroy_process_group()
     if rank == 0:
         print_activations(acts, config, args)
         Path(out).write_text(json.dumps(acts))
@@ -269,6 +272,29 @@ def print_table(table: dict[str, dict[str, Any]], args: argparse.Namespace, load
     return rows
 
 
+LABELS = {"ddp": "Lightning `ddp` (reference)", "fsdp2": "torch FSDP2 `fully_shard` (reference)",
+          "tp": "`tp` (tp=N)", "tp_sp": "`tp` (tp=N + SP)"}
+
+
+def markdown(run: dict[str, Any]) -> str:
+    """A saved run's table in Markdown (the README's), with the spread and the load average."""
+    n = run["args"]["devices"]
+    lines = ["| strategy | tokens/s median (min–max) | vs Lightning ddp | model-state MB per rank (theory) | "
+             "sent MB/step, measured (theory) |", "|---|---|---|---|---|"]
+    for row in run["rows"]:
+        speed = row["tokens_per_s"]
+        ratio = "–" if row["vs_ddp"] is None else f"{row['vs_ddp']:.2f}×"
+        sent = "–" if row["wire_bytes_per_step"] is None else f"{row['wire_bytes_per_step'] / 1e6:.3f}"
+        name = LABELS.get(row["strategy"], f"`{row['strategy']}`").replace("N", str(n))
+        lines.append(f"| {name} | {speed['median']:.0f} ({speed['min']:.0f}–{speed['max']:.0f}) | {ratio} | "
+                     f"{row['state_bytes'] / 1e6:.2f} ({row['state_bytes_theory'] / 1e6:.2f}) | {sent} "
+                     f"({row['wire_bytes_theory'] / 1e6:.3f}) |")
+    load = run["load_1min"]
+    lines.append(f"\nΦ = {run['phi']:,}, {len(run['rounds'])} rounds, load average (1 min) {load['min']:.1f}–"
+                 f"{load['max']:.1f} (median {load['median']:.1f}) on {run['cpus']} CPUs.")
+    return "\n".join(lines)
+
+
 def main() -> None:
     gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -289,7 +315,11 @@ def main() -> None:
     p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
     p.add_argument("--out", default="runs/bench_strategies.json")
     p.add_argument("--moe-steps", type=int, default=5, help="steps of the MoE rows (0 skips them)")
+    p.add_argument("--table", help="print a saved run (its --out JSON) as a Markdown table, and exit")
     args = p.parse_args()
+    if args.table:
+        print(markdown(json.loads(Path(args.table).read_text())))
+        return
     if args.global_batch % args.devices:
         p.error(f"--global-batch {args.global_batch} must be divisible by --devices {args.devices}")
     if args.one:
@@ -301,13 +331,14 @@ def main() -> None:
     table = summarize(rounds)
     loads = [m["load_1min"] for r in rounds for _, m in r]
     rows = print_table(table, args, {"min": min(loads), "max": max(loads)})
-    acts_file = Path(args.out).with_suffix(".activations.json")
-    acts_file.parent.mkdir(parents=True, exist_ok=True)
-    _spawn(worker_activations, args, str(acts_file))
-    write_json(args.out, rounds, table, args=vars(args), phi=model_config(args).num_params(), rows=rows,
-               block_activation_bytes=json.loads(acts_file.read_text()))
-    acts_file.unlink()
+    write_json(args.out, rounds, table, args=vars(args), phi=model_config(args).num_params(), rows=rows)
     print(f"wrote {args.out}")
+    acts_file = Path(args.out).with_suffix(".activations.json")
+    _spawn(worker_activations, args, str(acts_file))
+    out = Path(args.out)
+    out.write_text(json.dumps({**json.loads(out.read_text()), "block_activation_bytes": json.loads(
+        acts_file.read_text())}, indent=1))
+    acts_file.unlink()
     if args.moe_steps:
         import bench_moe  # the MoE rows: same script directory
 

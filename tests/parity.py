@@ -210,6 +210,25 @@ def assert_parity(run: dict[str, Any], rtol: float = 1e-5, params: bool = True, 
         _assert_params(run, rtol, tag)
 
 
+# bf16-mixed: a strategy against a one-process bf16-mixed run of the same seed, losses and pre-clip norms at
+# BF16_RTOL (bf16 matmuls sum in another order when split); the same tolerance must reject a run whose weights
+# never move (lr=1e-12), or it would show nothing
+BF16_RTOL = 2e-3
+
+
+def bf16_cases(strategy: Callable[[], Any], label: str, **kwargs: Any) -> list[Case]:
+    """A 6-step AdamW bf16-mixed case and its frozen-weights twin (lr=1e-12)."""
+    common = dict(optimizer="adamw", steps=6, trainer={"precision": "bf16-mixed"}, **kwargs)
+    return [Case(strategy, label=f"{label} bf16", **common), Case(strategy, lr=1e-12, label=f"{label} bf16 lr=1e-12",
+                                                                   **common)]
+
+
+def assert_bf16_parity(trained: dict[str, Any], frozen: dict[str, Any]) -> None:
+    assert_parity(trained, rtol=BF16_RTOL, grads=False, params=False)
+    with pytest.raises(AssertionError, match=r"(batch|step) [1-5] rank \d: (loss|pre-clip grad norm)"):
+        assert_parity({**frozen, "single": trained["single"]}, rtol=BF16_RTOL, grads=False, params=False)
+
+
 def _assert_grads(parts: list[tuple], ref_parts: list[tuple], rtol: float, where: str) -> None:
     """Each part against the same slice of the one-process gradient. The error is measured relative to the larger
     of that parameter's gradient norm and 1% of the whole gradient's: after a few AdamW steps (whose first updates
