@@ -53,6 +53,9 @@ class ModelConfig:
     moe_aux_loss: float = 0.0  # weight of the Switch load-balancing loss E * sum_i f_i * P_i
     moe_z_loss: float = 0.0  # weight of the router z-loss mean(logsumexp(router logits)^2)
     moe_bias_update: float = 0.0  # gamma of auxiliary-loss-free balancing (DeepSeek-V3); 0 = off
+    # load statistics (aux loss, capacity) over the global batch (token counts all-gathered over the data-parallel
+    # ranks: the same result on any number of ranks) or over each rank's micro-batch (no collective)
+    moe_balance: str = "global"
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -98,6 +101,8 @@ class ModelConfig:
         if self.moe_top_k > self.moe_experts:
             raise ConfigError(f"model config `moe_top_k`={self.moe_top_k} must be <= `moe_experts`="
                               f"{self.moe_experts}: a token cannot choose more experts than exist")
+        if self.moe_balance not in ("global", "micro_batch"):
+            raise ConfigError(f"model config `moe_balance` must be global or micro_batch, got {self.moe_balance!r}")
         if self.moe_score not in ("softmax", "sigmoid"):
             raise ConfigError(f"model config `moe_score` must be softmax or sigmoid, got {self.moe_score!r}")
         if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:

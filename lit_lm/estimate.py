@@ -239,8 +239,9 @@ def _local_shape(p: ParamSpec, layout: Layout) -> tuple[int, ...]:
 def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], stage: int, group: int,
                  pbytes: int, group_name: str, accumulate: int) -> None:
     """Params, grads, optimizer state and the data-parallel collectives of `units` ({unit: local shapes}) under
-    ZeRO `stage` over `group` ranks (stage 0: `GradSync`'s bucketed all-reduce). Accumulation micro-steps keep
-    whole local gradients (the engine reduces once, at the window's last backward), ZeRO-3 gathers every time."""
+    ZeRO `stage` over `group` ranks (stage 0: `GradSync`'s bucketed all-reduce). Under accumulation stages 2-3
+    reduce-scatter after every micro-step's backward into the shard (docs/zero.md), stage 1 and GradSync once at the
+    window's end; ZeRO-3 gathers for every forward and backward."""
     shapes = [s for unit in units.values() for s in unit]
     numel = sum(math.prod(s) for s in shapes)
     if stage == 0:
@@ -257,11 +258,12 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
         local = sum(mine * row for _, mine, row in rows)
         full = sum(math.prod(s) for s in shapes)
         rank.params += full * pbytes * (stage < 3) + local * 4 * (stage == 3 or master_copy)
-        rank.grads += full * pbytes if stage == 1 else segment * pbytes + full * pbytes * (accumulate > 1)
+        rank.grads += full * pbytes if stage == 1 else segment * pbytes
         rank.grads += local * 4 if master_copy else 0
         rank.optimizer += 2 * local * 4 + 4 * len(shapes)
         gathers = 2 * accumulate if stage == 3 else 1
-        rank.add_comm(group_name, "reduce_scatter", group * segment * pbytes, group)
+        reduces = accumulate if stage >= 2 else 1
+        rank.add_comm(group_name, "reduce_scatter", reduces * group * segment * pbytes, group)
         rank.add_comm(group_name, "all_gather", gathers * group * segment * pbytes, group)
     if stage == 3:  # the unit being used and the one prefetched, whole
         biggest = sorted((sum(math.prod(s) for s in unit) for unit in units.values()), reverse=True)[:2]

@@ -316,6 +316,12 @@ class Transformer(nn.Module):
 
         return {f"{name}.experts": ExpertParallel(m.n_experts) for name, m in moe_layers(self).items()}
 
+    def set_batch_group(self, group: Optional[torch.distributed.ProcessGroup]) -> None:
+        """The ranks the global batch is split over (strategies.plan.ExpertModel): MoE load statistics are
+        computed over them (`moe_balance: global`)."""
+        for m in moe_layers(self).values():
+            m.batch_group = group
+
     # -- pipeline protocol (strategies.plan.PipelineModel) --------------------------------------------------
     def pipeline_split(self, stage_layers: list[int], is_first: bool, is_last: bool) -> None:
         """Keep only what one pipeline stage owns: its blocks (still keyed by global index), the embedding on the

@@ -13,6 +13,15 @@ stacked tensors (E, ...), so an expert-parallel shard is a slice along dim 0 und
 Load balancing: the Switch auxiliary loss, the router z-loss, and DeepSeek-V3's auxiliary-loss-free balancing (a
 per-expert bias added to the scores for *selection only*, nudged after every optimizer step towards the mean load;
 `update_router_bias`). Each layer keeps its last statistics in `stats` for logging (`moe_metrics`).
+
+Global-batch balancing (`moe_balance: global`, the default): under data parallelism each rank routes its share of
+the batch, but the load fractions f_i of the Switch loss and the capacity are about the *global* batch. With a
+`batch_group` (set by the strategy through `Transformer.set_batch_group`) the per-expert counts are all-gathered
+over it (E integers per rank and layer): f_i comes from the global counts, and capacity keeps the first `capacity`
+pairs of each expert in global token order (rank 0's tokens first, as the sampler lays the global batch out), so
+drops match one process. The loss keeps this rank's mean router probabilities P_i: averaged over the ranks (as
+the dp gradient average does) E * sum f_i P_i is the global-batch loss and its gradient. `micro_batch` uses this
+rank's counts only (no collective).
 """
 
 from __future__ import annotations
@@ -22,10 +31,12 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_lm.config import ModelConfig
+from strategies import comm
 
 
 @dataclass
@@ -98,6 +109,8 @@ class MoE(nn.Module):
         self.router = Router(cfg.d_model, cfg.moe_experts, cfg.moe_top_k, cfg.moe_score)
         self.experts = GroupedExperts(cfg.moe_experts, cfg.d_model, cfg.moe_d_ff)
         self.shared = shared
+        self.balance = cfg.moe_balance
+        self.batch_group: Optional[dist.ProcessGroup] = None  # the ranks the global batch is split over
         self.register_buffer("step_counts", torch.zeros(cfg.moe_experts), persistent=False)
         self.aux_loss: Tensor = torch.zeros(())
         self.stats: dict[str, Tensor] = {}
@@ -108,6 +121,14 @@ class MoE(nn.Module):
             return None
         return math.ceil(self.capacity_factor * n_tokens * self.top_k / self.n_experts)
 
+    def _rank_counts(self, counts: Tensor) -> Tensor:
+        """(ranks, E) token counts of every rank of the batch group, in rank order (just this rank's without one)."""
+        if self.balance != "global" or self.batch_group is None or dist.get_world_size(self.batch_group) == 1:
+            return counts[None]
+        out = counts.new_empty(dist.get_world_size(self.batch_group) * counts.numel())
+        comm.all_gather(out, counts, self.batch_group, label="MoE load counts")
+        return out.view(-1, counts.numel())
+
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
@@ -116,29 +137,34 @@ class MoE(nn.Module):
         flat_experts = r.experts.reshape(-1)
         order = flat_experts.argsort(stable=True)  # (token, slot) pairs grouped by expert, token order inside
         counts = torch.bincount(flat_experts, minlength=self.n_experts)
-        kept = counts
-        cap = self.capacity(n)
+        per_rank = self._rank_counts(counts)
+        rank = dist.get_rank(self.batch_group) if per_rank.shape[0] > 1 else 0
+        kept, kept_all = counts, per_rank
+        cap = self.capacity(n * per_rank.shape[0])  # equal shares: the global batch is ranks x n tokens
         if cap is not None:
+            before = per_rank.cumsum(0) - per_rank  # pairs of each expert on the ranks before this one
             starts = counts.cumsum(0) - counts
             position = torch.arange(order.numel(), device=x.device) - starts[flat_experts[order]]
-            order = order[position < cap]
-            kept = counts.clamp(max=cap)
+            order = order[position + before[rank][flat_experts[order]] < cap]
+            kept_all = torch.minimum(per_rank, (cap - before).clamp(min=0))
+            kept = kept_all[rank]
         tokens = order // self.top_k
         y = self.experts(x[tokens], kept) * r.gates.reshape(-1)[order, None].to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, tokens, y)
         if self.shared is not None:
             out = out + self.shared(x)
-        self._account(r, counts, kept)
+        self._account(r, counts, per_rank.sum(0), kept_all.sum(0))
         return out.reshape(shape)
 
-    def _account(self, r: Routing, counts: Tensor, kept: Tensor) -> None:
-        """The balancing losses and the statistics of this forward."""
-        load = counts.float() / counts.sum()  # f_i: the fraction of (token, slot) pairs sent to expert i
+    def _account(self, r: Routing, counts: Tensor, total: Tensor, kept: Tensor) -> None:
+        """The balancing losses and the statistics of this forward: `counts` this rank's pairs per expert, `total`
+        and `kept` the batch's (global or this rank's, see the module docstring)."""
+        load = total.float() / total.sum()  # f_i: the fraction of (token, slot) pairs sent to expert i
         aux = self.n_experts * (load * r.probs.mean(0)).sum()
         z = torch.logsumexp(r.logits, dim=-1).pow(2).mean()
         self.aux_loss = self.aux_weight * aux + self.z_weight * z
         self.stats = {"load": load.detach(), "max_mean_load": (load.max() * self.n_experts).detach(),
-                      "dropped": (1 - kept.sum() / counts.sum()).detach().float(), "aux": aux.detach(),
+                      "dropped": (1 - kept.sum() / total.sum()).detach().float(), "aux": aux.detach(),
                       "z": z.detach()}
         if self.training and torch.is_grad_enabled():
             self.step_counts += counts.detach().float()

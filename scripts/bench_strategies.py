@@ -1,17 +1,23 @@
-"""Benchmark the parallel strategies on one model in one run: Lightning's `ddp`, our `lm_ddp`, `zero1`, `zero2`,
-`zero3`, torch FSDP2 (`fully_shard` through Lightning's ModelParallelStrategy) as the reference, and tensor
-parallelism over all the devices (`tp`, and `tp_sp` with sequence parallelism).
+"""Benchmark the parallel strategies on one model: Lightning's `ddp`, our `lm_ddp`, `zero1`, `zero2`, `zero3`, torch
+FSDP2 (`fully_shard` through Lightning's ModelParallelStrategy) as the reference, and tensor parallelism over all
+the devices (`tp`, and `tp_sp` with sequence parallelism).
 
-    python scripts/bench_strategies.py                     # CPU/gloo, 2 processes
+    python scripts/bench_strategies.py                     # CPU/gloo, 2 processes, 5 rounds
     python scripts/bench_strategies.py --devices 4 --d-model 512 --n-layers 8   # GPUs/nccl when available
+    python scripts/bench_strategies.py --one zero2         # one contender once (what the rounds run)
+    python scripts/bench_strategies.py --table runs/bench_strategies.json   # a saved run as a README table
 
-Per strategy: tokens/s (median step after warm-up) and its ratio to Lightning's ddp, model-state bytes per rank
-(params + grads + optimizer state, walked just before the last update) against theory, and the bytes each rank
-sends per step (our strategies count them in `strategies.comm`; ddp and FSDP2 do not use it) against theory.
+Fairness (`scripts/bench_runner.py`): every strategy runs in its own fresh processes (`--one NAME`), alternated
+with the others over `--rounds` rounds (>= 5) in an order shuffled per round; tokens/s is the median over rounds of
+each run's median steady step, shown with its min-max; the load average before each run is recorded.
+
+Per strategy: tokens/s and the ratio of its median to Lightning ddp's, model-state bytes per rank (params + grads
++ optimizer state, walked just before the last update) against theory, and the bytes each rank sent per step as
+the accounting layer (`strategies.comm`) recorded them, against theory (ddp and FSDP2 do not go through it: "-").
 Then the activation memory of one block under tp=1, tp=N and tp=N with SP: the bytes autograd saves in its
 forward (`strategies.tp_layers.SavedActivations`), norms and regions apart, against theory. Then the MoE rows
 (`bench_moe.py`): an MoE model vs a dense one with the same active parameters, and the bytes of the expert-parallel
-all-to-alls vs theory. Rank 0 prints the tables and writes JSON.
+all-to-alls vs theory. Prints the tables and writes JSON (every round's raw numbers included).
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_runner import MARK, run_rounds, summarize, write_json  # noqa: E402
 from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
 from strategies.comm import COMM_LOG  # noqa: E402
@@ -188,43 +196,103 @@ def print_activations(acts: dict[str, dict[str, int]], config: ModelConfig, args
               f"{(t['norms'] + t['regions']) / 1e6:>8.3f}")
 
 
-def worker(rank: int, args: argparse.Namespace, port: int, accelerator: str) -> None:
+def _env(rank: int, args: argparse.Namespace, port: int, accelerator: str) -> ModelConfig:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(args.devices), NODE_RANK="0",
                       RANK=str(rank), LOCAL_RANK=str(rank))
     if accelerator == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.devices))
-    config = ModelConfig(vocab_size=args.vocab_size, d_model=args.d_model, n_layers=args.n_layers,
-                         n_heads=args.n_heads, max_seq_len=args.seq_len)
-    phi = config.num_params()
-    results = {name: run_one(name, args, config, accelerator) for name in args.strategies}
+    return model_config(args)
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(vocab_size=args.vocab_size, d_model=args.d_model, n_layers=args.n_layers,
+                       n_heads=args.n_heads, max_seq_len=args.seq_len)
+
+
+def worker_one(rank: int, args: argparse.Namespace, port: int, accelerator: str) -> None:
+    """One contender on `args.devices` processes; rank 0 prints its metrics for the runner."""
+    config = _env(rank, args, port, accelerator)
+    r = run_one(args.one, args, config, accelerator)
+    if rank == 0:
+        tokens = args.global_batch * args.seq_len
+        measured = r["wire_bytes"] if args.one not in ("ddp", "fsdp2") else None  # outside the accounting layer
+        print(MARK + json.dumps({"tokens_per_s": tokens / r["step_s"], "state_bytes": r["memory"].get("total"),
+                                 "wire_bytes_per_step": measured}), flush=True)
+
+
+def worker_activations(rank: int, args: argparse.Namespace, port: int, accelerator: str, out: str) -> None:
+    config = _env(rank, args, port, accelerator)
+    dist.init_process_group("nccl" if accelerator == "gpu" else "gloo")
     acts = block_activations(config, args, rank)
-    if rank != 0:
-        return
+    dist.destroy_process_group()
+    if rank == 0:
+        print_activations(acts, config, args)
+        Path(out).write_text(json.dumps(acts))
+
+
+def _spawn(fn: Any, args: argparse.Namespace, *extra: Any) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    # CPU: fork, so the ranks start with the interpreter and imports already loaded (a run's startup is then one
+    # import, not 1 + devices); CUDA must not be forked after initialisation
+    mp.start_processes(fn, args=(args, port, accelerator, *extra), nprocs=args.devices, join=True,
+                       start_method="fork" if accelerator == "cpu" else "spawn")
+
+
+FORWARDED = ["devices", "steps", "warmup", "global_batch", "seq_len", "vocab_size", "d_model", "n_layers", "n_heads",
+             "precision"]
+
+
+def print_table(table: dict[str, dict[str, Any]], args: argparse.Namespace, load: dict[str, float]) -> list[dict]:
+    config, n = model_config(args), args.devices
     tokens = args.global_batch * args.seq_len
-    base = tokens / results["ddp"]["step_s"] if "ddp" in results else None
+    base = table["ddp"]["tokens_per_s"]["median"] if "ddp" in table else None
     rows = []
-    for name, r in results.items():
-        mem_theory, wire_theory = theory(name, config, args.devices, tokens)
-        rows.append({"strategy": name, "tokens_per_s": tokens / r["step_s"],
-                     "vs_ddp": tokens / r["step_s"] / base if base else None,
-                     "state_bytes": r["memory"].get("total"), "state_bytes_theory": mem_theory,
-                     "wire_bytes_per_step": r["wire_bytes"] if name not in ("ddp", "fsdp2") else None,
-                     "wire_bytes_theory": wire_theory})
-    print(f"\n{args.devices} x {accelerator}, Φ = {phi:,} params, {tokens} tokens/step, {args.precision}, "
-          f"median of {args.steps - args.warmup} steps")
-    print(f"{'strategy':<8} {'tokens/s':>10} {'vs ddp':>7} {'state MB':>9} {'theory':>8} {'sent MB/step':>13} "
-          f"{'theory':>8}")
-    for row in rows:
-        sent = "-" if row["wire_bytes_per_step"] is None else f"{row['wire_bytes_per_step'] / 1e6:.3f}"
-        ratio = "-" if row["vs_ddp"] is None else f"{row['vs_ddp']:.2f}x"
-        print(f"{row['strategy']:<8} {row['tokens_per_s']:>10.0f} {ratio:>7} {row['state_bytes'] / 1e6:>9.2f} "
-              f"{row['state_bytes_theory'] / 1e6:>8.2f} {sent:>13} {row['wire_bytes_theory'] / 1e6:>8.3f}")
-    print_activations(acts, config, args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "phi": phi, "accelerator": accelerator, "rows": rows,
-                               "block_activation_bytes": acts}, indent=2))
-    print(f"wrote {out}")
+    print(f"\n{n} x {'gpu' if torch.cuda.is_available() else 'cpu'}, Φ = {config.num_params():,} params, {tokens} "
+          f"tokens/step, {args.precision}, {args.rounds} alternated rounds (shuffled), each the median of "
+          f"{args.steps - args.warmup} steps; load average (1 min) {load['min']:.1f}-{load['max']:.1f} on "
+          f"{os.cpu_count()} CPUs")
+    print(f"{'strategy':<8} {'tokens/s median (min-max)':>26} {'vs ddp':>7} {'state MB':>9} {'theory':>8} "
+          f"{'sent MB/step':>13} {'theory':>8}")
+    for name in args.strategies:
+        t = table[name]
+        speed = t["tokens_per_s"]
+        mem_theory, wire_theory = theory(name, config, n, tokens)
+        wire = t["wire_bytes_per_step"]
+        sent = wire["median"] if isinstance(wire, dict) else None
+        rows.append({"strategy": name, "tokens_per_s": speed, "vs_ddp": speed["median"] / base if base else None,
+                     "state_bytes": t["state_bytes"]["median"], "state_bytes_theory": mem_theory,
+                     "wire_bytes_per_step": sent, "wire_bytes_theory": wire_theory})
+        ratio = "-" if base is None else f"{speed['median'] / base:.2f}x"
+        spread = f"{speed['median']:.0f} ({speed['min']:.0f}-{speed['max']:.0f})"
+        print(f"{name:<8} {spread:>26} {ratio:>7} {t['state_bytes']['median'] / 1e6:>9.2f} {mem_theory / 1e6:>8.2f} "
+              f"{'-' if sent is None else f'{sent / 1e6:.3f}':>13} {wire_theory / 1e6:>8.3f}")
+    return rows
+
+
+LABELS = {"ddp": "Lightning `ddp` (reference)", "fsdp2": "torch FSDP2 `fully_shard` (reference)",
+          "tp": "`tp` (tp=N)", "tp_sp": "`tp` (tp=N + SP)"}
+
+
+def markdown(run: dict[str, Any]) -> str:
+    """A saved run's table in Markdown (the README's), with the spread and the load average."""
+    n = run["args"]["devices"]
+    lines = ["| strategy | tokens/s median (min–max) | vs Lightning ddp | model-state MB per rank (theory) | "
+             "sent MB/step, measured (theory) |", "|---|---|---|---|---|"]
+    for row in run["rows"]:
+        speed = row["tokens_per_s"]
+        ratio = "–" if row["vs_ddp"] is None else f"{row['vs_ddp']:.2f}×"
+        sent = "–" if row["wire_bytes_per_step"] is None else f"{row['wire_bytes_per_step'] / 1e6:.3f}"
+        name = LABELS.get(row["strategy"], f"`{row['strategy']}`").replace("N", str(n))
+        lines.append(f"| {name} | {speed['median']:.0f} ({speed['min']:.0f}–{speed['max']:.0f}) | {ratio} | "
+                     f"{row['state_bytes'] / 1e6:.2f} ({row['state_bytes_theory'] / 1e6:.2f}) | {sent} "
+                     f"({row['wire_bytes_theory'] / 1e6:.3f}) |")
+    load = run["load_1min"]
+    lines.append(f"\nΦ = {run['phi']:,}, {len(run['rounds'])} rounds, load average (1 min) {load['min']:.1f}–"
+                 f"{load['max']:.1f} (median {load['median']:.1f}) on {run['cpus']} CPUs.")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -232,6 +300,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--devices", type=int, default=torch.cuda.device_count() if gpu else 2)
     p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
+    p.add_argument("--one", choices=STRATEGIES, help="run this contender once and print its metrics (the runner's "
+                                                      "unit of work)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0, help="of the per-round shuffles")
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--global-batch", type=int, default=8)
@@ -243,13 +315,30 @@ def main() -> None:
     p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
     p.add_argument("--out", default="runs/bench_strategies.json")
     p.add_argument("--moe-steps", type=int, default=5, help="steps of the MoE rows (0 skips them)")
+    p.add_argument("--table", help="print a saved run (its --out JSON) as a Markdown table, and exit")
     args = p.parse_args()
+    if args.table:
+        print(markdown(json.loads(Path(args.table).read_text())))
+        return
     if args.global_batch % args.devices:
         p.error(f"--global-batch {args.global_batch} must be divisible by --devices {args.devices}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(args, port, "gpu" if gpu else "cpu"), nprocs=args.devices, join=True)
+    if args.one:
+        _spawn(worker_one, args)
+        return
+    forwarded = [item for key in FORWARDED for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]
+    contenders = {name: [sys.executable, __file__, "--one", name, *forwarded] for name in args.strategies}
+    rounds = run_rounds(contenders, args.rounds, args.seed)
+    table = summarize(rounds)
+    loads = [m["load_1min"] for r in rounds for _, m in r]
+    rows = print_table(table, args, {"min": min(loads), "max": max(loads)})
+    write_json(args.out, rounds, table, args=vars(args), phi=model_config(args).num_params(), rows=rows)
+    print(f"wrote {args.out}")
+    acts_file = Path(args.out).with_suffix(".activations.json")
+    _spawn(worker_activations, args, str(acts_file))
+    out = Path(args.out)
+    out.write_text(json.dumps({**json.loads(out.read_text()), "block_activation_bytes": json.loads(
+        acts_file.read_text())}, indent=1))
+    acts_file.unlink()
     if args.moe_steps:
         import bench_moe  # the MoE rows: same script directory
 

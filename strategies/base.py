@@ -51,6 +51,9 @@ Service for callbacks (pruning, QAT: they never touch strategy internals)
     owned_weights() -> list[WeightShard]  every parameter as this rank holds it: the part the optimizer updates,
                                     the tensor the forward reads, its global shape, where the part sits in the
                                     global tensor and the group its parts are spread over (default: whole).
+    named_grads() -> list[GradPart]  every gradient as this rank holds it, under its global name and where it
+                                    sits in the global gradient (ZeRO-2/3 leave `param.grad` None: this is how
+                                    to read them); the parity harness (tests/parity.py) compares these parts.
 """
 
 from __future__ import annotations
@@ -71,7 +74,6 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
@@ -89,8 +91,10 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from strategies import checkpoint as ckpt
+from strategies import comm
 from strategies.clip import GradShards, clip_grad_norm_, local_grad_shards, with_global_norm_clip
 from strategies.layout import ParallelLayout
 from strategies.watchdog import failure_report, is_collective_failure
@@ -125,6 +129,25 @@ class WeightShard:
         if self.param is self.local or self.param.shape != self.global_shape:
             return None
         return self.param.data if self.param.untyped_storage().nbytes() else None
+
+    @property
+    def index(self) -> tuple[slice, ...]:
+        """Where `local` sits in the global tensor (() when it is all of it)."""
+        if self.local.shape == self.global_shape:
+            return ()
+        return (slice(None),) * self.dim + (slice(self.start, self.end),)
+
+
+@dataclass(frozen=True)
+class GradPart:
+    """A parameter's gradient as this rank holds it: `grad` is `global_grad[index]` of the gradient of the
+    parameter called `name` (global FQN) with `global_shape`; `index` is () for a whole gradient. `grad` is None
+    where the parameter got none (frozen). Replicas (dp, a tied copy on another stage) hold the same part."""
+
+    name: str
+    global_shape: torch.Size
+    index: tuple[slice, ...]
+    grad: Optional[Tensor]
 
 
 def whole_weights(module: nn.Module) -> list[WeightShard]:
@@ -165,6 +188,7 @@ class BaseStrategy(ParallelStrategy):
         return True
 
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
@@ -184,6 +208,7 @@ class BaseStrategy(ParallelStrategy):
         return self._layout
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.layout.dp_size, "rank": self.layout.dp_rank}
 
@@ -194,6 +219,7 @@ class BaseStrategy(ParallelStrategy):
         # Some environments' setters are no-ops: read the rank back through the getter.
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         expected = self.num_processes * self.num_nodes
@@ -207,6 +233,7 @@ class BaseStrategy(ParallelStrategy):
         # Always a launcher: under torchrun/SLURM it spawns nothing but validates devices x num_nodes.
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
@@ -219,6 +246,7 @@ class BaseStrategy(ParallelStrategy):
 
     # -- precision --------------------------------------------------------------------------------------------
     @property
+    @override
     def precision_plugin(self) -> Precision:
         # Never cache a default here: the connector reads `_precision_plugin` to see whether the user set one.
         plugin = self._precision_plugin if self._precision_plugin is not None else Precision()
@@ -229,6 +257,7 @@ class BaseStrategy(ParallelStrategy):
         self._precision_plugin = None if plugin is None else with_global_norm_clip(plugin, self.clip_grad_norm_)
 
     # -- setup and teardown -------------------------------------------------------------------------------------
+    @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -242,10 +271,12 @@ class BaseStrategy(ParallelStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         self._reset_optimizers_and_schedulers()  # a second fit() must not keep the first one's optimizers
         super().setup_optimizers(trainer)
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -255,6 +286,7 @@ class BaseStrategy(ParallelStrategy):
 
     # -- the training step ----------------------------------------------------------------------------------------
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         self._sync_enabled = False
         try:
@@ -262,6 +294,7 @@ class BaseStrategy(ParallelStrategy):
         finally:
             self._sync_enabled = True
 
+    @override
     def optimizer_step(self, optimizer: Union[Optimizer, LightningOptimizer], closure: Callable[[], Any],
                        model: Optional[Union[LightningModule, nn.Module]] = None, **kwargs: Any) -> Any:
         def closure_then_sync() -> Any:
@@ -297,30 +330,51 @@ class BaseStrategy(ParallelStrategy):
         """Every parameter as this rank holds it (same order on all ranks; see `WeightShard`). Default: whole."""
         return whole_weights(self.lightning_module)
 
-    # -- collectives for Lightning (logging, callbacks): objects and metrics, not model traffic -----------------
+    def named_grads(self) -> list[GradPart]:
+        """Every parameter's gradient as this rank holds it, under its global name (see `GradPart`): what the
+        optimizer steps with, read between the gradient collectives and the update (`on_before_optimizer_step`,
+        pre-clip there). Under ZeRO-2/3 `param.grad` is None: the reduced gradient lives only in this shard."""
+        return [GradPart(ws.name, ws.global_shape, ws.index, ws.local.grad) for ws in self.owned_weights()]
+
+    # -- collectives for Lightning (logging, callbacks): objects and metrics, not model traffic; still through the
+    # accounting layer, so the flight recorder names a hang in them ------------------------------------------------
+    @override
     def barrier(self, name: Optional[str] = None) -> None:
         if _distributed_is_initialized():
-            dist.barrier()
+            comm.barrier(label=f"strategy.barrier {name}" if name else "strategy.barrier")
 
+    @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src)
-        return holder[0]
+        return comm.broadcast_object(obj, src, label="strategy.broadcast")
 
+    @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
                reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Union[Tensor, Any]:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        """Lightning's metric sync (`self.log(..., sync_dist=True)`) and other small reductions (the MoE router
+        counts): sum, mean, max or min over `group` (default: the world), as a new tensor."""
+        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+            return tensor
+        name = (reduce_op or "mean").lower() if isinstance(reduce_op, str) else None
+        mean = name in ("mean", "avg") or reduce_op == ReduceOp.AVG
+        ops = {"sum": ReduceOp.SUM, "mean": ReduceOp.SUM, "avg": ReduceOp.SUM, "max": ReduceOp.MAX,
+               "min": ReduceOp.MIN}
+        if name is not None and name not in ops:
+            raise ValueError(f"reduce_op {reduce_op!r}: use sum, mean, max or min")
+        op = ReduceOp.SUM if mean else ops[name] if name is not None else reduce_op
+        out = tensor.detach().clone() if tensor.is_floating_point() or not mean else tensor.detach().float()
+        comm.all_reduce(out, group, op, label="strategy.reduce")
+        return out / dist.get_world_size(group) if mean else out
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the (sharded) parameters and optimizer state must exist to be loaded into
 
     @property
+    @override
     def lightning_restore_optimizer(self) -> bool:
         return False  # done in load_checkpoint, by FQN
 
@@ -328,6 +382,7 @@ class BaseStrategy(ParallelStrategy):
         """Parameter -> FQN relative to the LightningModule (a tied parameter gets its first name)."""
         return {p: name for name, p in self.lightning_module.named_parameters()}
 
+    @override
     def optimizer_state(self, optimizer: Union[Optimizer, LightningOptimizer]) -> dict[str, Any]:
         return ckpt.optimizer_state_by_fqn(_unwrap(optimizer), self.param_names())
 
@@ -341,6 +396,7 @@ class BaseStrategy(ParallelStrategy):
             if f"optimizer_{i}" in state:
                 ckpt.load_optimizer_state_by_fqn(_unwrap(optimizer), state[f"optimizer_{i}"], self.param_names())
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Union[str, Path],
                         storage_options: Optional[Any] = None) -> None:
         if storage_options is not None:
@@ -353,11 +409,13 @@ class BaseStrategy(ParallelStrategy):
         topology = {"strategy": type(self).__name__, "dp": layout.dp_size, "tp": layout.tp_size, "pp": layout.pp_size}
         ckpt.save(path, state, checkpoint, topology)
 
+    @override
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
         if self.is_global_zero:
             ckpt.remove(filepath)
             ckpt.remove_stale(Path(filepath).parent)
 
+    @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         optimizers = [_unwrap(o) for o in self.optimizers]
@@ -384,13 +442,16 @@ class BaseStrategy(ParallelStrategy):
         self.load_sharded_state(state)
         return checkpoint
 
+    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         pass  # loaded in load_checkpoint, into the live tensors
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         pass  # loaded in load_checkpoint, by FQN
 
     # -- failures -----------------------------------------------------------------------------------------------
+    @override
     def on_exception(self, exception: BaseException) -> None:
         if _distributed_is_initialized() and dist.get_world_size() > 1 and is_collective_failure(exception):
             grace = min(LOST_RANK_GRACE_S, self._timeout.total_seconds()) if self._timeout else LOST_RANK_GRACE_S

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlan
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.optim import Optimizer
 
+from strategies import comm
 from strategies.errors import ConfigError
 
 META = "meta.pt"
@@ -68,23 +69,23 @@ def save(path: PathLike, state: dict[str, Any], meta: dict[str, Any], info: dict
     """Collective: every rank writes its part of `state`; rank 0 writes `meta` and a marker of `info`, then
     publishes the directory at `path` (replacing whatever was there) by a rename."""
     path = Path(path)
-    holder = [f"{path}{TMP}{uuid.uuid4().hex[:8]}"]
-    dist.broadcast_object_list(holder, src=0)  # every rank writes into the same temporary directory
-    tmp = Path(holder[0])
+    # every rank writes into the same temporary directory
+    tmp = Path(comm.broadcast_object(f"{path}{TMP}{uuid.uuid4().hex[:8]}", label="checkpoint save: directory"))
     if dist.get_rank() == 0:
         remove_stale(path.parent)
         tmp.mkdir(parents=True)
-    dist.barrier()
+    comm.barrier(label="checkpoint save: directory made")
+    comm.note("dcp_save", label=f"checkpoint save: {path.name}")
     dcp.save(state, checkpoint_id=tmp)
     if dist.get_rank() == 0:
         torch.save(meta, tmp / META)
-    dist.barrier()  # every rank's shards are on disk
+    comm.barrier(label="checkpoint save: shards written")  # every rank's shards are on disk
     if dist.get_rank() == 0:
         marker = {"step": meta.get("global_step"), "epoch": meta.get("epoch"), "world_size": dist.get_world_size(),
                   **info}
         _write_synced(tmp / COMPLETE, json.dumps(marker))
         _publish(tmp, path)
-    dist.barrier()  # nobody goes on (or removes an older checkpoint) before the new one is visible
+    comm.barrier(label="checkpoint save: published")  # nobody goes on (or removes an older one) before it is visible
 
 
 def _write_synced(file: Path, text: str) -> None:
@@ -138,6 +139,7 @@ def load(path: PathLike, state: dict[str, Any], weights_only: bool = False) -> d
     saved = {key.split(".", 1)[0] for key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
     for key in [k for k in state if k not in saved]:
         del state[key]
+    comm.note("dcp_load", label=f"checkpoint load: {Path(path).name}")
     dcp.load(state, checkpoint_id=path)
     return read_meta(path, weights_only)
 

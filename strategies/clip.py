@@ -53,7 +53,7 @@ def global_grad_norm(shards: GradShards) -> Tensor:
     else:
         sum_sq = torch.zeros((), dtype=torch.float32, device=shards.device)
     for group in shards.groups:
-        sum_sq = comm.scalar_all_reduce(sum_sq, group)
+        sum_sq = comm.scalar_all_reduce(sum_sq, group, label="global grad norm")
     return sum_sq.sqrt()
 
 

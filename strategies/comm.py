@@ -1,8 +1,14 @@
 """Every collective a strategy issues goes through here, so its volume can be counted and compared to theory.
 
-The accounting layer records (op, group name, bytes of the payload a rank contributes, elements) per call. Tests
-and benchmarks read `COMM_LOG`; the last entries also tell which collective a hung rank entered (a flight
-recorder). Recording is a list append: cheap enough to stay on in training.
+The accounting layer records (op, group name, bytes of the payload a rank contributes, elements, the caller's label)
+per call. Tests and benchmarks read `COMM_LOG`; the last entries also tell which collective a hung rank entered (a
+flight recorder). Recording is a list append: cheap enough to stay on in training.
+
+Besides the tensor collectives of the engines, everything else a strategy or callback synchronises on goes through
+here too, so a hang in any of them is named: barriers, object collectives (`broadcast_object`,
+`all_gather_object`), Lightning's `reduce` (metric sync of `self.log(sync_dist=True)`, the MoE router-bias counts)
+and the checkpoint's collectives (`note` records DCP's save and load, whose collectives are DCP's own). Object
+collectives and notes count no bytes (their payload is pickled Python, not training traffic).
 
 Bytes are counted per rank as the size of the *full* logical tensor of the op (the all-reduce input, the
 reduce-scatter input, the all-gather output), so the classic ring-algorithm volumes follow by the factors
@@ -13,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,6 +33,7 @@ class CommRecord:
     world: int  # ranks in the group
     numel: int  # elements of the full logical tensor
     nbytes: int
+    label: str = ""  # who issued it (e.g. "GradSync", "zero reduce blocks.3", "checkpoint save")
 
     @property
     def wire_bytes(self) -> float:
@@ -35,12 +42,13 @@ class CommRecord:
 
 
 def wire_factor(op: str, world: int) -> float:
-    """Bytes a rank sends per byte of an op's full logical tensor (ring algorithm): the volume theory's one place."""
+    """Bytes a rank sends per byte of an op's full logical tensor (ring algorithm): the volume theory's one place.
+    Barriers, object collectives and notes count nothing here (they are recorded for the flight recorder)."""
     n = world
     if n <= 1:
         return 0.0
     return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
-            "all_to_all": (n - 1) / n, "broadcast": 1.0, "send": 1.0, "recv": 0.0}[op]
+            "all_to_all": (n - 1) / n, "broadcast": 1.0, "send": 1.0}.get(op, 0.0)
 
 
 class CommLog:
@@ -51,10 +59,11 @@ class CommLog:
         self.records: list[CommRecord] = []
         self.history: deque[CommRecord] = deque(maxlen=history)
 
-    def add(self, op: str, group: Optional[dist.ProcessGroup], numel: int, element_size: int) -> None:
+    def add(self, op: str, group: Optional[dist.ProcessGroup], numel: int, element_size: int,
+            label: str = "") -> None:
         if not self.enabled:
             return
-        rec = CommRecord(op, group_name(group), dist.get_world_size(group), numel, numel * element_size)
+        rec = CommRecord(op, group_name(group), dist.get_world_size(group), numel, numel * element_size, label)
         self.records.append(rec)
         self.history.append(rec)
 
@@ -90,29 +99,30 @@ def group_name(group: Optional[dist.ProcessGroup]) -> str:
 
 
 def all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup] = None, op: dist.ReduceOp = dist.ReduceOp.SUM,
-               async_op: bool = False) -> Optional[dist.Work]:
-    COMM_LOG.add("all_reduce", group, tensor.numel(), tensor.element_size())
+               async_op: bool = False, label: str = "") -> Optional[dist.Work]:
+    COMM_LOG.add("all_reduce", group, tensor.numel(), tensor.element_size(), label)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def reduce_scatter(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
-                   op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False) -> Optional[dist.Work]:
+                   op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False,
+                   label: str = "") -> Optional[dist.Work]:
     """`input` is the concatenation of N equal chunks; rank r receives the reduced chunk r in `output`."""
-    COMM_LOG.add("reduce_scatter", group, input.numel(), input.element_size())
+    COMM_LOG.add("reduce_scatter", group, input.numel(), input.element_size(), label)
     return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
 
 def all_gather(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
-               async_op: bool = False) -> Optional[dist.Work]:
+               async_op: bool = False, label: str = "") -> Optional[dist.Work]:
     """`output` is the concatenation of every rank's equal-size `input`."""
-    COMM_LOG.add("all_gather", group, output.numel(), output.element_size())
+    COMM_LOG.add("all_gather", group, output.numel(), output.element_size(), label)
     return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
 def broadcast(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup] = None,
-              async_op: bool = False) -> Optional[dist.Work]:
+              async_op: bool = False, label: str = "") -> Optional[dist.Work]:
     """`src` is a global rank, as in torch.distributed."""
-    COMM_LOG.add("broadcast", group, tensor.numel(), tensor.element_size())
+    COMM_LOG.add("broadcast", group, tensor.numel(), tensor.element_size(), label)
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
@@ -135,11 +145,37 @@ def recv(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup] = None) ->
 
 
 def scalar_all_reduce(value: Tensor, group: Optional[dist.ProcessGroup] = None,
-                      op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
+                      op: dist.ReduceOp = dist.ReduceOp.SUM, label: str = "") -> Tensor:
     """All-reduce a small tensor (norms, flags) in fp32 and return it: the "plus scalars" of the volume theory."""
     out = value.detach().to(torch.float32).clone()
-    all_reduce(out, group, op)
+    all_reduce(out, group, op, label=label)
     return out
+
+
+def barrier(group: Optional[dist.ProcessGroup] = None, label: str = "") -> None:
+    COMM_LOG.add("barrier", group, 0, 0, label)
+    dist.barrier(group=group)
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Optional[dist.ProcessGroup] = None, label: str = "") -> Any:
+    """`src`'s `obj` on every rank of `group` (`src` a global rank)."""
+    COMM_LOG.add("broadcast_object", group, 1, 0, label)
+    holder = [obj]
+    dist.broadcast_object_list(holder, src, group=group)
+    return holder[0]
+
+
+def all_gather_object(obj: Any, group: Optional[dist.ProcessGroup] = None, label: str = "") -> list[Any]:
+    """Every rank's `obj`, in rank order."""
+    COMM_LOG.add("all_gather_object", group, 1, 0, label)
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def note(op: str, group: Optional[dist.ProcessGroup] = None, label: str = "") -> None:
+    """Record a collective phase run by another library (DCP's save and load), so a hang inside it is named."""
+    COMM_LOG.add(op, group, 0, 0, label)
 
 
 def format_history(log: CommLog = COMM_LOG) -> str:
@@ -148,6 +184,6 @@ def format_history(log: CommLog = COMM_LOG) -> str:
     if not log.history:
         return "no collectives recorded on this rank"
     lines = [f"last {len(log.history)} collectives on this rank (oldest first):"]
-    lines += [f"  {r.op:<14} group={r.group} ({r.world} ranks)  {r.numel} elements, {r.nbytes} bytes"
-              for r in log.history]
+    lines += [f"  {r.op:<17} group={r.group} ({r.world} ranks)  {r.numel} elements, {r.nbytes} bytes"
+              + (f"  [{r.label}]" if r.label else "") for r in log.history]
     return "\n".join(lines)

@@ -32,6 +32,7 @@ from typing import Any, Generator, Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from typing_extensions import override
 
 from strategies import comm
 from strategies.base import BaseStrategy
@@ -42,7 +43,7 @@ def broadcast_parameters(module: nn.Module, group: Optional[dist.ProcessGroup] =
     src = 0 if group is None else dist.get_global_rank(group, 0)
     with torch.no_grad():
         for tensor in itertools.chain(module.parameters(), module.buffers()):
-            comm.broadcast(tensor.detach(), src, group)
+            comm.broadcast(tensor.detach(), src, group, label="broadcast parameters")
 
 
 @dataclass
@@ -133,7 +134,7 @@ class GradSync(nn.Module):
                 view.zero_()  # unused on this rank: contribute nothing, but take part in the collective
             else:
                 view.copy_(p.grad)
-        bucket.work = comm.all_reduce(bucket.flat, self.group, async_op=True)
+        bucket.work = comm.all_reduce(bucket.flat, self.group, async_op=True, label="GradSync bucket")
         self._next += 1
 
     def finish(self) -> None:
@@ -176,6 +177,7 @@ class DataParallelStrategy(BaseStrategy):
             broadcast_parameters(self.lightning_module, self.layout.dp_group)
 
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         with super().block_backward_sync(), (self._grad_sync.no_sync() if self._grad_sync else nullcontext()):
             yield
@@ -184,6 +186,7 @@ class DataParallelStrategy(BaseStrategy):
         if self._grad_sync is not None:
             self._grad_sync.finish()
 
+    @override
     def teardown(self) -> None:
         if self._grad_sync is not None:
             self._grad_sync.remove_hooks()

@@ -38,9 +38,10 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from strategies import comm
-from strategies.base import BaseStrategy, _unwrap
+from strategies.base import BaseStrategy, WeightShard, _unwrap
 from strategies.clip import GradShards
 from strategies.ddp import GradSync, broadcast_parameters
 from strategies.plan import ExpertModel
@@ -102,6 +103,7 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(x, out_splits, in_splits, group)
 
     @staticmethod
+    @override
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, None, None]:
         in_splits, out_splits = ctx.splits
         return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
@@ -192,6 +194,7 @@ class ExpertParallelStrategy(BaseStrategy):
         self._engines: list[ZeroEngine] = []  # ZeRO: [dense over dp, experts over edp]
         self._zero: dict[nn.Parameter, tuple[ZeroEngine, ShardedParam]] = {}  # parameter -> its rows (ZeRO)
 
+    @override
     def setup_environment(self) -> None:
         if self._tp_size * self._pp_size != 1:
             raise ValueError("`ep` carves its groups from dp = the world: tensor_parallel_size and "
@@ -208,6 +211,8 @@ class ExpertParallelStrategy(BaseStrategy):
         assert self._experts is not None
         if not self._shards:  # a validate/test after fit keeps the shards
             self._shards = shard_experts(self.lightning_module, self._experts.ep_group)
+        for model in (m for m in self.lightning_module.modules() if isinstance(m, ExpertModel)):
+            model.set_batch_group(self.layout.dp_group)  # balancing statistics over the global batch
         experts = self._expert_params()  # a list: every rank must walk the parameters in the same order
         expert_ids = {id(p) for p in experts}
         dense = _param_holder([p for p in self.lightning_module.parameters() if id(p) not in expert_ids])
@@ -224,6 +229,7 @@ class ExpertParallelStrategy(BaseStrategy):
             if self._experts.edp_size > 1:
                 self._syncs.append(GradSync(replicas, self._experts.edp_group, self.bucket_cap_mb))
 
+    @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         """ZeRO: point the param groups at the master rows in place (as `ZeroEngine.shard_optimizer`, over the two
         engines), so the optimizer's state is created at shard size."""
@@ -238,9 +244,10 @@ class ExpertParallelStrategy(BaseStrategy):
         return self._zero[param][1].master.grad if self._zero else param.grad
 
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         with super().block_backward_sync(), ExitStack() as stack:
-            for sync in [*self._syncs, *self._engines]:
+            for sync in self._syncs:  # ZeRO engines reduce after every backward (see strategies.zero_engine)
                 stack.enter_context(sync.no_sync())
             yield
 
@@ -270,6 +277,25 @@ class ExpertParallelStrategy(BaseStrategy):
         owned = [p.grad for p in params if p in experts or first]
         return GradShards(grads, owned, groups=[self._experts.ep_group], device=self.root_device)
 
+    def owned_weights(self) -> list[WeightShard]:
+        """Experts are this rank's E/ep rows of the global (E, ...) tensor; under ZeRO a parameter is its engine's
+        rows of those (dense: of the whole tensor), all contiguous along dim 0 and spread over the world."""
+        assert self._experts is not None
+        owner = {p: shard for shard in self._shards.values() for p in shard.parameters()}
+        out = []
+        for name, p in self.lightning_module.named_parameters():
+            shard = owner.get(p)
+            first = shard.start if shard is not None else 0
+            shape = torch.Size((shard.num_experts, *p.shape[1:])) if shard is not None else p.shape
+            local, start, end = p, first, first + (p.shape[0] if p.dim() else 1)
+            group = self._experts.ep_group if shard is not None else None
+            if self._zero:
+                sp = self._zero[p][1]
+                local, start, end, group = sp.master, first + sp.start, first + sp.end, self.layout.dp_group
+            out.append(WeightShard(name, local, p, shape, 0, start, end, group))
+        return out
+
+    @override
     def teardown(self) -> None:
         for sync in self._syncs:
             sync.remove_hooks()
@@ -299,11 +325,13 @@ class ExpertParallelStrategy(BaseStrategy):
         engine, sp = self._zero[self.lightning_module.get_parameter(fqn)]
         return sp.gather_rows(rows, engine.group)
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         experts = self._expert_fqns()
         state = self.lightning_module.state_dict()
         return {k: self._dtensor(experts[k], v) if k in experts else v for k, v in state.items()}
 
+    @override
     def optimizer_state(self, optimizer: Union[Optimizer, LightningOptimizer]) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)
         experts = self._expert_fqns()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Protocol, Union, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 
@@ -109,9 +110,12 @@ class ExpertParallel:
 @runtime_checkable
 class ExpertModel(Protocol):
     """A model with experts: `expert_plan()` maps module names (relative to the model) to `ExpertParallel`.
-    Everything not named is dense and replicated over the expert-parallel ranks."""
+    Everything not named is dense and replicated over the expert-parallel ranks. `set_batch_group(group)` tells it
+    which ranks the global batch is split over (dp), so batch statistics (MoE load balancing) can be global."""
 
     def expert_plan(self) -> dict[str, ExpertParallel]: ...
+
+    def set_batch_group(self, group: Optional[dist.ProcessGroup]) -> None: ...
 
 
 # -- context parallelism: which modules are the attention cores (the strategy swaps them for ring attention) ---

@@ -24,14 +24,16 @@ from __future__ import annotations
 import copy
 import itertools
 from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from typing import Any, Generator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from typing_extensions import override
 
 from strategies import comm
-from strategies.base import BaseStrategy
+from strategies.base import BaseStrategy, GradPart
 from strategies.clip import GradShards
 from strategies.ddp import GradSync, broadcast_parameters
 from strategies.layout import ParallelLayout, rank_grid
@@ -93,11 +95,13 @@ class PipelineStrategy(BaseStrategy):
 
     # -- building the stage -------------------------------------------------------------------------------------
     @contextmanager
+    @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         # configure_model builds on meta: a stage materialises only what it keeps (see parallelize).
         with torch.device("meta"):
             yield
 
+    @override
     def model_to_device(self) -> None:
         pass  # the model may still be on meta here; parallelize() materialises it, then moves the module
 
@@ -193,6 +197,7 @@ class PipelineStrategy(BaseStrategy):
             raise RuntimeError("strategy pp needs the LightningModule's step to compute its loss with "
                                "`model.loss(inputs, targets)`; it never called it")
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         params = [q for q in self.lightning_module.parameters() if q.requires_grad]
         if not self._window_open:  # Lightning zeroes only after this step: clear the last window's gradients
@@ -207,6 +212,7 @@ class PipelineStrategy(BaseStrategy):
             q.grad = None
         return output
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         # Every backward already ran inside the schedule; give back the gradients zero_grad would have taken.
         for q, grad in self._stash:
@@ -214,14 +220,17 @@ class PipelineStrategy(BaseStrategy):
         self._stash = []
         return closure_loss
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._pipelined(train=False):
             return super().validation_step(*args, **kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._pipelined(train=False):
             return super().test_step(*args, **kwargs)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("strategy pp has no predict (generation needs the whole model on one rank): "
                                   "convert the checkpoint (scripts/ckpt.py convert) and predict on one device")
@@ -247,17 +256,23 @@ class PipelineStrategy(BaseStrategy):
         groups = [self.layout.pp_group] if self.layout.pp_size > 1 else []
         return GradShards([q.grad for q in params], counted, groups)
 
+    def named_grads(self) -> list[GradPart]:
+        """A tied copy on another stage is named as its first use (the name a one-process run gives it)."""
+        return [replace(g, name=self._canonical.get(g.name, g.name)) for g in super().named_grads()]
+
     # -- checkpoints --------------------------------------------------------------------------------------------
     def param_names(self) -> dict[Tensor, str]:
         # The tied head's optimizer state is saved under the embedding's name, as a one-process run names it.
         return {q: self._canonical.get(name, name) for q, name in super().param_names().items()}
 
+    @override
     def load_sharded_state(self, state: dict[str, Any]) -> None:
         """A single-file checkpoint holds every stage's tensors: this stage takes its own (a missing one fails)."""
         own = self.lightning_module.state_dict().keys()
         state["model"] = {k: v for k, v in state["model"].items() if k in own}
         super().load_sharded_state(state)
 
+    @override
     def teardown(self) -> None:
         if self._grad_sync is not None:
             self._grad_sync.remove_hooks()

@@ -23,8 +23,7 @@ dp, tp and ZeRO settings.
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager, nullcontext
-from typing import Any, Generator, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch import Trainer
@@ -32,8 +31,9 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
+from typing_extensions import override
 
-from strategies.base import WeightShard, _unwrap
+from strategies.base import GradPart, WeightShard, _unwrap
 from strategies.clip import GradShards
 from strategies.ddp import DataParallelStrategy
 from strategies.plan import TensorParallelModel
@@ -61,6 +61,7 @@ class TensorParallelStrategy(DataParallelStrategy):
         self._engine: Optional[ZeroEngine] = None
         self._zero_params: dict[nn.Parameter, ShardedParam] = {}  # tp-local parameter -> its dp rows (ZeRO)
 
+    @override
     def _configure_launcher(self) -> None:
         tp, world = self._tp_size, self.num_processes * self.num_nodes
         if world % tp:
@@ -95,22 +96,19 @@ class TensorParallelStrategy(DataParallelStrategy):
         elif self.layout.dp_size > 1:
             super().parallelize(fitting)
 
+    @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
         if self._engine is not None:
             for optimizer in self.optimizers:
                 self._engine.shard_optimizer(_unwrap(optimizer))
 
+    @override
     def teardown(self) -> None:
         if self._engine is not None:
             self._engine.detach()
             self._engine, self._zero_params = None, {}
         super().teardown()
-
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        with super().block_backward_sync(), (self._engine.no_sync() if self._engine else nullcontext()):
-            yield
 
     def _grad(self, param: nn.Parameter) -> Optional[Tensor]:
         """What the optimizer steps with: the parameter's gradient, or under ZeRO the master's dp rows of it."""
@@ -148,6 +146,23 @@ class TensorParallelStrategy(DataParallelStrategy):
             out.append(ws)
         return out
 
+    def named_grads(self) -> list[GradPart]:
+        """Under ZeRO a gradient part is this rank's dp rows (dim 0) of its tp-local part (the tp split dim)."""
+        if self._engine is None:
+            return super().named_grads()
+        out = []
+        for sp in self._engine.sharded_params():
+            index, shape = [slice(sp.start, sp.end)], sp.param.shape
+            if sp.param in self.shards.sharded:
+                dim, shape = self.shards.sharded[sp.param]
+                start, _ = self.shards.tp.rows(shape[dim])
+                if dim == 0:
+                    index = [slice(start + sp.start, start + sp.end)]
+                else:
+                    index += [slice(None)] * (dim - 1) + [slice(start, start + sp.param.shape[dim])]
+            out.append(GradPart(sp.fqn, shape, tuple(index), sp.master.grad))
+        return out
+
     # -- checkpoints ------------------------------------------------------------------------------------------
     def _sharded_names(self) -> dict[str, tuple[int, torch.Size]]:
         """FQN (every name of a tied parameter) -> (split dim, global shape) of the sharded parameters."""
@@ -177,11 +192,13 @@ class TensorParallelStrategy(DataParallelStrategy):
     def _zero_param(self, fqn: str) -> ShardedParam:
         return self._zero_params[self.lightning_module.get_parameter(fqn)]
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         sharded = self._sharded_names()
         return {name: self._to_global(value, *sharded[name]) if name in sharded else value
                 for name, value in self.lightning_module.state_dict().items()}
 
+    @override
     def optimizer_state(self, optimizer: Union[Optimizer, LightningOptimizer]) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)
         sharded = self._sharded_names()

@@ -24,6 +24,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from strategies.base import BaseStrategy, WeightShard, _unwrap
 from strategies.clip import GradShards
@@ -40,6 +41,7 @@ class ZeroStrategy(BaseStrategy):
         self._engine: Optional[ZeroEngine] = None
 
     @classmethod
+    @override
     def register_strategies(cls, registry: Any) -> None:
         for stage, what in STAGES.items():
             registry.register(f"zero{stage}", cls, description=f"ZeRO-{stage}: shards {what}", override=True,
@@ -53,6 +55,7 @@ class ZeroStrategy(BaseStrategy):
 
     # -- model build ------------------------------------------------------------------------------------------
     @contextmanager
+    @override
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         if self.stage < 3:
             with super().tensor_init_context(empty_init):
@@ -61,6 +64,7 @@ class ZeroStrategy(BaseStrategy):
             with torch.device("meta"), self.precision_plugin.tensor_init_context():
                 yield
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         if not any(p.is_meta for p in self.model.parameters()):
@@ -73,11 +77,13 @@ class ZeroStrategy(BaseStrategy):
         else:
             self._engine = ZeroEngine(module, self.stage, self.layout.dp_group, self.root_device)
 
+    @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
         for optimizer in self.optimizers:
             self.engine.shard_optimizer(_unwrap(optimizer))
 
+    @override
     def teardown(self) -> None:
         if self._engine is not None:
             self._engine.detach()
@@ -86,11 +92,6 @@ class ZeroStrategy(BaseStrategy):
         super().teardown()
 
     # -- the step -----------------------------------------------------------------------------------------------
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        with super().block_backward_sync(), self.engine.no_sync():
-            yield
-
     def finish_grad_sync(self) -> None:
         self.engine.finish_grad_sync()
 
@@ -121,9 +122,11 @@ class ZeroStrategy(BaseStrategy):
     def param_names(self) -> dict[Tensor, str]:
         return {sp.master: sp.fqn for sp in self.engine.sharded_params()}
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {sp.fqn: self._dtensor(sp, sp.master.detach()) for sp in self.engine.sharded_params()}
 
+    @override
     def optimizer_state(self, optimizer: Union[Optimizer, LightningOptimizer]) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)
         shards = {sp.fqn: sp for sp in self.engine.sharded_params()}

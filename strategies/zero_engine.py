@@ -20,17 +20,25 @@ short or empty). A rank's shard is then exactly the local part of a `DTensor` wi
 keyed by global name and global shape and reshard to any world size. For communication the parameters of a *unit*
 (one of the model's `blocks`, or the rest of the model) are packed rank-major into one buffer,
 `[rank 0: chunk 0 of p1 | chunk 0 of p2 ...][rank 1: ...]`, each chunk padded to the ceil size, so a unit costs one
-collective. Stage 2 launches a unit's reduce-scatter as soon as its last gradient is accumulated (overlapping the
-rest of the backward); stage 3 gathers a unit in a forward pre-hook and, through an identity autograd function on
-its output, again just before its backward, prefetching the next unit, and frees it right after.
+collective. Stages 2 and 3 launch a unit's reduce-scatter as soon as its last gradient is accumulated (overlapping
+the rest of the backward), in one fixed order on every rank (the reverse of the forward: the blocks from the last,
+then the rest), as GradSync does: a unit waits for the ones before it, and a unit whose parameter got no gradient on
+this rank (unused there) is launched with zeros at the end of the backward, so every rank issues the same
+collectives in the same order. Under gradient accumulation they reduce-scatter after *every* backward and add the
+result into the gradient shard (as DeepSpeed's ZeRO-2 does): the gradients never exist in full beyond one unit
+during a backward, so the memory above holds for any `accumulate_grad_batches`, at the cost of one reduce-scatter
+per micro-step instead of one per step (see docs/zero.md). Stage 1 keeps full gradients anyway and reduces once,
+at the end of the window. Frozen parameters (requires_grad=False) get no gradient shard, so an optimizer that
+holds them leaves them alone, as torch's optimizers leave a parameter whose grad is None. Stage 3 gathers a unit
+in a forward pre-hook and, through an identity autograd function on its output, again just before its backward,
+prefetching the next unit, and frees it right after.
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -107,6 +115,10 @@ class Unit:
     pending_reduce: Optional[tuple[dist.Work, Tensor, Tensor]] = None
     ready: set = field(default_factory=set)  # parameters whose gradient is accumulated in this backward
 
+    @property
+    def trainable(self) -> int:
+        return sum(sp.param.requires_grad for sp in self.params)
+
 
 def _slots(buffer: Tensor, world: int, sp: ShardedParam) -> Tensor:
     """(world, chunk_rows, row_numel) view of `sp`'s padded chunk in every rank's segment of a packed buffer."""
@@ -156,8 +168,8 @@ class ZeroEngine:
     """Shards `module`'s training state over `group` (the data-parallel group) according to `stage`.
 
     Use: build (meta parameters are materialised here with the model's `init_parameter`), `shard_optimizer(opt)`,
-    then per step: forward/backward (with `sync_enabled = False` on accumulation micro-steps),
-    `finish_grad_sync()`, clip `owned_grads()`, `optimizer.step()`, `after_step()`.
+    then per step: forward/backward (any number of them: accumulation), `finish_grad_sync()`, clip `owned_grads()`,
+    `optimizer.step()`, `optimizer.zero_grad()`, `after_step()`.
     """
 
     def __init__(self, module: nn.Module, stage: int, group: Optional[dist.ProcessGroup] = None,
@@ -168,11 +180,13 @@ class ZeroEngine:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.device = device
-        self.sync_enabled = True
         self._hooks: list[Any] = []
         self._prefix, self._model = find_block_model(module)
         self.root, self.blocks = self._build_units(module)
         self.units = [self.root, *self.blocks]
+        self._reduce_order = [*reversed(self.blocks), self.root]  # roughly the order backward finishes them
+        self._next_reduce = 0  # stages 2-3: the first unit of `_reduce_order` not launched in this backward
+        self._in_backward = False
         self._materialize(module)
         self.attach()
 
@@ -188,15 +202,6 @@ class ZeroEngine:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-
-    @contextmanager
-    def no_sync(self) -> Generator[None, None, None]:
-        """Accumulation micro-steps: gradients accumulate locally in full and are reduced once, at the last one."""
-        self.sync_enabled = False
-        try:
-            yield
-        finally:
-            self.sync_enabled = True
 
     # -- construction ---------------------------------------------------------------------------------------
     def _build_units(self, module: nn.Module) -> tuple[Unit, list[Unit]]:
@@ -280,7 +285,8 @@ class ZeroEngine:
         for sp in unit.params:
             send[sp.offset: sp.offset + sp.local_numel].copy_(sp.master.view(-1))
         recv = torch.empty(self.world * unit.segment_numel, dtype=dtype, device=device)
-        unit.pending_gather = (comm.all_gather(recv, send, self.group, async_op=True), recv)
+        work = comm.all_gather(recv, send, self.group, async_op=True, label=f"zero gather {unit.name}")
+        unit.pending_gather = (work, recv)
 
     @torch.no_grad()
     def _complete_gather(self, unit: Unit) -> None:
@@ -327,7 +333,8 @@ class ZeroEngine:
             if self.stage >= 2:
                 sp.param.grad = None  # packed: the full gradient is not kept (stage 1 keeps it)
         recv = torch.empty(unit.segment_numel, dtype=send.dtype, device=send.device)
-        unit.pending_reduce = (comm.reduce_scatter(recv, send, self.group, async_op=True), send, recv)
+        work = comm.reduce_scatter(recv, send, self.group, async_op=True, label=f"zero reduce {unit.name}")
+        unit.pending_reduce = (work, send, recv)
 
     @torch.no_grad()
     def _complete_reduce(self, unit: Unit) -> None:
@@ -338,19 +345,45 @@ class ZeroEngine:
         unit.pending_reduce = None
         recv.div_(self.world)  # the mean over ranks of per-rank mean losses = the global-batch mean
         for sp in unit.params:
+            if not sp.param.requires_grad:
+                continue  # frozen: no gradient, so the optimizer skips it (no weight decay either)
             shard = recv[sp.offset: sp.offset + sp.local_numel].view(sp.master.shape)
             if self.stage == 1 and sp.param.grad is not None:  # the owned rows of the full gradient
                 shard = sp.param.grad[sp.start: sp.end].copy_(shard)
-            sp.master.grad = shard if shard.dtype == sp.master.dtype else shard.to(sp.master.dtype)
+            shard = shard if shard.dtype == sp.master.dtype else shard.to(sp.master.dtype)
+            if sp.master.grad is None or self.stage == 1:
+                sp.master.grad = shard
+            else:  # stages 2-3 under accumulation: this micro-step's part of the window's gradient
+                sp.master.grad.add_(shard)
 
     def _on_grad_ready(self, unit: Unit, sp: ShardedParam) -> None:
+        if not self._in_backward:  # the first gradient of this backward
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         unit.ready.add(sp)
-        if len(unit.ready) < sum(s.param.requires_grad for s in unit.params):
-            return
-        unit.ready.clear()
-        if self.sync_enabled:
-            self._launch_reduce(unit)
+        if len(unit.ready) == unit.trainable:
+            self.reshard(unit)  # stage 3: its gradients are all out; the reduce reads those, not the weights
+        while self._next_reduce < len(self._reduce_order):
+            nxt = self._reduce_order[self._next_reduce]
+            if len(nxt.ready) < nxt.trainable:
+                return  # in order: a later unit that is ready waits for this one
+            self._launch_next_reduce()
+
+    def _launch_next_reduce(self) -> None:
+        unit = self._reduce_order[self._next_reduce]
+        self._next_reduce += 1
+        self._launch_reduce(unit)
         self.reshard(unit)
+
+    def _end_backward(self) -> None:
+        """Stages 2-3, when autograd finishes a backward: launch what is left, in order (a parameter unused on this
+        rank contributes zeros), and add every unit's reduced shard into its gradient."""
+        while self._next_reduce < len(self._reduce_order):
+            self._launch_next_reduce()
+        self._next_reduce, self._in_backward = 0, False
+        for unit in self._reduce_order:
+            unit.ready.clear()
+            self._complete_reduce(unit)
 
     def _register_grad_hooks(self) -> None:
         for unit in self.units:
@@ -394,14 +427,13 @@ class ZeroEngine:
             group["params"] = [masters[p] for p in group["params"]]
 
     def finish_grad_sync(self) -> None:
-        """After the last backward of an accumulation window: every unit's gradient shard is in `master.grad`."""
-        for unit in self.units:  # stage 1 (and units whose hooks did not all fire) reduce here, in a fixed order
-            if unit.pending_reduce is None:
+        """After the last backward of an accumulation window: every unit's gradient shard is in `master.grad`.
+        Stage 1 reduces the accumulated full gradients here; stages 2-3 did after each backward."""
+        if self.stage == 1:
+            for unit in self._reduce_order:
                 self._launch_reduce(unit)
-            unit.ready.clear()
-        for unit in self.units:
-            self._complete_reduce(unit)
-            self.reshard(unit)
+            for unit in self._reduce_order:
+                self._complete_reduce(unit)
 
     def owned_grads(self) -> list[Tensor]:
         """The gradient shards this rank owns: disjoint across the group, together the full gradient."""

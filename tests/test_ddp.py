@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import lightning as L
 import pytest
@@ -13,7 +14,8 @@ from torch import nn
 
 import strategies  # noqa: F401  (registers lm_ddp)
 from callbacks.clip import GlobalNormClip
-from dist_utils import TinyLM, fit_tiny, run_distributed
+from dist_utils import TinyLM, run_distributed
+from parity import Case, assert_parity, run_parity
 from strategies.comm import COMM_LOG
 from strategies.ddp import DataParallelStrategy, GradSync
 
@@ -117,54 +119,42 @@ def _check_engine_case(results: list[dict]) -> None:
 
 
 # -- lm_ddp against one process ------------------------------------------------------------------------------------
-PARITY_STEPS = 20
-
-
 class CommPerStep(L.Callback):
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+
     def on_train_batch_start(self, *args) -> None:
         COMM_LOG.reset()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
-        self.__dict__.setdefault("steps", []).append(COMM_LOG.summary().get("all_reduce"))
+        """The gradient all-reduces of the step (the metric sync of the logged loss is a labelled one more)."""
+        grads = [r for r in COMM_LOG.records if r.label == "GradSync bucket"]
+        self.steps.append({"numel": sum(r.numel for r in grads), "wire_bytes": sum(r.wire_bytes for r in grads)})
 
 
-def _parity_worker(configs: list[dict]) -> list[dict]:
-    results = []
-    for config in configs:
-        comm = CommPerStep()
-        config = dict(config)
-        callbacks = (comm, *config.pop("callbacks", ()))
-        run = fit_tiny(DataParallelStrategy(bucket_cap_mb=0.01), devices=2, steps_per_epoch=PARITY_STEPS,
-                       max_steps=PARITY_STEPS, callbacks=callbacks, **config)
-        run["comm"] = comm.steps
-        results.append(run)
-    return results
-
-
-# plain; Trainer clipping (small enough to clip every step) with accumulation; the clipping callback
-PARITY_CONFIGS = [{}, {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}, {"callbacks": (GlobalNormClip(0.05),)}]
+DDP = partial(DataParallelStrategy, bucket_cap_mb=0.01)
+# SGD with the collectives counted; AdamW with Trainer clipping (small enough to clip every step) and accumulation;
+# AdamW with the clipping callback
+CASES = [Case(DDP, callbacks=(CommPerStep(),), label="sgd"),
+         Case(DDP, optimizer="adamw", trainer={"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
+              label="adamw clip accumulate"),
+         Case(DDP, optimizer="adamw", callbacks=(GlobalNormClip(0.05),), label="adamw GlobalNormClip")]
 
 
 def test_lm_ddp_matches_single_process() -> None:
-    ddp = run_distributed(_parity_worker, 2, PARITY_CONFIGS, init_process_group=False)[0]
-    for config, run in zip(PARITY_CONFIGS, ddp):
-        single = fit_tiny(steps_per_epoch=PARITY_STEPS, max_steps=PARITY_STEPS, **config)
-        assert len(run["losses"]) == len(single["losses"]) == PARITY_STEPS * config.get("accumulate_grad_batches", 1)
-        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=0)
-        for name, value in single["params"].items():
-            rel = ((run["params"][name] - value).norm() / value.norm()).item()
-            print(config, name, rel)
-            assert rel < 1e-5, (name, rel)
-        if config:
-            assert len(run["grad_norms"]) == PARITY_STEPS
-            assert min(run["grad_norms"]) > 0.05  # every step was clipped
+    runs = run_parity(CASES, 2)
+    for run in runs:
+        assert_parity(run)
+    for run in runs[1:]:
+        assert min(s["grad_norm"] for s in run["single"]["steps"]) > 0.05  # every step was clipped
 
-    # accounting: one all-reduce of the whole gradient (Φ elements) per optimizer step, nothing else
+    # accounting: the gradient all-reduces move the whole gradient (Φ elements) once per optimizer step
     module = TinyLM()
     module.configure_model()
     phi = sum(p.numel() for p in module.parameters())
-    assert len(ddp[0]["comm"]) == PARITY_STEPS
-    for step in ddp[0]["comm"]:
+    comm = runs[0]["ranks"][0]["callbacks"][0].steps
+    assert len(comm) == CASES[0].steps
+    for step in comm:
         assert step["numel"] == phi
         assert step["wire_bytes"] == pytest.approx(2 * (2 - 1) / 2 * phi * 4, rel=0.02)
 

@@ -4,6 +4,7 @@ against one process, and checkpoints resumed across ZeRO stages."""
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 
 import lightning as L
@@ -14,15 +15,15 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from dist_utils import TINY, Recorder, rank_share, run_distributed, token_data
+from parity import MOE, Case, assert_parity, run_parity
 from lit_lm.config import ModelConfig
 from lit_lm.module import LanguageModel
-from lit_lm.moe import GroupedExperts
+from lit_lm.model import Transformer
+from lit_lm.moe import GroupedExperts, moe_layers
 from strategies.checkpoint import to_single_file
 from strategies.comm import COMM_LOG
 from strategies.ep import ExpertLayout, ExpertParallelStrategy, ExpertShard, check_expert_parallel
 
-MOE = dict(TINY, moe_experts=4, moe_top_k=2, moe_d_ff=16, moe_shared_experts=1, moe_first_dense=1,
-           moe_z_loss=1e-3, moe_bias_update=1e-3)  # block 0 dense, block 1 MoE; dropless
 STEPS = 5  # odd: the sign updates cannot cancel to a zero bias
 
 
@@ -173,6 +174,30 @@ def test_dp_ep_parity_zero_and_resume_across_stages(single: dict, single_one_bat
     assert sum(r["state_numel"] for r in zero2) == single["state_numel"]
     _check_parity(single_one_batch, zero0_from_2, ep=2, first=3)
     _check_parity(single_one_batch, zero1_from_0, ep=2, first=4)
+
+
+# -- the parity harness: every gradient, SGD and AdamW, with the Switch loss and capacity dropping -----------------
+BALANCED = dict(MOE, moe_aux_loss=1e-2, moe_capacity_factor=1.0)  # capacity 1.0 x top-2 / 4 experts drops tokens
+EP2 = partial(ExpertParallelStrategy, expert_parallel_size=2, bucket_cap_mb=0.01)
+HARNESS = [Case(EP2, model=BALANCED, label="ep2 sgd"),
+           Case(EP2, model=BALANCED, optimizer="adamw", trainer={"gradient_clip_val": 0.5}, label="ep2 adamw clip"),
+           Case(EP2, model=dict(BALANCED, moe_balance="micro_batch"), label="ep2 micro-batch balancing")]
+
+
+def test_ep_harness_parity_with_global_batch_balancing() -> None:
+    global_sgd, global_adamw, local = run_parity(HARNESS, 2)
+    assert_parity(global_sgd)
+    assert_parity(global_adamw)
+    # balancing over each rank's half of the batch is another objective (and drops other tokens): the harness sees
+    # it in the first step's gradients
+    with pytest.raises(AssertionError, match=r"step 0 rank \d: gradient of model\."):
+        assert_parity(local)
+    # the cases exercise what they claim: tokens dropped at capacity, the auxiliary loss in the loss
+    model = Transformer(ModelConfig(**BALANCED))
+    tokens = token_data(8, TINY["max_seq_len"])
+    loss, ce = model.loss(tokens[:, :-1], tokens[:, 1:])
+    stats = moe_layers(model)["blocks.1.mlp"].stats
+    assert stats["dropped"] > 0 and loss - ce > 1e-2 * stats["aux"] * 0.99
 
 
 def test_zero3_is_refused() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from dist_utils import fit_tiny, run_distributed
+from dist_utils import TINY, fit_tiny, run_distributed
+from parity import Case, assert_parity, run_parity
 from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
 from strategies.comm import COMM_LOG
@@ -218,3 +220,13 @@ def test_pp_matches_one_process_and_resumes_on_one_stage(tmp_path: Path, monkeyp
     resumed = run_distributed(_fit_pp, 1, 1, 1, "1f1b", None, str(tmp_path / f"epoch=0-step={K}.ckpt"),
                               init_process_group=False)[0]
     _assert_same(resumed, single, first_step=K)
+
+
+# -- the parity harness: every stage's gradients (the tied copy under its first name), SGD and AdamW ----------------
+def test_harness_parity_pp() -> None:
+    pp2 = partial(PipelineStrategy, pipeline_parallel_size=2, microbatches=2, schedule="1f1b")
+    model = dict(TINY, **TIED_ODD)
+    for run in run_parity([Case(pp2, model=model, label="pp2 1f1b sgd"),
+                           Case(partial(pp2, schedule="zb_h1"), model=model, optimizer="adamw", trainer=CLIP,
+                                label="pp2 zb_h1 adamw clip")], 2):
+        assert_parity(run)

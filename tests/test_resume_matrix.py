@@ -2,7 +2,8 @@
 
 Every topology trains TinyLM on one fixed global batch of 8 rows (each dp replica reads its rows; tp and pp
 peers of a replica read the same ones), fp32, and all of them match one process within 1e-5 (the strategies'
-parity tests), so a resumed run's losses must equal the single-process run's losses from the saved step on.
+parity tests), so a resumed run's losses must equal the single-process run's losses from the saved step on, and
+its final parameters and AdamW state (m, v, step), gathered under global names, the single-process run's.
 Runs are grouped by world size, one process launch per group, in the order the sources must exist in.
 """
 
@@ -16,6 +17,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from dist_utils import TINY, Recorder, TinyLM, run_distributed, token_data
@@ -54,7 +56,12 @@ def _strategy(name: str) -> Any:
     return DataParallelStrategy()
 
 
-def _fit(name: str, max_steps: int, ckpt_dir: Optional[str] = None, resume: Optional[str] = None) -> list[float]:
+def _whole(value: Any) -> Any:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _fit(name: str, max_steps: int, ckpt_dir: Optional[str] = None, resume: Optional[str] = None) -> dict[str, Any]:
+    """The losses, and this rank's final parameters and optimizer state under global names (whole tensors)."""
     topo = TOPOLOGIES[name]
     dp_rank = int(os.environ.get("LOCAL_RANK", 0)) // topo.tp % topo.dp  # rank = (pp_rank * dp + dp_rank) * tp + tp_rank
     rows = token_data(GLOBAL_BATCH).view(topo.dp, -1, TINY["max_seq_len"] + 1)[dp_rank]
@@ -68,7 +75,12 @@ def _fit(name: str, max_steps: int, ckpt_dir: Optional[str] = None, resume: Opti
                         callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, num_sanity_val_steps=0, enable_checkpointing=bool(ckpt_dir))
     trainer.fit(TinyLM(), loader, ckpt_path=resume)
-    return recorder.losses
+    strategy = trainer.strategy
+    names = {n for n, _ in trainer.lightning_module.named_parameters()}
+    params = {k: _whole(v).detach().clone() for k, v in strategy.lightning_module_state_dict().items() if k in names}
+    state = strategy.optimizer_state(trainer.optimizers[0])["state"]
+    optim = {f"{fqn}:{k}": _whole(v).detach().clone() for fqn, s in state.items() for k, v in s.items()}
+    return {"losses": recorder.losses, "params": params, "optim": optim}
 
 
 
@@ -76,14 +88,20 @@ def _checkpoint(root: str, source: str) -> str:
     return f"{root}/{source}/step={K}.ckpt"
 
 
-def _run_group(root: str, jobs: list[tuple[Optional[str], str]]) -> list[list[float]]:
+def _run_group(root: str, jobs: list[tuple[Optional[str], str]]) -> list[dict[str, Any]]:
     """On one world size: (None, name) trains `name` K steps saving; (source, name) resumes `source` under `name`."""
     return [_fit(name, K, ckpt_dir=f"{root}/{name}") if source is None
             else _fit(name, K + MORE, resume=_checkpoint(root, source)) for source, name in jobs]
 
 
-def run_matrix(root: Path, pairs: list[tuple[str, str]]) -> dict[tuple[Optional[str], str], list[float]]:
-    """Save every source, resume every (source, target) pair; {(None, source) or (source, target): losses}."""
+def _merged(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0's losses; the union of the ranks' parameters and optimizer state (pipeline stages hold their own)."""
+    return {"losses": per_rank[0]["losses"], **{key: {k: v for r in per_rank for k, v in r[key].items()}
+                                                 for key in ("params", "optim")}}
+
+
+def run_matrix(root: Path, pairs: list[tuple[str, str]]) -> dict[tuple[Optional[str], str], dict[str, Any]]:
+    """Save every source, resume every (source, target) pair; {(None, source) or (source, target): run}."""
     pending: list[tuple[Optional[str], str]] = [(None, s) for s in dict.fromkeys(s for s, _ in pairs)] + pairs
     results: dict[tuple[Optional[str], str], list[float]] = {}
     while pending:
@@ -96,8 +114,8 @@ def run_matrix(root: Path, pairs: list[tuple[str, str]]) -> dict[tuple[Optional[
             if job[0] is None or job[0] in saved or (None, job[0]) in group:
                 group.append(job)
         world, jobs = max(by_world.items(), key=lambda item: len(item[1]))
-        losses = run_distributed(_run_group, world, str(root), jobs, init_process_group=False)[0]
-        results.update(zip(jobs, losses))
+        per_rank = run_distributed(_run_group, world, str(root), jobs, init_process_group=False)
+        results.update((job, _merged([r[i] for r in per_rank])) for i, job in enumerate(jobs))
         pending = [job for job in pending if job not in jobs]
     return results
 
@@ -105,10 +123,18 @@ def run_matrix(root: Path, pairs: list[tuple[str, str]]) -> dict[tuple[Optional[
 def _check(root: Path, pairs: list[tuple[str, str]]) -> None:
     matrix = run_matrix(root, pairs)
     reference = run_distributed(_fit, 1, "single", K + MORE, init_process_group=False)[0]
-    for (source, name), losses in matrix.items():
-        expected = reference[:K] if source is None else reference[K:]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0,
-                                   msg=lambda m: f"{source or 'fresh'} -> {name}: {m}")  # noqa: B023 (called at once)
+    for (source, name), run in matrix.items():
+        tag = f"{source or 'fresh'} -> {name}"
+        expected = reference["losses"][:K] if source is None else reference["losses"][K:]
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(expected), rtol=1e-5, atol=0,
+                                   msg=lambda m: f"{tag}: {m}")  # noqa: B023 (called at once)
+        if source is None:
+            continue
+        for key in ("params", "optim"):  # every parameter and every m, v, step of the single-process run
+            for k, value in reference[key].items():
+                assert k in run[key], f"{tag}: {key} {k} missing after the resume"
+                err = (run[key][k].float() - value.float()).norm().item()
+                assert err <= 1e-5 * value.float().norm().item() + 1e-12, f"{tag}: {key} {k} differs by {err:.3e}"
 
 
 # every source resumed under at least three other topologies

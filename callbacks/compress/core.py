@@ -48,9 +48,7 @@ def _from_every_rank(obj: Any) -> list[Any]:
     """`obj` of every rank (a collective on the world when distributed: call it on every rank, in step)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, obj)
-    return everyone
+    return comm.all_gather_object(obj, label="compression: one object from every rank")
 
 
 def same_on_every_rank(names: Sequence[str]) -> bool:

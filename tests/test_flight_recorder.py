@@ -1,0 +1,31 @@
+"""Every collective a strategy or callback issues is in the accounting layer, labelled by its caller: metric sync
+(`self.log(sync_dist=True)` -> `strategy.reduce`), broadcasts, barriers, the checkpoint's phases (DCP included) and
+the gradient traffic, so the flight recorder (`format_history`) names whichever a hung rank was in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from dist_utils import fit_tiny, run_distributed
+from strategies.comm import COMM_LOG, format_history
+from strategies.ddp import DataParallelStrategy
+
+
+def _train_and_save(ckpt_dir: str) -> dict:
+    fit_tiny(DataParallelStrategy(), devices=2, steps_per_epoch=2, max_steps=2,
+             callbacks=(ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1),))
+    return {"records": {(r.op, r.label) for r in COMM_LOG.records}, "history": format_history()}
+
+
+def test_recorder_names_every_kind_of_collective(tmp_path: Path) -> None:
+    for rank in run_distributed(_train_and_save, 2, str(tmp_path), init_process_group=False):
+        records = rank["records"]
+        for expected in [("broadcast", "broadcast parameters"), ("all_reduce", "GradSync bucket"),
+                         ("all_reduce", "strategy.reduce"), ("broadcast_object", "strategy.broadcast"),
+                         ("broadcast_object", "checkpoint save: directory"),
+                         ("barrier", "checkpoint save: shards written"), ("barrier", "checkpoint save: published")]:
+            assert expected in records, (expected, sorted(records))
+        assert any(op == "dcp_save" and label.startswith("checkpoint save") for op, label in records)
+        assert "[checkpoint save: published]" in rank["history"]  # the last thing each rank entered
