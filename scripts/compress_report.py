@@ -30,7 +30,8 @@ from lit_lm.cli import DEFAULT_CONFIG, LitLMCLI
 from lit_lm.data import TextDataModule
 from lit_lm.module import LanguageModel
 
-CONFIGS = ["prune_unstructured", "prune_2of4", "prune_structured", "qat_int8", "qat_int4", "prune_then_qat"]
+CONFIGS = ["prune_unstructured", "prune_2of4", "prune_structured", "qat_int8", "qat_int4", "qat_ternary", "qat_binary",
+           "prune_then_qat"]
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_STEPS = 400  # what the fragments' schedules are written for
 
