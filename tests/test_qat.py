@@ -15,8 +15,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from callbacks.compress import QAT, KMeansQuantization
 from callbacks.compress.core import DEFAULT_EXCLUDE, select
-from callbacks.compress.qat import act_qparams, binary_codes, fake_quant_act, fake_quant_weight, model_bytes, \
-    twn_codes, weight_scale
+from callbacks.compress.qat import IntLinear, act_qparams, binary_codes, fake_quant_act, fake_quant_weight, \
+    model_bytes, quantize_weight, twn_codes, weight_scale
 from dist_utils import TinyLM, fit_tiny, token_data
 from lit_lm.config import ConfigError
 from strategies.base import whole_weights
@@ -164,3 +164,19 @@ def test_qat_fragments_build(name: str) -> None:
     (callback,) = cfg["trainer"]["callbacks+"]
     assert callback["class_path"] == "callbacks.compress.QAT"
     assert QAT(**callback["init_args"]).bits == {"qat_int8": 8, "qat_int4": 4, "qat_ternary": 2, "qat_binary": 1}[name]
+
+
+def test_int8_export_runs_fbgemm_within_one_activation_level_of_fake_quant() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(48, 32, generator=gen), torch.randn(4, 16, 32, generator=gen)
+    scale, act = weight_scale(w, 8), act_qparams(float(x.min()), float(x.max()))
+    linear = IntLinear(quantize_weight(w, scale, 8), scale, 8, act)
+    assert linear.uses_kernel
+    fake = torch.nn.functional.linear(fake_quant_act(x, *act), fake_quant_weight(w, scale, 8))
+    torch.testing.assert_close(linear.reference(x), fake, rtol=1e-5, atol=1e-5)  # exact integer maths
+    kernel = linear(x)
+    assert linear._packed is not None
+    # x * (1/s) may round one level away from x / s: at most s_x * sum |w| per output, and rarely
+    bound = act[0] * fake_quant_weight(w, scale, 8).abs().sum(1)
+    assert ((kernel - fake).abs() <= bound + 1e-5).all()
+    assert (kernel - fake).abs().mean() < 1e-3 * fake.abs().mean()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import types
+import warnings
 from typing import Any, Literal, Optional, Sequence
 
 import lightning as L
@@ -144,7 +145,13 @@ def fake_quant_act(x: Tensor, scale: float, zero_point: int) -> Tensor:
 class IntLinear(nn.Module):
     """An exported linear: packed integer weight codes, fp32 scales, optional uint8 activation parameters, and an
     integer-matmul reference forward: y = s_x * sum_g s_w[o, g] * sum_{i in g} (x_q[i] - z_x) * w_q[o, i]. Binary
-    codes are stored as 1 bit, ternary as 2; TTQ's negative codes take `neg_scale` (its W_n) instead of `scale`."""
+    codes are stored as 1 bit, ternary as 2; TTQ's negative codes take `neg_scale` (its W_n) instead of `scale`.
+
+    int8 weights per channel with quantized activations run on CPU through PyTorch's fbgemm kernel instead
+    (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`: uint8 x int8 with int32 accumulation, the same
+    quantization of the input, fp32 out), so the export is faster, not only smaller. It quantizes x as
+    round(x * (1 / s_x)), which can differ by one level from round(x / s_x) at a rounding boundary.
+    """
 
     def __init__(self, codes: Tensor, scale: Tensor, bits: int, act: Optional[tuple[float, int]],
                  neg_scale: Optional[Tensor] = None) -> None:
@@ -160,6 +167,34 @@ class IntLinear(nn.Module):
         self.register_buffer("scale", scale.float())
         self.register_buffer("neg_scale", None if neg_scale is None else neg_scale.float())
         self.act = act
+        self._packed: Any = None  # fbgemm's prepacked weight, built at the first CPU forward
+
+    @property
+    def uses_kernel(self) -> bool:
+        return (self.bits == 8 and self.act is not None and self.neg_scale is None and self.scale.shape[-1] == 1
+                and self.qweight.device.type == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._packed = None  # new weights: pack again
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _kernel(self, x: Tensor) -> Tensor:
+        if self._packed is None:
+            scale = self.scale[:, 0].double()
+            with warnings.catch_warnings():  # quantized tensors are deprecated (pytorch#184982), the kernels kept
+                warnings.simplefilter("ignore", UserWarning)
+                qweight = torch.quantize_per_channel(self.qweight.float() * self.scale, scale,
+                                                     torch.zeros_like(scale, dtype=torch.int64), 0, torch.qint8)
+            engine = torch.backends.quantized.engine
+            torch.backends.quantized.engine = "fbgemm"  # the packed weight is fbgemm's, whatever the default
+            try:
+                self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+            finally:
+                torch.backends.quantized.engine = engine
+        s_x, z_x = self.act
+        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            x.reshape(-1, x.shape[-1]).float().contiguous(), s_x, z_x, self._packed)
+        return y.to(x.dtype).view(*x.shape[:-1], self.shape[0])
 
     def codes(self) -> Tensor:
         if self.bits == 8:
@@ -168,6 +203,9 @@ class IntLinear(nn.Module):
         return 2 * raw - 1 if self.bits == 1 else raw - 2 ** (self.bits - 1)
 
     def forward(self, x: Tensor) -> Tensor:
+        return self._kernel(x) if self.uses_kernel else self.reference(x)
+
+    def reference(self, x: Tensor) -> Tensor:
         out, groups = self.shape[0], self.scale.shape[-1]
         w = self.codes().view(out, groups, -1)
         lead, dtype = x.shape[:-1], x.dtype
