@@ -20,13 +20,10 @@ import argparse
 import copy
 import math
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
-import yaml
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,40 +32,7 @@ from callbacks.compress.ptq import METHODS, PTQ  # noqa: E402
 from lit_lm.cli import DEFAULT_CONFIG  # noqa: E402
 from lit_lm.data import TextDataModule  # noqa: E402
 from lit_lm.module import LanguageModel  # noqa: E402
-from strategies.checkpoint import is_sharded_checkpoint, to_single_file  # noqa: E402
-
-
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """A plain checkpoint dict from a single file or a sharded directory."""
-    if is_sharded_checkpoint(path):
-        with tempfile.TemporaryDirectory() as tmp:
-            to_single_file(path, Path(tmp) / "model.ckpt")
-            return torch.load(Path(tmp) / "model.ckpt", map_location="cpu", weights_only=False)
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
-def build_model(ckpt: dict[str, Any], **overrides: Any) -> LanguageModel:
-    module = LanguageModel(**{**ckpt["hyper_parameters"], **overrides})
-    module.configure_model()
-    module.load_state_dict(ckpt["state_dict"])
-    return module.eval()
-
-
-def data_module(configs: list[Path]) -> TextDataModule:
-    """The `data.init_args` of the config files (later files win)."""
-    init_args: dict[str, Any] = {}
-    for path in configs:
-        init_args.update((yaml.safe_load(path.read_text()).get("data") or {}).get("init_args") or {})
-    data = TextDataModule(**init_args)
-    data.setup("fit")
-    return data
-
-
-@torch.no_grad()
-def val_loss(module: LanguageModel, batches: list[torch.Tensor]) -> float:
-    """Mean next-token cross-entropy (the batches are equal-sized windows)."""
-    module.eval()
-    return sum(float(module.model.loss(b[:, :-1], b[:, 1:])[1]) for b in batches) / len(batches)
+from offline import batches, build_model, data_module, load_checkpoint, val_loss  # noqa: E402
 
 
 def qat_finetune(ckpt: dict[str, Any], data: TextDataModule, bits: int, group_size: int | None,
@@ -101,8 +65,8 @@ def main() -> None:
 
     ckpt = load_checkpoint(opts.ckpt_path)
     data = data_module(opts.config)
-    calib = _first_batches(data.train_set, data.batch_size, opts.calib_batches)
-    val = _first_batches(data.val_set, data.batch_size, opts.val_batches, shuffle=False)
+    calib = batches(data.train_set, data.batch_size, opts.calib_batches)
+    val = batches(data.val_set, data.batch_size, opts.val_batches, shuffle=False)
     float_model = build_model(ckpt)
     rows = {"float": val_loss(float_model, val)}
     for method in opts.method:
@@ -121,14 +85,6 @@ def main() -> None:
     print("| model | val loss (vs float) | perplexity |\n|---|---|---|")
     for name, loss in rows.items():
         print(f"| {name} | {loss:.4f} ({loss - rows['float']:+.4f}) | {math.exp(loss):.2f} |")
-
-
-def _first_batches(dataset: Any, batch_size: int, n: int, shuffle: bool = True) -> list[torch.Tensor]:
-    """`n` batches, drawn in a seeded random order (or in order) without loading the whole split."""
-    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)) if shuffle \
-        else torch.arange(len(dataset))
-    picks = order[: n * batch_size].view(-1, batch_size)
-    return [torch.stack([dataset[int(i)] for i in rows]) for rows in picks]
 
 
 if __name__ == "__main__":
