@@ -39,7 +39,7 @@ def qat_finetune(ckpt: dict[str, Any], data: TextDataModule, bits: int, group_si
                  steps: int) -> LanguageModel:
     """The float checkpoint fine-tuned with the QAT callback, exported."""
     hp = ckpt["hyper_parameters"]
-    module = build_model(ckpt, lr=hp["lr"] * 0.1, warmup_steps=0)
+    module = build_model(ckpt, lr=hp["lr"] * 0.1, warmup_steps=0).train()  # (Lightning keeps a module's mode)
     qat = QAT(bits, group_size=group_size, start_step=0, freeze_observers_step=steps * 3 // 4)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,

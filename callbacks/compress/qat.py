@@ -25,6 +25,9 @@ under pp, where each microbatch updates them), so those ranks (and a single-proc
 batch) hold the same range. The checkpoint keeps every stage's observers. `convert` replaces the linears by
 `IntLinear`: packed integer weights (2 bits a ternary weight, 1 a binary one), fp32 scales and an integer-matmul
 reference forward that matches the fake-quant model.
+
+Logged every step: `bits/<layer>`, the weight bits the layer trains with (32 before `start_step`). A `start_step`
+the run never reaches is warned about at the start.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from callbacks.compress.core import DEFAULT_EXCLUDE, all_reduce_, layer_groups, merged_over_ranks, owned_weights, \
-    pack_bits, select, unpack_bits
+from callbacks.compress.core import DEFAULT_EXCLUDE, all_reduce_, layer_groups, log_per_layer, merged_over_ranks, \
+    owned_weights, pack_bits, select, unpack_bits, warn_if_never_reached
 from lit_lm.config import ConfigError
 from strategies import comm
 from strategies.base import WeightShard
@@ -274,11 +277,17 @@ class QAT(L.Callback):
 
     # -- Lightning hooks ---------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        warn_if_never_reached(trainer, "QAT", self.start_step, trainer.max_steps - 1)  # steps 0 .. max_steps - 1
         self._groups = layer_groups(trainer)
         self.attach(pl_module, select(owned_weights(trainer, pl_module), self.include, self.exclude, "QAT"))
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        """The weight bits each layer trained with at this step (32 before `start_step`)."""
+        log_per_layer(pl_module, "bits", {name: self.bits if self._step >= self.start_step else 32
+                                          for name in self._weights})
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if self.ttq and self._step >= self.start_step:
