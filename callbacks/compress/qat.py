@@ -86,7 +86,7 @@ def check_qat_bits(bits: int, owner: str) -> int:
     return bits
 
 
-def _row_stats(rows: Tensor, values: Tensor, counted: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+def _row_stats(values: Tensor, counted: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
     """(2, out, groups): sum of `values` and count of `counted` per row group, summed over `group`'s parts."""
     stats = torch.stack([values.sum(-1), counted.sum(-1).to(values.dtype)])
     return all_reduce_(stats, group)
@@ -98,9 +98,9 @@ def twn_codes(w: Tensor, group_size: Optional[int] = None,
     scale = mean |w| over the weights above it. With `group`, the row's parts are spread over it (sums reduced)."""
     size = w.shape[1] if group_size is None else group_size
     rows = w.detach().float().reshape(w.shape[0], -1, size)
-    total, count = _row_stats(rows, rows.abs(), torch.ones_like(rows), group)
+    total, count = _row_stats(rows.abs(), torch.ones_like(rows), group)
     keep = rows.abs() > (TWN_DELTA * total / count)[..., None]
-    kept_sum, kept = _row_stats(rows, rows.abs() * keep, keep, group)
+    kept_sum, kept = _row_stats(rows.abs() * keep, keep, group)
     return (torch.sign(rows) * keep).view(w.shape), kept_sum / kept.clamp(min=1)
 
 
@@ -109,7 +109,7 @@ def binary_codes(w: Tensor, group_size: Optional[int] = None,
     """(codes in {-1, 1} like w (0 -> +1), scales (out, n_groups) = mean |w| per channel or group)."""
     size = w.shape[1] if group_size is None else group_size
     rows = w.detach().float().reshape(w.shape[0], -1, size)
-    total, count = _row_stats(rows, rows.abs(), torch.ones_like(rows), group)
+    total, count = _row_stats(rows.abs(), torch.ones_like(rows), group)
     return torch.where(rows >= 0, 1.0, -1.0).view(w.shape), total / count
 
 
