@@ -12,6 +12,8 @@ pipeline's step from the first rank's start to the last rank's end; each step st
 of `--steps` is a warm-up and the others are averaged. Theory: (p-1)/(m+p-1) for GPipe and 1F1B, that over v for
 interleaved, (p-1)/(3m+p-1) for ZB-H1. Each action also pays a fixed ~1 ms here (a message's latency, Python);
 the default 50 ms sleep per layer makes that noise. Peak microbatches in flight per rank come from the schedule.
+`--plot FILE` draws the last measured step of every schedule as a per-rank timeline of its F, B and W actions
+(measured start and end times, one clock for all processes of the host; gaps are idle), one PNG per model kind.
 """
 
 from __future__ import annotations
@@ -149,9 +151,12 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
                 steps.append((runner.stats.start, runner.stats.start + runner.stats.wall, runner.stats.busy))
                 for a, t0, t1 in runner.stats.events:
                     costs.setdefault(a.op, []).append(t1 - t0)
+        start = runner.stats.start  # the last step's compute actions, on the host's clock
         results[(kind, name)] = {"v": v, "steps": steps, "theory": bubble_theory(name, p, m, v),
                                  "peak_in_flight": schedule.peak_in_flight()[rank],
-                                 "costs": {op: sum(ts) / len(ts) for op, ts in costs.items()}}
+                                 "costs": {op: sum(ts) / len(ts) for op, ts in costs.items()},
+                                 "timeline": [(a.op, a.mb, a.chunk, start + t0, start + t1)
+                                              for a, t0, t1 in runner.stats.events]}
         if rank == 0:  # progress: a schedule takes (steps x its step time), up to ~20 s with the defaults
             print(f"[bench_pipeline] {kind} {name}: {args.steps} steps done", flush=True)
     torch.save(results, Path(out) / f"rank{rank}.pt")
@@ -169,6 +174,37 @@ def _summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "costs": {op: sum(r["costs"][op] for r in rows if op in r["costs"]) /
                       sum(op in r["costs"] for r in rows) for op in ops},
             "peak_in_flight": [r["peak_in_flight"] for r in rows]}
+
+
+COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
+
+
+def plot_timelines(per_rank: list[dict[Any, Any]], kind: str, schedules: list[str], path: Path) -> Path:
+    """One panel per schedule: a row per rank, a bar per measured F / B / W action labelled with its microbatch
+    (and chunk), time from the step's first action."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from matplotlib.patches import Patch
+    from plotting import figure, save
+
+    fig, axes = figure(7.5, 1.0 + 1.1 * len(schedules), nrows=len(schedules), squeeze=False)
+    for ax, name in zip(axes[:, 0], schedules):
+        timelines = [r[(kind, name)]["timeline"] for r in per_rank]
+        origin = min(t0 for events in timelines for _, _, _, t0, _ in events)
+        for rank, events in enumerate(timelines):
+            for op, mb, chunk, t0, t1 in events:
+                ax.barh(rank, 1000 * (t1 - t0), left=1000 * (t0 - origin), color=COLOURS[op], edgecolor="white",
+                        linewidth=0.5, height=0.8)
+                label = f"{mb}" + (f".{chunk}" if chunk else "")
+                ax.text(1000 * ((t0 + t1) / 2 - origin), rank, label, ha="center", va="center", fontsize=5,
+                        color="white")
+        ax.set_yticks(range(len(timelines)), [f"rank {r}" for r in range(len(timelines))], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(name, fontsize=8, loc="left")
+        ax.tick_params(axis="x", labelsize=7)
+    axes[-1, 0].set_xlabel("ms since the step's first action", fontsize=8)
+    handles = [Patch(color=colour, label=op) for op, colour in COLOURS.items()]
+    fig.legend(handles=handles, fontsize=7, loc="upper right", ncol=3)
+    return save(fig, path)
 
 
 def main() -> None:
@@ -190,6 +226,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="the first is a warm-up, the others are averaged")
     parser.add_argument("--timeline", action="store_true", help="print each schedule's simulated timeline")
     parser.add_argument("--json", type=str, default=None)
+    parser.add_argument("--plot", type=str, default=None, help="per-rank timelines of the last measured step (PNG; "
+                        "with --model both, one file per kind: NAME_sleep.png, NAME_real.png)")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first is a warm-up)")
@@ -231,7 +269,11 @@ def main() -> None:
                           f"{row['bubble_mean']:.3f} / " + " ".join(f"{b:.3f}" for b in row["bubble_per_rank"]),
                           f"{row['theory']:.3f}", f"{row['bubble_mean'] / row['theory']:.2f}",
                           str(row["peak_in_flight"]))
-    console.print(table)
+        console.print(table)
+    for kind in KINDS[args.model] if args.plot else ():
+        path = Path(args.plot)
+        path = path if args.model != "both" else path.with_name(f"{path.stem}_{kind}{path.suffix}")
+        print(f"wrote {plot_timelines(per_rank, kind, list(SCHEDULES), path)}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
 

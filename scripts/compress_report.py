@@ -1,20 +1,26 @@
 """Train the default model once dense and once with each `configs/compress/*.yaml`, for the same steps, and print
-one table: val loss, perplexity, sparsity, weight bits and exported bytes, each relative to the dense run.
+one table: val loss, perplexity, sparsity, weight bits, exported bytes and the exported model's CPU forward time,
+each relative to the dense run; optionally a loss-vs-size scatter (`--plot`) and the rows as JSON.
 
     python scripts/compress_report.py --steps 400          # the configs' own schedules (written for 400 steps)
     python scripts/compress_report.py --steps 40 --val-batches 5   # a short run: the schedules are scaled
+    python scripts/compress_report.py --base configs/compress/report_small.yaml --steps 200 --plot docs/img/x.png
 
 Exported bytes: float weights of the unstructured/N:M layers as stored sparse (non-zeros + a 1-bit mask, or
 + 2-bit indices for N:M), structured pruning physically shrunk (`make_permanent`), QAT converted to packed integer
 weights + scales (`QAT.convert`); everything else (embedding, norms) fp32. Single process, CPU or one GPU.
+Forward time: int8 layers run PyTorch's fbgemm integer kernel (`IntLinear`); structured pruning is a smaller dense
+model; unstructured/N:M sparsity and 4/2/1-bit weights run dense or reference code, so only their size shrinks.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,13 +30,15 @@ import torch
 import yaml
 from torch import nn
 
-from callbacks.compress import QAT, Pruning
-from callbacks.compress.qat import model_bytes
-from lit_lm.cli import DEFAULT_CONFIG, LitLMCLI
-from lit_lm.data import TextDataModule
-from lit_lm.module import LanguageModel
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from callbacks.compress import QAT, Pruning  # noqa: E402
+from callbacks.compress.qat import model_bytes  # noqa: E402
+from lit_lm.cli import DEFAULT_CONFIG, LitLMCLI  # noqa: E402
+from lit_lm.data import TextDataModule  # noqa: E402
+from lit_lm.module import LanguageModel  # noqa: E402
 
-CONFIGS = ["prune_unstructured", "prune_2of4", "prune_structured", "qat_int8", "qat_int4", "prune_then_qat"]
+CONFIGS = ["prune_unstructured", "prune_2of4", "prune_structured", "qat_int8", "qat_int4", "qat_ternary", "qat_binary",
+           "prune_then_qat"]
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_STEPS = 400  # what the fragments' schedules are written for
 
@@ -58,9 +66,8 @@ def export(module: nn.Module, prunings: list[Pruning], qats: list[QAT]) -> nn.Mo
 
 
 def forward_ms(models: dict[str, nn.Module], batch: int = 8, seq_len: int = 128, rounds: int = 60) -> dict[str, float]:
-    """Median CPU time of one forward of each exported model, timed in alternation so that machine noise hits
-    all of them alike. Only a physically smaller model (structured pruning) can be faster here: sparse and
-    packed-integer layers run reference code, not sparse/int kernels."""
+    """Median CPU time of one forward of each exported model (the first tenth of the rounds are warm-up), timed in
+    alternation so that machine noise hits all of them alike."""
     idx = torch.randint(0, next(iter(models.values())).config.vocab_size, (batch, seq_len))
     times: dict[str, list[float]] = {name: [] for name in models}
     with torch.no_grad():
@@ -101,7 +108,35 @@ def run(name: str, fragment: list[str], steps: int, val_batches: int, root: Path
     exported = export(module, prunings, qats)
     return {"val_loss": val, "ppl": math.exp(val), "sparsity": zeros / linear,
             "bits": min((q.bits for q in qats), default=32), "bytes": exported_bytes(exported, prunings),
-            "exported": exported}
+            "exported": exported, "seq_len": cli.datamodule.seq_len}
+
+
+def table(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The markdown table, every figure relative to the `dense` row in parentheses."""
+    dense = rows["dense"]
+    lines = ["| config | val loss | perplexity | sparsity | bits | exported bytes | exported forward ms |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['val_loss']:.4f} ({r['val_loss'] - dense['val_loss']:+.4f}) | {r['ppl']:.2f} "
+                     f"({r['ppl'] / dense['ppl']:.3f}x) | {r['sparsity']:.3f} | {r['bits']} | {r['bytes']:,} "
+                     f"({r['bytes'] / dense['bytes']:.3f}x) | {r['forward_ms']:.1f} "
+                     f"({r['forward_ms'] / dense['forward_ms']:.2f}x) |")
+    return lines
+
+
+def plot_loss_vs_size(rows: dict[str, dict[str, Any]], path: Path) -> Path:
+    """Every row as a point: exported size against validation loss (lower left is better)."""
+    from plotting import figure, save
+
+    fig, ax = figure(6.0, 3.8)
+    for name, r in rows.items():
+        ax.scatter(r["bytes"] / 2**20, r["val_loss"], s=25)
+        ax.annotate(name, (r["bytes"] / 2**20, r["val_loss"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    ax.set_xlabel("exported size (MiB)")
+    ax.set_ylabel("validation loss")
+    ax.set_title("compression: loss against size", fontsize=10)
+    ax.grid(alpha=0.3)
+    return save(fig, path)
 
 
 def main() -> None:
@@ -109,23 +144,32 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--val-batches", type=int, default=25)
     parser.add_argument("--configs", nargs="*", default=CONFIGS)
+    parser.add_argument("--base", nargs="*", default=[], help="config fragments applied to every run (e.g. a "
+                        "smaller model: configs/compress/report_small.yaml)")
+    parser.add_argument("--rounds", type=int, default=60, help="alternating forward timings per model")
+    parser.add_argument("--plot", type=Path, default=None, help="write the loss-vs-size scatter here (PNG)")
+    parser.add_argument("--json", type=Path, default=None)
     opts = parser.parse_args()
+    base = [arg for path in opts.base for arg in ("--config", str(path))]
     with tempfile.TemporaryDirectory() as tmp:
-        rows = {"dense": run("dense", [], opts.steps, opts.val_batches, Path(tmp))}
+        rows = {"dense": run("dense", base, opts.steps, opts.val_batches, Path(tmp))}
         for name in opts.configs:
             frag = scaled_fragment(name, opts.steps, Path(tmp))
-            rows[name] = run(name, ["--config", str(frag)], opts.steps, opts.val_batches, Path(tmp))
-    for name, ms in forward_ms({name: r.pop("exported") for name, r in rows.items()}).items():
+            rows[name] = run(name, [*base, "--config", str(frag)], opts.steps, opts.val_batches, Path(tmp))
+            print(f"[compress_report] {name}: val loss {rows[name]['val_loss']:.4f}", flush=True)
+    exported = {name: r.pop("exported") for name, r in rows.items()}
+    for name, ms in forward_ms(exported, seq_len=rows["dense"].pop("seq_len"), rounds=opts.rounds).items():
         rows[name]["forward_ms"] = ms
-    dense = rows["dense"]
-    print(f"\n{opts.steps} steps, default model; relative to dense in parentheses (sparsity over the blocks' "
-          "matrices)\n")
-    print("| config | val loss | perplexity | sparsity | bits | exported bytes | exported forward ms |")
-    print("|---|---|---|---|---|---|---|")
-    for name, r in rows.items():
-        print(f"| {name} | {r['val_loss']:.4f} ({r['val_loss'] - dense['val_loss']:+.4f}) | {r['ppl']:.2f} "
-              f"({r['ppl'] / dense['ppl']:.3f}x) | {r['sparsity']:.3f} | {r['bits']} | {r['bytes']:,} "
-              f"({r['bytes'] / dense['bytes']:.3f}x) | {r['forward_ms']:.1f} ({r['forward_ms'] / dense['forward_ms']:.2f}x) |")
+    for r in rows.values():
+        r.pop("seq_len", None)
+    print(f"\n{opts.steps} steps{' with ' + ' '.join(map(str, opts.base)) if opts.base else ''}; relative to dense "
+          f"in parentheses (sparsity over the blocks' matrices); forward: median of {opts.rounds} alternating CPU "
+          f"timings, {torch.get_num_threads()} threads\n")
+    print("\n".join(table(rows)))
+    if opts.json:
+        opts.json.write_text(json.dumps(rows, indent=1))
+    if opts.plot:
+        print(f"wrote {plot_loss_vs_size(rows, opts.plot)}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Per-layer pruning sensitivity: prune each linear alone (unstructured magnitude) at a sweep of sparsities and
-record the validation loss; print a table, write JSON and a PNG plot, and optionally pick per-layer sparsities
+record the validation loss; print a table, write JSON and a plot of the curves (matplotlib), and optionally pick per-layer sparsities
 that reach a target overall sparsity with the smallest per-layer loss increase (within a budget).
 
-    python scripts/sensitivity.py --ckpt runs/default/.../last.ckpt --out runs/sensitivity \
+    python scripts/sensitivity.py --ckpt runs/default/.../last.ckpt --out runs/sensitivity [--config RUN.yaml ...] \
         [--sparsities 0.25 0.5 0.75 0.9] [--val-batches 10] [--target 0.5 --budget 0.05]
 
 The allocation: every layer takes the largest swept sparsity whose loss increase is <= t, for the smallest t
@@ -13,45 +13,33 @@ from __future__ import annotations
 
 import argparse
 import json
-import struct
-import zlib
+import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from callbacks.compress.core import DEFAULT_EXCLUDE, select
-from callbacks.compress.pruning import magnitude_masks
-from lit_lm.data import TextDataModule
-from lit_lm.module import LanguageModel
-from strategies.base import whole_weights
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from callbacks.compress.core import DEFAULT_EXCLUDE, select  # noqa: E402
+from callbacks.compress.pruning import magnitude_masks  # noqa: E402
+from lit_lm.cli import DEFAULT_CONFIG  # noqa: E402
+from offline import batches, build_model, data_module, load_checkpoint, val_loss  # noqa: E402
+from strategies.base import whole_weights  # noqa: E402
 
 
-@torch.no_grad()
-def val_loss(module: LanguageModel, batches: list[torch.Tensor]) -> float:
-    return float(np.mean([float(module.model.loss(b[:, :-1], b[:, 1:])[1]) for b in batches]))
+def plot_curves(results: dict[str, dict[float, float]], dense: float, path: Path) -> Path:
+    """Validation loss increase against sparsity, one curve per layer."""
+    from plotting import figure, save
 
-
-def _png_chunk(tag: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
-
-
-def write_png(path: Path, curves: dict[str, list[float]], xs: list[float], size: int = 400) -> None:
-    """Loss against sparsity, one grey level per layer, no axis text: a dependency-free picture of the table
-    (matplotlib is not a dependency)."""
-    img = np.full((size, size), 255, np.uint8)
-    ys = np.array(list(curves.values()))
-    lo, span = ys.min(), max(ys.max() - ys.min(), 1e-9)
-    for i, curve in enumerate(ys):
-        pts = [(10 + (x - xs[0]) / (xs[-1] - xs[0] or 1) * (size - 20), size - 10 - (y - lo) / span * (size - 20))
-               for x, y in zip(xs, curve)]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            for t in np.linspace(0, 1, size):
-                img[int(y0 + t * (y1 - y0)), int(x0 + t * (x1 - x0))] = int(200 * i / max(len(ys) - 1, 1))
-    raw = b"".join(b"\0" + row.tobytes() for row in img)
-    header = struct.pack(">IIBBBBB", size, size, 8, 0, 0, 0, 0)  # 8-bit greyscale
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header) + _png_chunk(b"IDAT", zlib.compress(raw))
-                     + _png_chunk(b"IEND", b""))
+    fig, ax = figure(6.0, 3.8)
+    for name, curve in results.items():
+        ax.plot(list(curve), [loss - dense for loss in curve.values()], marker="o", markersize=3, linewidth=1,
+                label=name.removeprefix("model.").removesuffix(".weight"))
+    ax.set_xlabel("sparsity of the layer alone (unstructured magnitude)")
+    ax.set_ylabel("val loss increase")
+    ax.set_title(f"per-layer pruning sensitivity (dense val loss {dense:.3f})", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=5, ncol=2, loc="upper left")
+    return save(fig, path)
 
 
 def allocate(results: dict[str, dict[float, float]], sizes: dict[str, int], dense: float, target: float,
@@ -68,22 +56,20 @@ def allocate(results: dict[str, dict[float, float]], sizes: dict[str, int], dens
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ckpt", required=True, help="a single-file Lightning checkpoint of lit_lm's LanguageModel")
+    parser.add_argument("--ckpt", type=Path, required=True,
+                        help="a Lightning checkpoint of lit_lm's LanguageModel (one file or a sharded directory)")
+    parser.add_argument("--config", type=Path, nargs="+", default=[DEFAULT_CONFIG],
+                        help="the run's config files, for its data (default: the default run's)")
     parser.add_argument("--out", default="runs/sensitivity")
     parser.add_argument("--sparsities", type=float, nargs="+", default=[0.25, 0.5, 0.75, 0.9])
     parser.add_argument("--val-batches", type=int, default=10)
     parser.add_argument("--target", type=float)
     parser.add_argument("--budget", type=float, default=0.05)
     opts = parser.parse_args()
-    ckpt = torch.load(opts.ckpt, map_location="cpu", weights_only=False)
-    module = LanguageModel(**ckpt["hyper_parameters"])
-    module.configure_model()
-    module.load_state_dict(ckpt["state_dict"])
-    data = TextDataModule(**ckpt.get("datamodule_hyper_parameters", {}))
-    data.setup("validate")
-    batches = [b for b, _ in zip(iter(torch.utils.data.DataLoader(data.val_set, batch_size=data.batch_size)),
-                                 range(opts.val_batches))]
-    dense = val_loss(module, batches)
+    module = build_model(load_checkpoint(opts.ckpt))
+    data = data_module(opts.config)
+    windows = batches(data.val_set, data.batch_size, opts.val_batches, shuffle=False)
+    dense = val_loss(module, windows)
     weights = select(whole_weights(module), None, DEFAULT_EXCLUDE, "sensitivity")
     results: dict[str, dict[float, float]] = {}
     for ws in weights:
@@ -92,7 +78,7 @@ def main() -> None:
         for s in opts.sparsities:
             with torch.no_grad():
                 ws.local.mul_(magnitude_masks([original], s)[0])
-            results[ws.name][s] = val_loss(module, batches)
+            results[ws.name][s] = val_loss(module, windows)
             with torch.no_grad():
                 ws.local.copy_(original)
         print(f"{ws.name:40s} " + " ".join(f"{s:.2f}:{loss - dense:+.4f}" for s, loss in results[ws.name].items()))
@@ -104,7 +90,7 @@ def main() -> None:
                                         opts.budget)
         print("allocation:", report["allocation"] or f"target {opts.target} not reachable within {opts.budget}")
     (out / "sensitivity.json").write_text(json.dumps(report, indent=1))
-    write_png(out / "sensitivity.png", {n: list(r.values()) for n, r in results.items()}, opts.sparsities)
+    plot_curves(results, dense, out / "sensitivity.png")
     print(f"dense val loss {dense:.4f}; wrote {out / 'sensitivity.json'} and {out / 'sensitivity.png'}")
 
 

@@ -1,5 +1,6 @@
-"""Compression on sharded weights: masks and observers computed under zero2, zero3 and tp=2 (2 gloo ranks) are
-the single-process ones, weights and optimizer state stay zero on every shard, and a shard-local mask would differ."""
+"""Compression on sharded weights: masks, observers and TTQ's learned scales computed under zero2, zero3 and tp=2
+(2 gloo ranks) are the single-process ones, as are the losses of int8, ternary (TWN, TTQ) and binary fake-quant
+layers; weights and optimizer state stay zero on every shard, and a shard-local mask would differ."""
 
 from __future__ import annotations
 
@@ -43,6 +44,14 @@ class ZerosKept(L.Callback):
                     self.ok.append(all(float(t.detach()[dropped].abs().sum()) == 0 for t in [ws.local, *moments]))
 
 
+class Losses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+
 class SavedState(L.Callback):
     """At the end: what the compression callbacks would put in a checkpoint (merged over the ranks)."""
 
@@ -57,17 +66,23 @@ def _fit(strategy: Any, devices: int, dp: int, scope: str = "global") -> dict[st
     prunings = [Pruning("unstructured", 0.6, start_step=1, scope=scope, include=["*.attn.*"]),
                 Pruning("nm", start_step=1, include=["*.blocks.0.mlp.*"]),
                 Pruning("structured", 0.5, start_step=1, importance="l2", include=["*.blocks.1.mlp.*"])]
-    qat, check = QAT(8, start_step=0), ZerosKept(prunings)
-    saved = SavedState([*prunings, qat])
+    # int8, TWN, TTQ and binary, on layers that TP splits by rows (wo, w_down) and by columns
+    qats = [QAT(8, include=["*.blocks.0.attn.*"]), QAT(2, include=["*.blocks.0.mlp.*"]),
+            QAT(2, ternary="ttq", scale_lr=0.01, include=["*.blocks.1.attn.*"]), QAT(1, include=["*.blocks.1.mlp.*"])]
+    check, losses = ZerosKept(prunings), Losses()
+    saved = SavedState([*prunings, *qats])
     data = rank_share(token_data(16), 8, int(os.environ.get("LOCAL_RANK", 0)) % dp, dp)  # tp peers: one batch
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, logger=False,
-                        callbacks=[*prunings, qat, check, saved], enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[*prunings, *qats, check, saved, losses], enable_progress_bar=False,
+                        enable_model_summary=False,
                         enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0)
     trainer.fit(FrozenLM(), DataLoader(TensorDataset(data), batch_size=8 // dp))
-    return {"masks": [p.masks for p in prunings], "observers": qat.observers, "ok": check.ok,
-            "saved_masks": [state["masks"] for state in saved.saved[:-1]],
-            "saved_observers": saved.saved[-1]["observers"]}
+    return {"masks": [p.masks for p in prunings], "observers": {k: v for q in qats for k, v in q.observers.items()},
+            "ttq": qats[2].ttq_scales, "ok": check.ok, "losses": losses.losses,
+            "saved_masks": [state["masks"] for state in saved.saved[: len(prunings)]],
+            "saved_observers": {k: v for state in saved.saved[len(prunings):] for k, v in state["observers"].items()},
+            "saved_ttq": saved.saved[-2]["ttq_scales"]}
 
 
 def _sharded_runs() -> list[dict[str, Any]]:
@@ -89,6 +104,12 @@ def test_masks_and_observers_match_single_process_under_zero_and_tp() -> None:
             for name, observer in single["observers"].items():  # a range over the same global batch
                 torch.testing.assert_close(run["observers"][name], observer, rtol=1e-5, atol=1e-6,
                                            msg=lambda m, t=tag, n=name: f"{t} {n}: {m}")
+            assert run["ttq"].keys() == single["ttq"].keys() and len(single["ttq"]) == 4
+            for name, scales in single["ttq"].items():  # the same gradient, summed from the shards
+                assert not scales.isnan().any() and scales[3, 0] == 2  # two Adam steps
+                torch.testing.assert_close(run["ttq"][name], scales, rtol=1e-5, atol=1e-7,
+                                           msg=lambda m, t=tag, n=name: f"{t} {n}: {m}")
+            torch.testing.assert_close(run["losses"], single["losses"], rtol=1e-5, atol=1e-6)
 
 
 def _pipeline_runs() -> list[dict[str, Any]]:
@@ -114,6 +135,7 @@ def test_pipeline_stages_compress_their_layers_like_one_process_and_save_all() -
             for name in want:
                 assert torch.equal(saved[name], want[name]), name
         assert run["saved_observers"].keys() == single["observers"].keys()
+        assert run["saved_ttq"].keys() == single["ttq"].keys()
         for name, observer in single["observers"].items():
             torch.testing.assert_close(run["saved_observers"][name], observer, rtol=1e-5, atol=1e-6)
 

@@ -1,15 +1,19 @@
 """Pruning: the schedule, exact sparsities and N:M patterns, paired structured units and their physical removal,
-masks kept on weights and optimizer state through training and a resume, and the bad configurations."""
+masks kept on weights and optimizer state through training and a resume, and the bad configurations. Every
+compression callback logs its layers' sparsity or bits each step and warns about a start_step the run never
+reaches."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from callbacks.compress import Pruning, SparsitySchedule
+from callbacks.compress import QAT, KMeansQuantization, Pruning, SparsitySchedule
 from callbacks.compress.pruning import magnitude_masks, nm_mask
 from dist_utils import TinyLM, fit_tiny
 from lit_lm.config import ConfigError
@@ -82,3 +86,32 @@ def test_structured_pruning_shrinks_to_an_equivalent_model() -> None:
 def test_bad_configs_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         fit_tiny(max_steps=1, callbacks=(Pruning(**kwargs),))
+
+
+class Logged(L.Callback):
+    """The compression metrics logged at each training batch."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items()
+                           if k.startswith(("sparsity/", "bits/"))})
+
+
+def test_compression_logs_sparsity_and_bits_every_step_and_warns_about_unreached_starts() -> None:
+    logged = Logged()
+    prune = Pruning("unstructured", 0.5, start_step=2, include=["*.attn.*"])
+    qat = QAT(4, group_size=8, start_step=2, include=["*.mlp.*"])
+    km = KMeansQuantization(bits=3, start_step=2, include=["*.blocks.0.attn.wq"])
+    with pytest.warns(UserWarning, match="QAT.start_step=9 is past trainer.max_steps=3") as caught:
+        fit_tiny(max_steps=3, callbacks=(prune, qat, QAT(8, start_step=9, include=["*.blocks.1.attn.wq"]), km, logged))
+    assert not [w for w in caught if "Pruning.start_step" in str(w.message) or "KMeans" in str(w.message)]
+    assert len(logged.steps) == 3
+    mlp, attn = "model.blocks.0.mlp.w_up", "model.blocks.1.attn.wo"
+    assert [s[f"bits/{mlp}"] for s in logged.steps] == [32, 32, 4]  # fake-quant from step 2 (the third batch)
+    # pruning and clustering happen after the optimizer step that reaches step 2 (the second batch)
+    assert [s.get(f"sparsity/{attn}") for s in logged.steps] == [None, 0.5, 0.5]
+    assert [s.get("bits/model.blocks.0.attn.wq") for s in logged.steps] == [32, 3, 3]
+    with pytest.warns(UserWarning, match="Pruning.start_step=5 is past trainer.max_steps=3"):
+        fit_tiny(max_steps=3, callbacks=(Pruning(start_step=5),))

@@ -1,23 +1,28 @@
 """QAT and k-means: fake quantization is quantize-dequantize maths with a clipped straight-through gradient,
-observers survive a resume, the exported integer model matches the fake-quant logits, and bad bit widths fail."""
+observers survive a resume, the exported integer model matches the fake-quant logits, and bad bit widths fail.
+Ternary (TWN, TTQ) and binary codes and scales equal a hand computation, TTQ's scales take the loss's gradient,
+and their export is packed to 2 and 1 bits."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from callbacks.compress import QAT, KMeansQuantization
 from callbacks.compress.core import DEFAULT_EXCLUDE, select
-from callbacks.compress.qat import act_qparams, fake_quant_act, fake_quant_weight, model_bytes, weight_scale
+from callbacks.compress.qat import IntLinear, act_qparams, binary_codes, fake_quant_act, fake_quant_weight, \
+    model_bytes, quantize_weight, twn_codes, weight_scale
 from dist_utils import TinyLM, fit_tiny, token_data
 from lit_lm.config import ConfigError
 from strategies.base import whole_weights
 
 
-@pytest.mark.parametrize("bits, group_size", [(8, None), (4, 8), (2, 4)])
+@pytest.mark.parametrize("bits, group_size", [(8, None), (4, 8), (3, 4)])
 def test_fake_quant_weight_is_quantize_dequantize(bits: int, group_size: int | None) -> None:
     w = torch.randn(6, 16, generator=torch.Generator().manual_seed(bits))
     scale = weight_scale(w, bits, group_size)
@@ -86,3 +91,92 @@ def test_kmeans_shares_weights_and_resumes() -> None:
 def test_bad_bits(make) -> None:
     with pytest.raises(ConfigError, match=r"(QAT|KMeansQuantization)\.(bits|group_size)"):
         make()
+
+
+# -- ternary and binary weights -----------------------------------------------------------------------------------
+W = torch.tensor([[0.1, -0.9, 0.5, 0.0], [2.0, -0.2, 0.3, -1.5]])
+
+
+def test_twn_and_binary_codes_and_scales_by_hand() -> None:
+    # TWN row 0: mean|w| = 0.375, threshold 0.2625 keeps -0.9 and 0.5, scale their mean |w| 0.7;
+    # row 1: mean 1.0, threshold 0.7 keeps 2.0 and -1.5, scale 1.75
+    codes, scale = twn_codes(W)
+    assert codes.tolist() == [[0, -1, 1, 0], [1, 0, 0, -1]]
+    torch.testing.assert_close(scale, torch.tensor([[0.7], [1.75]]))
+    codes, scale = twn_codes(W, group_size=2)  # per group of 2: [0.1, -0.9] -> mean 0.5, threshold 0.35, ...
+    assert codes.tolist() == [[0, -1, 1, 0], [1, 0, 0, -1]]
+    torch.testing.assert_close(scale, torch.tensor([[0.9, 0.5], [2.0, 1.5]]))
+    codes, scale = binary_codes(W)  # sign (0 -> +1), mean |w| per row
+    assert codes.tolist() == [[1, -1, 1, 1], [1, -1, 1, -1]]
+    torch.testing.assert_close(scale, torch.tensor([[0.375], [1.0]]))
+    fake = QAT(bits=1).fake_weight("x", W)
+    torch.testing.assert_close(fake, torch.tensor([[0.375, -0.375, 0.375, 0.375], [1.0, -1.0, 1.0, -1.0]]))
+
+
+def test_ttq_scales_learn_the_loss_gradient() -> None:
+    """TTQ (threshold 0.2 * max|w| = 0.4): W_p starts at mean(0.5, 2.0), W_n at mean(0.9, 1.5); one step moves
+    each against dL/dW (got by autograd through W_p * P - W_n * N), and the weights' gradient is scaled by W."""
+    linear = torch.nn.Linear(4, 2, bias=False)
+    linear.weight.data.copy_(W)
+    root = torch.nn.ModuleDict({"lin": linear})
+    qat = QAT(bits=2, ternary="ttq", ttq_threshold=0.2, scale_lr=0.01, activations=False)
+    qat.attach(root, select(whole_weights(root), None, (), "QAT"))
+    x, c = torch.randn(3, 4, generator=torch.Generator().manual_seed(0)), torch.tensor([[1.0, -2.0]])
+    (linear(x) * c).sum().backward()
+    w_p, w_n = torch.tensor(1.25, requires_grad=True), torch.tensor(1.2, requires_grad=True)
+    pos, neg = torch.tensor([[0, 0, 1, 0], [1, 0, 0, 0.0]]), torch.tensor([[0, 1, 0, 0], [0, 0, 0, 1.0]])
+    (torch.nn.functional.linear(x, w_p * pos - w_n * neg) * c).sum().backward()
+    torch.testing.assert_close(qat.ttq_scales["lin"][0], torch.tensor([1.25, 1.2]))
+    dq = (c.T * x.sum(0)).expand(2, 4)  # dL/dq for the weight q
+    torch.testing.assert_close(linear.weight.grad, dq * (1.25 * pos + 1.2 * neg + (1 - pos - neg)))
+    qat._update_ttq_scales()
+    expected = torch.tensor([1.25, 1.2]) - 0.01 * torch.stack([w_p.grad, w_n.grad]).sign()  # Adam's first step
+    torch.testing.assert_close(qat.ttq_scales["lin"][0], expected)
+    restored = QAT(bits=2, ternary="ttq")
+    restored.load_state_dict(qat.state_dict())
+    assert torch.equal(restored.ttq_scales["lin"], qat.ttq_scales["lin"])
+
+
+@pytest.mark.parametrize("kwargs", [{"bits": 2}, {"bits": 2, "ternary": "ttq"}, {"bits": 1},
+                                    {"bits": 2, "group_size": 8}])
+def test_ternary_and_binary_export_packs_and_matches_fake_quant(kwargs: dict) -> None:
+    lm = TinyLM()
+    lm.configure_model()
+    qat = QAT(**kwargs)
+    qat.attach(lm, select(whole_weights(lm), None, DEFAULT_EXCLUDE, "QAT"))
+    x = token_data(2)[:, :-1]
+    lm.train()
+    lm.model(x)  # observers and TTQ scales from one training forward
+    lm.eval()
+    with torch.no_grad():
+        fake = lm.model(x)
+        qat.convert(lm)
+        exported = lm.model(x)
+    torch.testing.assert_close(exported, fake, rtol=1e-4, atol=1e-4)
+    linear = lm.model.blocks["0"].attn.wq
+    assert linear.qweight.dtype == torch.uint8 and linear.qweight.numel() == math.ceil(32 * 32 * kwargs["bits"] / 8)
+    assert set(linear.codes().unique().tolist()) <= ({-1, 1} if kwargs["bits"] == 1 else {-1, 0, 1})
+
+
+@pytest.mark.parametrize("name", ["qat_int8", "qat_int4", "qat_ternary", "qat_binary"])
+def test_qat_fragments_build(name: str) -> None:
+    cfg = yaml.safe_load((Path(__file__).parent.parent / "configs" / "compress" / f"{name}.yaml").read_text())
+    (callback,) = cfg["trainer"]["callbacks+"]
+    assert callback["class_path"] == "callbacks.compress.QAT"
+    assert QAT(**callback["init_args"]).bits == {"qat_int8": 8, "qat_int4": 4, "qat_ternary": 2, "qat_binary": 1}[name]
+
+
+def test_int8_export_runs_fbgemm_within_one_activation_level_of_fake_quant() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(48, 32, generator=gen), torch.randn(4, 16, 32, generator=gen)
+    scale, act = weight_scale(w, 8), act_qparams(float(x.min()), float(x.max()))
+    linear = IntLinear(quantize_weight(w, scale, 8), scale, 8, act)
+    assert linear.uses_kernel
+    fake = torch.nn.functional.linear(fake_quant_act(x, *act), fake_quant_weight(w, scale, 8))
+    torch.testing.assert_close(linear.reference(x), fake, rtol=1e-5, atol=1e-5)  # exact integer maths
+    kernel = linear(x)
+    assert linear._packed is not None
+    # x * (1/s) may round one level away from x / s: at most s_x * sum |w| per output, and rarely
+    bound = act[0] * fake_quant_weight(w, scale, 8).abs().sum(1)
+    assert ((kernel - fake).abs() <= bound + 1e-5).all()
+    assert (kernel - fake).abs().mean() < 1e-3 * fake.abs().mean()

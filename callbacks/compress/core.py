@@ -14,6 +14,7 @@ from typing import Any, Iterable, Optional, Sequence
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lit_lm.config import ConfigError
@@ -42,6 +43,21 @@ def layer_groups(trainer: L.Trainer) -> list[Optional[dist.ProcessGroup]]:
         layout = strategy.layout
         return [g for g, n in ((layout.dp_group, layout.dp_size), (layout.tp_group, layout.tp_size)) if n > 1]
     return [None]
+
+
+def warn_if_never_reached(trainer: L.Trainer, owner: str, start_step: int, last_step: int) -> None:
+    """Warn when a run stops before the callback compresses anything (`last_step` of `trainer.max_steps`: the last
+    step at which `start_step` still takes effect)."""
+    if trainer.max_steps is not None and trainer.max_steps >= 0 and start_step > last_step:
+        rank_zero_warn(f"{owner}.start_step={start_step} is past trainer.max_steps={trainer.max_steps}: the run ends "
+                       f"before it compresses anything; lower start_step or raise max_steps")
+
+
+def log_per_layer(pl_module: L.LightningModule, prefix: str, values: dict[str, float]) -> None:
+    """`<prefix>/<layer module>` for every layer this callback compresses, at this step (a layer belongs to one
+    callback of a kind, so several callbacks never log the same key)."""
+    for name, value in values.items():
+        pl_module.log(f"{prefix}/{name.removesuffix('.weight')}", float(value), on_step=True, on_epoch=False)
 
 
 def _from_every_rank(obj: Any) -> list[Any]:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from callbacks.compress.core import DEFAULT_EXCLUDE, all_reduce_, check_bits, gather_global, local_part, \
-    merged_over_ranks, owned_weights, select, write
+    log_per_layer, merged_over_ranks, owned_weights, select, warn_if_never_reached, write
 
 
 def kmeans_1d(values: Tensor, k: int, iterations: int = 20) -> tuple[Tensor, Tensor]:
@@ -46,6 +46,7 @@ class KMeansQuantization(L.Callback):
         self._last_step = -1
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        warn_if_never_reached(trainer, "KMeansQuantization", self.start_step, trainer.max_steps)
         self._weights = select(owned_weights(trainer, pl_module), self.include, self.exclude, "KMeansQuantization")
         self._last_step = trainer.global_step
         self._snap(trainer)
@@ -62,6 +63,8 @@ class KMeansQuantization(L.Callback):
         elif self.codebooks:
             self._update_centroids()
         self._snap(trainer)
+        log_per_layer(pl_module, "bits", {ws.name[: -len(".weight")]: self.bits if self.codebooks else 32
+                                          for ws in self._weights})
 
     @torch.no_grad()
     def _update_centroids(self) -> None:

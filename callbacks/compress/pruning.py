@@ -12,7 +12,8 @@ Methods (Zhu & Gupta 2017 for the gradual schedule; Mishra et al. 2021 for N:M):
                   layers: a smaller, faster dense model.
 
 Masks are computed on the global tensor (all-gathered from the shards, see `core`) identically on every rank,
-applied to the weights *and* their optimizer state after every optimizer step, logged (`sparsity/<layer>`),
+applied to the weights *and* their optimizer state after every optimizer step, logged every step
+(`sparsity/<layer>`),
 and saved in the checkpoint (the callback's state, merged over the ranks since a pipeline stage holds only its own
 layers' masks; global shapes: any topology resumes it). `scope: global` needs every rank to hold the same
 weights, so it is refused under pp (and ep with experts selected): use `scope: layer` there.
@@ -27,8 +28,8 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from callbacks.compress.core import DEFAULT_EXCLUDE, gather_global, merged_over_ranks, owned_weights, \
-    same_on_every_rank, select, write
+from callbacks.compress.core import DEFAULT_EXCLUDE, gather_global, log_per_layer, merged_over_ranks, owned_weights, \
+    same_on_every_rank, select, warn_if_never_reached, write
 from lit_lm.config import ConfigError
 from strategies.base import WeightShard
 
@@ -200,6 +201,7 @@ class Pruning(L.Callback):
 
     # -- Lightning hooks ---------------------------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        warn_if_never_reached(trainer, "Pruning", self.schedule.start_step, trainer.max_steps)
         self._weights = select(owned_weights(trainer, pl_module), self.include, self.exclude, "Pruning")
         if self.method == "unstructured" and self.scope == "global" and \
                 not same_on_every_rank([ws.name for ws in self._weights]):
@@ -222,9 +224,9 @@ class Pruning(L.Callback):
         self._last_step = step
         if self.schedule.updates_at(step):
             self.masks = self.compute_masks(self._weights, self.schedule(step))
-            for name, sparsity in self.sparsity().items():
-                pl_module.log(f"sparsity/{name}", sparsity)
         self._apply(trainer)
+        if self.masks:
+            log_per_layer(pl_module, "sparsity", {k: v for k, v in self.sparsity().items() if k != "all"})
 
     @staticmethod
     def _unit_groups(module: nn.Module, shapes: dict[str, torch.Size]) -> list[UnitGroup]:

@@ -1,11 +1,21 @@
 """`QAT`: quantization-aware training by fake quantization, and the export to real integer weights.
 
-Weights: symmetric int`bits` (2, 3, 4 or 8), one scale per output channel or per group of `group_size` inputs,
-scale = absmax / (2^(bits-1) - 1), recomputed from the current weight at every forward. Activations (the input of
+Weights: symmetric int`bits` (3, 4 or 8), one scale per output channel or per group of `group_size` inputs,
+scale = absmax / (2^(bits-1) - 1), recomputed from the current weight at every forward. `bits: 2` is ternary
+{-a, 0, +a}: TWN (Li & Liu 2016: per channel, threshold 0.7 * mean|w|, a = mean |w| over the weights above it, the
+scale minimising the L2 error for that mask) or TTQ (Zhu et al. 2017: per layer, threshold `ttq_threshold` * max|w|,
+separate positive and negative scales W_p, W_n learned from the loss). `bits: 1` is binary {-a, +a}: sign(w) with
+a = mean |w| per channel. Activations (the input of
 each quantized linear): int8 asymmetric per tensor, range from EMA min/max observers that stop at
 `freeze_observers_step`. Both use the straight-through estimator: the rounding's gradient is taken as 1 inside
 the representable range and 0 outside (torch's fake_quantize ops), so weights and activations learn to sit
-where the integer grid can represent them.
+where the integer grid can represent them. (Ternary and binary weights pass the gradient through unclipped; TTQ
+scales it by W_p, 1, W_n on the positive, zero and negative weights, as the paper does.)
+
+TTQ's scales are the callback's state, not model parameters (so no strategy has to shard or sync them): the
+gradient of the loss with respect to W_p is the sum of the loss gradients of the weights at +W_p, which is what the
+strategy's synchronised weight gradient holds divided by W_p; each rank sums its part (`owned_weights()`), the
+parts are all-reduced, and every rank takes the same Adam step (`scale_lr`) before the optimizer's.
 
 No module is swapped while training: each selected linear's `forward` is overridden on the instance, so parameter
 names, checkpoints and every strategy's hooks stay as they are. Under tensor parallelism a row-parallel weight's
@@ -13,15 +23,19 @@ output channel is split over tp: its per-channel absmax is all-reduced (MAX) ove
 (`owned_weights()`); observers are reduced over every rank that runs the layer (all ranks; one pipeline stage's
 under pp, where each microbatch updates them), so those ranks (and a single-process run over the same global
 batch) hold the same range. The checkpoint keeps every stage's observers. `convert` replaces the linears by
-`IntLinear`: packed integer weights, fp32 scales and an integer-matmul reference forward that matches the
-fake-quant model.
+`IntLinear`: packed integer weights (2 bits a ternary weight, 1 a binary one), fp32 scales and an integer-matmul
+reference forward that matches the fake-quant model.
+
+Logged every step: `bits/<layer>`, the weight bits the layer trains with (32 before `start_step`). A `start_step`
+the run never reaches is warned about at the start.
 """
 
 from __future__ import annotations
 
 import math
 import types
-from typing import Any, Optional, Sequence
+import warnings
+from typing import Any, Literal, Optional, Sequence
 
 import lightning as L
 import torch
@@ -29,10 +43,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from callbacks.compress.core import DEFAULT_EXCLUDE, all_reduce_, check_bits, layer_groups, merged_over_ranks, \
-    owned_weights, pack_bits, select, unpack_bits
+from callbacks.compress.core import DEFAULT_EXCLUDE, all_reduce_, layer_groups, log_per_layer, merged_over_ranks, \
+    owned_weights, pack_bits, select, unpack_bits, warn_if_never_reached
 from lit_lm.config import ConfigError
 from strategies import comm
+from strategies.base import WeightShard
+
+TWN_DELTA = 0.7  # TWN's threshold, in units of mean |w| (optimal for Gaussian or uniform weights, the paper shows)
 
 
 def qmax(bits: int) -> int:
@@ -63,6 +80,60 @@ def fake_quant_weight(w: Tensor, scale: Tensor, bits: int) -> Tensor:
     return fq.view(w.shape).to(w.dtype)
 
 
+def check_qat_bits(bits: int, owner: str) -> int:
+    if bits not in (1, 2, 3, 4, 8):
+        raise ConfigError(f"{owner}.bits must be one of 1 (binary), 2 (ternary), 3, 4, 8, got {bits!r}")
+    return bits
+
+
+def _row_stats(values: Tensor, counted: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """(2, out, groups): sum of `values` and count of `counted` per row group, summed over `group`'s parts."""
+    stats = torch.stack([values.sum(-1), counted.sum(-1).to(values.dtype)])
+    return all_reduce_(stats, group)
+
+
+def twn_codes(w: Tensor, group_size: Optional[int] = None,
+              group: Optional[dist.ProcessGroup] = None) -> tuple[Tensor, Tensor]:
+    """TWN: (codes in {-1, 0, 1} like w, scales (out, n_groups)); threshold 0.7 * mean|w| per channel (or group),
+    scale = mean |w| over the weights above it. With `group`, the row's parts are spread over it (sums reduced)."""
+    size = w.shape[1] if group_size is None else group_size
+    rows = w.detach().float().reshape(w.shape[0], -1, size)
+    total, count = _row_stats(rows.abs(), torch.ones_like(rows), group)
+    keep = rows.abs() > (TWN_DELTA * total / count)[..., None]
+    kept_sum, kept = _row_stats(rows.abs() * keep, keep, group)
+    return (torch.sign(rows) * keep).view(w.shape), kept_sum / kept.clamp(min=1)
+
+
+def binary_codes(w: Tensor, group_size: Optional[int] = None,
+                 group: Optional[dist.ProcessGroup] = None) -> tuple[Tensor, Tensor]:
+    """(codes in {-1, 1} like w (0 -> +1), scales (out, n_groups) = mean |w| per channel or group)."""
+    size = w.shape[1] if group_size is None else group_size
+    rows = w.detach().float().reshape(w.shape[0], -1, size)
+    total, count = _row_stats(rows.abs(), torch.ones_like(rows), group)
+    return torch.where(rows >= 0, 1.0, -1.0).view(w.shape), total / count
+
+
+def ttq_codes(w: Tensor, threshold: float, group: Optional[dist.ProcessGroup] = None) -> tuple[Tensor, float]:
+    """TTQ: (codes in {-1, 0, 1} like w, the layer's threshold `threshold` * max|w|); with `group`, the layer's
+    parts are spread over it (max reduced)."""
+    wd = w.detach().float()
+    delta = threshold * float(all_reduce_(wd.abs().max().reshape(1), group, dist.ReduceOp.MAX))
+    return torch.sign(wd) * (wd.abs() > delta), delta
+
+
+def dequantize(codes: Tensor, scale: Tensor, neg_scale: Optional[Tensor] = None) -> Tensor:
+    """codes * scale per (channel, group); negative codes take `neg_scale` when given (TTQ's W_n)."""
+    rows = codes.reshape(codes.shape[0], scale.shape[-1], -1)
+    pos, neg = scale[..., None], (scale if neg_scale is None else neg_scale)[..., None]
+    return torch.where(rows > 0, rows * pos, rows * neg).view(codes.shape)
+
+
+def straight_through(w: Tensor, q: Tensor, factor: Optional[Tensor] = None) -> Tensor:
+    """The value `q`, the gradient of w (times `factor` elementwise when given)."""
+    moving = w - w.detach()
+    return q.to(w.dtype).detach() + (moving if factor is None else moving * factor.to(w.dtype))
+
+
 def act_qparams(lo: float, hi: float) -> tuple[float, int]:
     """uint8 asymmetric scale and zero point for the range [lo, hi] widened to contain 0 (exact zero padding)."""
     lo, hi = min(lo, 0.0), max(hi, 0.0)
@@ -76,42 +147,95 @@ def fake_quant_act(x: Tensor, scale: float, zero_point: int) -> Tensor:
 
 class IntLinear(nn.Module):
     """An exported linear: packed integer weight codes, fp32 scales, optional uint8 activation parameters, and an
-    integer-matmul reference forward: y = s_x * sum_g s_w[o, g] * sum_{i in g} (x_q[i] - z_x) * w_q[o, i]."""
+    integer-matmul reference forward: y = s_x * sum_g s_w[o, g] * sum_{i in g} (x_q[i] - z_x) * w_q[o, i]. Binary
+    codes are stored as 1 bit, ternary as 2; TTQ's negative codes take `neg_scale` (its W_n) instead of `scale`.
 
-    def __init__(self, codes: Tensor, scale: Tensor, bits: int, act: Optional[tuple[float, int]]) -> None:
+    int8 weights per channel with quantized activations run on CPU through PyTorch's fbgemm kernel instead
+    (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`: uint8 x int8 with int32 accumulation, the same
+    quantization of the input, fp32 out), so the export is faster, not only smaller. It quantizes x as
+    round(x * (1 / s_x)), which can differ by one level from round(x / s_x) at a rounding boundary.
+    """
+
+    def __init__(self, codes: Tensor, scale: Tensor, bits: int, act: Optional[tuple[float, int]],
+                 neg_scale: Optional[Tensor] = None) -> None:
         super().__init__()
         self.bits, self.shape = bits, tuple(codes.shape)
-        stored = codes.to(torch.int8) if bits == 8 else pack_bits(codes + 2 ** (bits - 1), bits)
+        if bits == 8:
+            stored = codes.to(torch.int8)
+        elif bits == 1:
+            stored = pack_bits(codes > 0, 1)
+        else:
+            stored = pack_bits(codes.to(torch.int64) + 2 ** (bits - 1), bits)
         self.register_buffer("qweight", stored)
         self.register_buffer("scale", scale.float())
+        self.register_buffer("neg_scale", None if neg_scale is None else neg_scale.float())
         self.act = act
+        self._packed: Any = None  # fbgemm's prepacked weight, built at the first CPU forward
+
+    @property
+    def uses_kernel(self) -> bool:
+        return (self.bits == 8 and self.act is not None and self.neg_scale is None and self.scale.shape[-1] == 1
+                and self.qweight.device.type == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._packed = None  # new weights: pack again
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _kernel(self, x: Tensor) -> Tensor:
+        if self._packed is None:
+            scale = self.scale[:, 0].double()
+            with warnings.catch_warnings():  # quantized tensors are deprecated (pytorch#184982), the kernels kept
+                warnings.simplefilter("ignore", UserWarning)
+                qweight = torch.quantize_per_channel(self.qweight.float() * self.scale, scale,
+                                                     torch.zeros_like(scale, dtype=torch.int64), 0, torch.qint8)
+            engine = torch.backends.quantized.engine
+            torch.backends.quantized.engine = "fbgemm"  # the packed weight is fbgemm's, whatever the default
+            try:
+                self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+            finally:
+                torch.backends.quantized.engine = engine
+        s_x, z_x = self.act
+        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            x.reshape(-1, x.shape[-1]).float().contiguous(), s_x, z_x, self._packed)
+        return y.to(x.dtype).view(*x.shape[:-1], self.shape[0])
 
     def codes(self) -> Tensor:
         if self.bits == 8:
             return self.qweight.to(torch.int64)
-        return (unpack_bits(self.qweight, self.bits, math.prod(self.shape)) - 2 ** (self.bits - 1)).view(self.shape)
+        raw = unpack_bits(self.qweight, self.bits, math.prod(self.shape)).view(self.shape)
+        return 2 * raw - 1 if self.bits == 1 else raw - 2 ** (self.bits - 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        out, groups = self.scale.shape
+        return self._kernel(x) if self.uses_kernel else self.reference(x)
+
+    def reference(self, x: Tensor) -> Tensor:
+        out, groups = self.shape[0], self.scale.shape[-1]
         w = self.codes().view(out, groups, -1)
-        lead = x.shape[:-1]
+        lead, dtype = x.shape[:-1], x.dtype
         x = x.reshape(-1, groups, w.shape[-1])
         if self.act is None:
-            acc = torch.einsum("ngi,ogi->nog", x.double(), w.double())
-            y = (acc * self.scale.double()).sum(-1)
+            x = x.double()
         else:
             s_x, z_x = self.act
-            xq = torch.clamp(torch.round(x.float() / s_x) + z_x, 0, 255).to(torch.int64) - z_x
-            acc = torch.einsum("ngi,ogi->nog", xq, w)  # integer accumulation
-            y = (acc.double() * self.scale.double()).sum(-1) * s_x
-        return y.to(x.dtype).view(*lead, out)
+            x = torch.clamp(torch.round(x.float() / s_x) + z_x, 0, 255).to(torch.int64) - z_x
+        # integer accumulation when the input is quantized; negative codes apart when they have their own scale
+        parts = [(w, self.scale)] if self.neg_scale is None else [(w.clamp(min=0), self.scale),
+                                                                   (w.clamp(max=0), self.neg_scale)]
+        y = sum((torch.einsum("ngi,ogi->nog", x, part.to(x.dtype)).double() * s.double()).sum(-1)
+                for part, s in parts)
+        if self.act is not None:
+            y = y * self.act[0]
+        return y.to(dtype).view(*lead, out)
 
 
 class QAT(L.Callback):
     """Fake-quantize the selected linears from `start_step` (see the module docstring).
 
     Args:
-        bits: weight bits (2, 3, 4, 8). group_size: inputs per weight scale (None: one per output channel).
+        bits: weight bits: 8, 4, 3; 2 ternary; 1 binary. group_size: inputs per weight scale (None: one per output
+            channel; TTQ has one pair per layer).
+        ternary: for bits 2: twn (threshold 0.7 mean|w|, optimal scale) or ttq (learned positive and negative
+            scales). ttq_threshold: TTQ's threshold as a fraction of max|w|. scale_lr: Adam's lr for TTQ's scales.
         activations: also fake-quantize each linear's input (int8, per tensor).
         start_step: first optimizer step trained with fake quantization (before it the float model trains).
         freeze_observers_step: from this step on the activation ranges stay fixed (None: never).
@@ -119,37 +243,66 @@ class QAT(L.Callback):
         include, exclude: module-name globs of the linears to quantize; embeddings and head excluded.
     """
 
-    def __init__(self, bits: int = 8, group_size: Optional[int] = None, activations: bool = True,
-                 start_step: int = 0, freeze_observers_step: Optional[int] = None, ema_decay: float = 0.9,
+    def __init__(self, bits: int = 8, group_size: Optional[int] = None, ternary: Literal["twn", "ttq"] = "twn",
+                 ttq_threshold: float = 0.05, scale_lr: float = 1e-3, activations: bool = True, start_step: int = 0,
+                 freeze_observers_step: Optional[int] = None, ema_decay: float = 0.9,
                  include: Optional[list[str]] = None, exclude: Sequence[str] = DEFAULT_EXCLUDE) -> None:
-        self.bits = check_bits(bits, "QAT")
+        self.bits = check_qat_bits(bits, "QAT")
         if group_size is not None and group_size < 1:
             raise ConfigError(f"QAT.group_size must be a positive integer or null (per channel), got {group_size}")
         if not 0.0 <= ema_decay < 1.0:
             raise ConfigError(f"QAT.ema_decay must be in [0, 1), got {ema_decay}")
+        if ternary not in ("twn", "ttq") or not 0.0 < ttq_threshold < 1.0:
+            raise ConfigError(f"QAT.ternary must be twn or ttq and QAT.ttq_threshold in (0, 1), got {ternary!r}, "
+                              f"{ttq_threshold}")
         self.group_size, self.activations, self.start_step = group_size, activations, start_step
+        self.ternary, self.ttq_threshold, self.scale_lr = ternary, ttq_threshold, scale_lr
         self.freeze_observers_step, self.ema_decay = freeze_observers_step, ema_decay
         self.include, self.exclude = include, tuple(exclude)
         self.observers: dict[str, Tensor] = {}  # module name -> [lo, hi] (nan until the first batch)
+        # TTQ: module name -> (4, 2): rows W = (W_p, W_n), then Adam's m, v and step count (nan until first use)
+        self.ttq_scales: dict[str, Tensor] = {}
         self._step = 0
         self._groups: list[Optional[dist.ProcessGroup]] = []  # where an observer's batch range is reduced
+        self._weights: dict[str, WeightShard] = {}
+        self._delta: dict[str, float] = {}  # TTQ: each layer's threshold in the last forward
+
+    @property
+    def ttq(self) -> bool:
+        return self.bits == 2 and self.ternary == "ttq"
+
+    @property
+    def state_key(self) -> str:  # several QAT callbacks (on different layers) keep separate checkpoint state
+        return self._generate_state_key(bits=self.bits, include=self.include, exclude=self.exclude)
 
     # -- Lightning hooks ---------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        warn_if_never_reached(trainer, "QAT", self.start_step, trainer.max_steps - 1)  # steps 0 .. max_steps - 1
         self._groups = layer_groups(trainer)
         self.attach(pl_module, select(owned_weights(trainer, pl_module), self.include, self.exclude, "QAT"))
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._step = trainer.global_step
 
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        """The weight bits each layer trained with at this step (32 before `start_step`)."""
+        log_per_layer(pl_module, "bits", {name: self.bits if self._step >= self.start_step else 32
+                                          for name in self._weights})
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if self.ttq and self._step >= self.start_step:
+            self._update_ttq_scales()
+
     def state_dict(self) -> dict[str, Any]:
-        return {"observers": merged_over_ranks({k: v.clone() for k, v in self.observers.items()})}
+        return {"observers": merged_over_ranks({k: v.clone() for k, v in self.observers.items()}),
+                "ttq_scales": merged_over_ranks({k: v.clone() for k, v in self.ttq_scales.items()})}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.observers.update(state_dict["observers"])
+        self.ttq_scales.update(state_dict.get("ttq_scales", {}))
 
     # -- fake quantization -------------------------------------------------------------------------------------
-    def attach(self, root: nn.Module, weights: Sequence[Any]) -> None:
+    def attach(self, root: nn.Module, weights: Sequence[WeightShard]) -> None:
         """Override the forward of each selected linear (names relative to `root`)."""
         for ws in weights:
             name = ws.name[: -len(".weight")]
@@ -157,22 +310,67 @@ class QAT(L.Callback):
             if self.group_size is not None and (ws.global_shape[1] % self.group_size or local_in % self.group_size):
                 raise ConfigError(f"QAT.group_size={self.group_size} must divide the input dimension of {name} "
                                   f"({ws.global_shape[1]}, {local_in} on this rank)")
-            # a TP row-parallel shard holds part of each output channel: its absmax is reduced over the group
-            split_rows = ws.param is ws.local and ws.group is not None and ws.dim == 1 and self.group_size is None
+            # the forward reads a TP shard: layer statistics (TTQ), and a row-parallel shard's per-channel ones,
+            # are reduced over the group the strategy names
+            layer_group = ws.group if ws.param is ws.local and ws.group is not None else None
             self.observers.setdefault(name, torch.full((2,), float("nan")))
+            if self.ttq:
+                self.ttq_scales.setdefault(name, torch.full((4, 2), float("nan")))
+            self._weights[name] = ws
             module = root.get_submodule(name)
-            module.forward = types.MethodType(self._forward_fn(name, ws.group if split_rows else None), module)
+            module.forward = types.MethodType(self._forward_fn(name, layer_group, ws.dim), module)
 
-    def _forward_fn(self, name: str, group: Optional[dist.ProcessGroup]):  # noqa: ANN202 (a bound forward)
+    def _forward_fn(self, name: str, layer_group: Optional[dist.ProcessGroup], dim: int):  # noqa: ANN202
         def forward(module: nn.Module, x: Tensor) -> Tensor:
             bias = getattr(module, "bias", None)
             if self._step < self.start_step:
                 return F.linear(x, module.weight, bias)
             if self.activations:
                 x = self._quantize_input(name, x, module.training)
-            scale = weight_scale(module.weight, self.bits, self.group_size, group)
-            return F.linear(x, fake_quant_weight(module.weight, scale, self.bits), bias)
+            return F.linear(x, self.fake_weight(name, module.weight, layer_group, dim), bias)
         return forward
+
+    def fake_weight(self, name: str, w: Tensor, layer_group: Optional[dist.ProcessGroup] = None,
+                    dim: int = 0) -> Tensor:
+        """The weight as the integer model will hold it, with the straight-through gradient."""
+        row_group = layer_group if dim == 1 and self.group_size is None else None
+        if self.bits >= 3:
+            return fake_quant_weight(w, weight_scale(w, self.bits, self.group_size, row_group), self.bits)
+        if self.bits == 1:
+            return straight_through(w, dequantize(*binary_codes(w, self.group_size, row_group)))
+        if not self.ttq:
+            return straight_through(w, dequantize(*twn_codes(w, self.group_size, row_group)))
+        codes, self._delta[name] = ttq_codes(w, self.ttq_threshold, layer_group)
+        state = self.ttq_scales[name]
+        if state.isnan().any():  # first use: the L2-optimal scales for this mask, then learnt
+            wd = w.detach().float().abs()
+            sums = torch.stack([(wd * (codes > 0)).sum(), (wd * (codes < 0)).sum(), (codes > 0).sum(),
+                                (codes < 0).sum()]).float()
+            sums = all_reduce_(sums, layer_group)
+            state.zero_()
+            state[0] = sums[:2] / sums[2:].clamp(min=1)
+        w_p, w_n = state[0].to(w.device)
+        factor = torch.where(codes > 0, w_p, torch.where(codes < 0, w_n, torch.ones_like(w_p)))
+        return straight_through(w, dequantize(codes, w_p.reshape(1, 1), w_n.reshape(1, 1)), factor)
+
+    @torch.no_grad()
+    def _update_ttq_scales(self) -> None:
+        """dL/dW_p = sum of dL/dq over q = +W_p = (the weight gradient there) / W_p; likewise -W_n. Every rank sums
+        its part of the synchronised gradient, the parts are all-reduced, and all take the same Adam step."""
+        for name, ws in self._weights.items():
+            state, grad = self.ttq_scales[name], ws.local.grad
+            if name not in self._delta or grad is None or state.isnan().any():
+                continue
+            w = ws.local.detach().float()
+            g = grad.detach().float()
+            sums = torch.stack([(g * (w > self._delta[name])).sum(), -(g * (w < -self._delta[name])).sum()])
+            g_scales = all_reduce_(sums, ws.group).cpu() / state[0]
+            beta1, beta2 = 0.9, 0.999
+            state[3] += 1
+            state[1].mul_(beta1).add_(g_scales, alpha=1 - beta1)
+            state[2].mul_(beta2).addcmul_(g_scales, g_scales, value=1 - beta2)
+            m_hat, v_hat = state[1] / (1 - beta1 ** state[3]), state[2] / (1 - beta2 ** state[3])
+            state[0] = (state[0] - self.scale_lr * m_hat / (v_hat.sqrt() + 1e-8)).clamp(min=1e-8)
 
     def _quantize_input(self, name: str, x: Tensor, training: bool) -> Tensor:
         observer = self.observers[name]
@@ -193,11 +391,20 @@ class QAT(L.Callback):
     def convert(self, root: nn.Module) -> nn.Module:
         """Replace every fake-quantized linear of the whole model `root` by an `IntLinear`, in place."""
         for name, observer in self.observers.items():
-            linear = root.get_submodule(name)
-            scale = weight_scale(linear.weight, self.bits, self.group_size)
+            w = root.get_submodule(name).weight
             act = act_qparams(*observer.tolist()) if self.activations and not observer.isnan().any() else None
-            root.set_submodule(name, IntLinear(quantize_weight(linear.weight, scale, self.bits), scale, self.bits,
-                                               act))
+            neg_scale = None
+            if self.bits >= 3:
+                scale = weight_scale(w, self.bits, self.group_size)
+                codes = quantize_weight(w, scale, self.bits)
+            elif self.bits == 1:
+                codes, scale = binary_codes(w, self.group_size)
+            elif not self.ttq:
+                codes, scale = twn_codes(w, self.group_size)
+            else:
+                codes, _ = ttq_codes(w, self.ttq_threshold)
+                scale, neg_scale = (s.reshape(1, 1) for s in self.ttq_scales[name][0])
+            root.set_submodule(name, IntLinear(codes, scale, self.bits, act, neg_scale))
         return root
 
 
