@@ -265,7 +265,6 @@ class PipelineStrategy(BaseStrategy):
         # The tied head's optimizer state is saved under the embedding's name, as a one-process run names it.
         return {q: self._canonical.get(name, name) for q, name in super().param_names().items()}
 
-    @override
     def load_sharded_state(self, state: dict[str, Any]) -> None:
         """A single-file checkpoint holds every stage's tensors: this stage takes its own (a missing one fails)."""
         own = self.lightning_module.state_dict().keys()

@@ -16,6 +16,7 @@ same fixed token data and global batch on any number of ranks, so runs are compa
 from __future__ import annotations
 
 import os
+import random
 import socket
 import tempfile
 from pathlib import Path
@@ -32,9 +33,17 @@ from lit_lm.model import Transformer
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, chosen at random below the kernel's ephemeral range (32768+): an ephemeral port that is free
+    now can be taken by one of the many client sockets other tests' gloo ranks open before our store binds it."""
+    rng = random.SystemRandom()
+    while True:
+        port = rng.randrange(20000, 32000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, init_process_group: bool = True,

@@ -102,6 +102,8 @@ class Measure(L.Callback):
         self.saved.__exit__()
         comm: dict[tuple[str, str], int] = {}
         for r in COMM_LOG.records:
+            if r.label == "strategy.reduce":  # Lightning's metric sync (`sync_dist=True`): not model traffic
+                continue
             comm[(r.group, r.op)] = comm.get((r.group, r.op), 0) + r.nbytes
         self.out.update(activations=self.saved.peak, comm=comm)
 

@@ -25,7 +25,7 @@ def tiny_config(tmp_path: Path) -> Path:
               "model": {"init_args": {"warmup_steps": 1,
                                       "config": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2}}},
               "data": {"init_args": {"files": [str(corpus)], "data_dir": str(tmp_path / "data"), "vocab_size": 300,
-                                     "seq_len": 16, "batch_size": 4, "val_fraction": 0.2}}}
+                                     "seq_len": 16, "batch_size": 4, "val_fraction": 0.5}}}
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
