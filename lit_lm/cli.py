@@ -15,7 +15,7 @@ from typing import Optional
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-import strategies  # noqa: F401  (registers lm_ddp, zero1/2/3, ... by name before any Trainer is built)
+import strategies.registry  # noqa: F401  (registers lm_ddp, zero1/2/3, ... by name before any Trainer is built)
 from lit_lm import generate
 from lit_lm.checkpoints import prepare_run
 from lit_lm.data import TextDataModule

@@ -6,9 +6,10 @@ The base owns the plumbing; a parallel kind (DDP, ZeRO, TP, PP) overrides a few 
 What the base does
     launcher        always `_SubprocessScriptLauncher`: spawns the local ranks under plain `python`, does nothing
                     under torchrun/SLURM but still checks `devices x num_nodes` against the cluster's world size.
-    layout          `self.layout`: the cached `ParallelLayout` (dp x pp x tp; `.dp_group`, `.dp_rank`, `.dp_size`,
-                    `.pp_*`, `.tp_*`, `.device_mesh(type)`), built in `setup_environment` after the default group.
-                    Sizes: `tensor_parallel_size`, `pipeline_parallel_size` (default 1); dp is what is left.
+    layout          `self.layout`: the cached `ParallelLayout` (strategies/layout.py: `.group(name)`, `.rank(name)`,
+                    `.size(name)`, `.dp_group`..., `.device_mesh(type)`), built in `setup_environment` after the
+                    default group from `parallel_dims(world)` (a hook; the base is data parallel only), which
+                    `_configure_launcher` validates first.
     sampler         `distributed_sampler_kwargs` = dp size and rank: tp/pp peers of a replica get the same batch.
     precision       32-true, bf16-mixed, bf16-true; fp16 is refused (its GradScaler's inf check is per rank).
                     The plugin is swapped for one whose `clip_grad_by_norm` calls `self.clip_grad_norm_`.
@@ -61,7 +62,7 @@ from __future__ import annotations
 import os
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Generator, Optional, Union
@@ -96,7 +97,7 @@ from typing_extensions import override
 from strategies import checkpoint as ckpt
 from strategies import comm
 from strategies.clip import GradShards, clip_grad_norm_, local_grad_shards, with_global_norm_clip
-from strategies.layout import ParallelLayout
+from strategies.layout import ParallelDims, ParallelLayout
 from strategies.watchdog import failure_report, is_collective_failure
 
 LOST_RANK_GRACE_S = 5.0  # how long survivors of a failed collective wait for each other to check in
@@ -168,16 +169,12 @@ class BaseStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta, None] = default_pg_timeout,
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.num_nodes = 1  # the connector only sets num_nodes on strategies that have the attribute
         self._process_group_backend = process_group_backend
         # seconds from yaml (`trainer.strategy.init_args.timeout: 600`), or a timedelta from Python
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
-        self._tp_size = tensor_parallel_size
-        self._pp_size = pipeline_parallel_size
         self._layout: Optional[ParallelLayout] = None
         self._sync_enabled = True
 
@@ -230,6 +227,7 @@ class BaseStrategy(ParallelStrategy):
                 f"({self.num_processes}) x `trainer.num_nodes` ({self.num_nodes}) = {expected}: set them so their "
                 f"product is {declared} (e.g. devices = processes per node, num_nodes = nodes)"
             )
+        self.parallel_dims(expected)  # a bad layout fails here, before any process starts
         # Always a launcher: under torchrun/SLURM it spawns nothing but validates devices x num_nodes.
         self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -242,7 +240,11 @@ class BaseStrategy(ParallelStrategy):
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout,
                               device_id=device_id)
-        self._layout = ParallelLayout.get(pp=self._pp_size, tp=self._tp_size)
+        self._layout = ParallelLayout.get(self.parallel_dims(dist.get_world_size()))
+
+    def parallel_dims(self, world: int) -> ParallelDims:
+        """Hook: the sizes of the parallel dimensions on `world` ranks (validated). The base: data parallel only."""
+        return ParallelDims.of(world)
 
     # -- precision --------------------------------------------------------------------------------------------
     @property
@@ -405,8 +407,7 @@ class BaseStrategy(ParallelStrategy):
         path = Path(self.broadcast(filepath))  # every rank must write to the same directory
         state = {"model": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        layout = self.layout
-        topology = {"strategy": type(self).__name__, "dp": layout.dp_size, "tp": layout.tp_size, "pp": layout.pp_size}
+        topology = {"strategy": type(self).__name__, **asdict(self.layout.dims)}
         ckpt.save(path, state, checkpoint, topology)
 
     @override

@@ -4,7 +4,7 @@
     <dir>/            DCP files of {"model": {fqn: tensor}, "optimizer_<i>": {"state": {fqn: {...}},
                                                                            "param_groups": [{..., "params": [fqn]}]}}
     <dir>/meta.pt     the rest of Lightning's checkpoint (loops, lr_schedulers, callbacks, hparams, datamodule)
-    <dir>/COMPLETE    json {step, epoch, world_size, strategy, dp, tp, pp}: written last, after every rank's shards
+    <dir>/COMPLETE    json {step, epoch, world_size, strategy, pp, dp_replicate, dp_shard, cp, tp, ep}: written last, after every rank's shards
 
 Every tensor is named by its FQN relative to the LightningModule, never by rank or parameter index, and sharded
 tensors are DTensors with their global shape, so DCP reshards on load: a checkpoint saved on N ranks resumes on

@@ -1,4 +1,4 @@
-"""Data parallelism by hand: a bucketed, overlapped gradient all-reduce (`GradSync`) and the `lm_ddp` strategy.
+"""Data parallelism by hand: a bucketed, overlapped gradient all-reduce (`GradSync`), the engine of `lm_ddp`.
 
 Every rank holds the whole model and a different slice of the global batch. After backward, each gradient must
 be the average over the ranks. Doing one all-reduce per parameter at the end would serialise communication behind
@@ -25,17 +25,15 @@ before its hook fires, so it is reduced once. Frozen parameters (`requires_grad=
 from __future__ import annotations
 
 import itertools
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Generator, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from typing_extensions import override
 
 from strategies import comm
-from strategies.base import BaseStrategy
 
 
 def broadcast_parameters(module: nn.Module, group: Optional[dist.ProcessGroup] = None) -> None:
@@ -162,33 +160,11 @@ class GradSync(nn.Module):
         self._hooks = []
 
 
-class DataParallelStrategy(BaseStrategy):
-    """`lm_ddp`: the model replicated on every dp rank, gradients averaged by `GradSync` over the dp group."""
+def __getattr__(name: str) -> Any:
+    """`strategies.ddp.DataParallelStrategy` (the class path of configs/strategies/ddp.yaml) is the `lm_ddp` preset,
+    resolved lazily so this engine imports without Lightning."""
+    if name == "DataParallelStrategy":
+        from strategies.registry import DataParallelStrategy
 
-    def __init__(self, bucket_cap_mb: float = 25.0, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.bucket_cap_mb = bucket_cap_mb
-        self._grad_sync: Optional[GradSync] = None
-
-    def parallelize(self, fitting: bool) -> None:
-        if fitting:
-            self._grad_sync = GradSync(self.lightning_module, self.layout.dp_group, self.bucket_cap_mb)
-        else:
-            broadcast_parameters(self.lightning_module, self.layout.dp_group)
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        with super().block_backward_sync(), (self._grad_sync.no_sync() if self._grad_sync else nullcontext()):
-            yield
-
-    def finish_grad_sync(self) -> None:
-        if self._grad_sync is not None:
-            self._grad_sync.finish()
-
-    @override
-    def teardown(self) -> None:
-        if self._grad_sync is not None:
-            self._grad_sync.remove_hooks()
-            self._grad_sync = None
-        super().teardown()
+        return DataParallelStrategy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,113 +1,206 @@
-"""The process-group layout: which ranks form the data-, pipeline- and tensor-parallel groups.
+"""The N-D process-group layout: one validated description of the parallel dimensions, one cache, one mesh.
 
-API (used by every strategy; built once per process and cached, because `new_group` is collective and Lightning
-calls `setup_environment` again for every `validate()`/`test()` after `fit()`):
+    dims = ParallelDims.of(world=8, pp=2, tp=2)           # dp_shard = what is left: 2
+    grid = rank_grid(dims)                                 # pure arithmetic: every group of every dimension
+    grid["tp"] -> [[0, 1], [2, 3], [4, 5], [6, 7]]         # lists of global ranks
+    layout = ParallelLayout.get(dims)                      # on an initialised default group (collective, cached)
+    layout.group("dp"), layout.rank("tp"), layout.size("pp"), layout.device_mesh("cpu")
 
-    grid = rank_grid(world_size=8, dp=2, pp=2, tp=2)   # pure arithmetic, no processes
-    grid["tp"]  -> [[0, 1], [2, 3], [4, 5], [6, 7]]     # every tp group, as lists of global ranks
-    grid["dp"]  -> [[0, 2], [1, 3], [4, 6], [5, 7]]
-    grid["pp"]  -> [[0, 4], [1, 5], [2, 6], [3, 7]]
+Dimensions, innermost (neighbouring ranks, the fastest links) first:
 
-    layout = ParallelLayout.get(pp=2, tp=2)             # on an initialised default group; dp = world // (pp*tp)
-    layout.dp_group, layout.dp_rank, layout.dp_size     # likewise pp_*, tp_*
-    layout.device_mesh("cpu")                           # a ("pp", "dp", "tp") DeviceMesh over the same groups
+    tp            tensor (+ sequence) parallel: talks every layer, so it stays inside a node
+    cp            context parallel: the sequence split over ranks (sized 1 until context parallelism is composed)
+    dp_shard      data parallel whose ranks shard the model state (ZeRO) or, at stage 0, replicate it
+    dp_replicate  data parallel over whole replicas of the shards (HSDP: ZeRO inside, all-reduce across)
+    pp            pipeline stages, outermost: one point-to-point activation per microbatch crosses it
 
-Rank order is pp-major, tp-minor (rank = (pp_rank * dp + dp_rank) * tp + tp_rank), as in Megatron: the
-tensor-parallel peers, which talk most, are neighbours (same node), the pipeline stages are farthest apart.
+    rank = (((pp * R + dp_replicate) * S + dp_shard) * C + cp) * T + tp
+
+Derived groups (also named for the accounting layer):
+
+    dp            dp_replicate x dp_shard: the ranks that split the batch (the sampler, gradient averaging)
+    ep            expert parallel, carved from dp_shard x cp (as torchtitan and Megatron): runs of `ep`
+                  consecutive ranks of that product hold different experts and exchange tokens (all-to-all)
+    edp           the ranks holding the same experts: dp_replicate x (dp_shard x cp / ep); expert gradients are
+                  averaged over it, dense ones over dp
+    pp_embedding  the first and the last stage of each pipeline (a tied embedding/head is summed over it)
+
+Every group is created once per process (`new_group` is collective over the world, and Lightning calls
+`setup_environment` again for every `validate()`/`test()` after `fit()`), in `ParallelLayout.get`.
 """
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from strategies import comm
+from strategies.errors import ConfigError
 
-DIMS = ("pp", "dp", "tp")  # outermost first
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
+GROUPS = (*DIMS, "dp", "ep", "edp", "pp_embedding")
+FIELDS = {"pp": "pipeline_parallel_size", "dp_replicate": "data_parallel_replicate_size",
+          "dp_shard": "data_parallel_shard_size", "cp": "context_parallel_size", "tp": "tensor_parallel_size",
+          "ep": "expert_parallel_size"}  # the strategy's argument for each size, for messages
 
 
-def rank_grid(world_size: int, dp: Optional[int] = None, pp: int = 1, tp: int = 1) -> dict[str, list[list[int]]]:
-    """Every group of each parallel dimension, as sorted lists of global ranks. `dp=None` = what is left."""
-    if pp < 1 or tp < 1 or world_size % (pp * tp):
-        raise ValueError(
-            f"the world size {world_size} is not divisible by pipeline_parallel_size ({pp}) x "
-            f"tensor_parallel_size ({tp}): choose sizes whose product divides the number of processes"
-        )
-    dp = world_size // (pp * tp) if dp is None else dp
-    if dp * pp * tp != world_size:
-        raise ValueError(f"dp ({dp}) x pp ({pp}) x tp ({tp}) = {dp * pp * tp} != world size {world_size}")
-    sizes = {"pp": pp, "dp": dp, "tp": tp}
-    grid: dict[str, list[list[int]]] = {}
-    for dim in DIMS:
-        others = [d for d in DIMS if d != dim]
-        groups = []
-        for fixed in itertools.product(*(range(sizes[d]) for d in others)):
-            coords = dict(zip(others, fixed))
-            groups.append([_rank({**coords, dim: i}, sizes) for i in range(sizes[dim])])
-        grid[dim] = sorted(groups)
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of every parallel dimension; world = pp * dp_replicate * dp_shard * cp * tp, ep divides dp_shard * cp."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @classmethod
+    def of(cls, world: int, pp: int = 1, dp_replicate: int = 1, dp_shard: Optional[int] = None, cp: int = 1,
+           tp: int = 1, ep: int = 1) -> "ParallelDims":
+        """The layout of `world` ranks; `dp_shard=None` takes what the other sizes leave. Validated here, once:
+        a bad combination raises one `ConfigError` naming every size and the world size."""
+        sizes = dict(pp=pp, dp_replicate=dp_replicate, cp=cp, tp=tp, ep=ep)
+        rest = pp * dp_replicate * cp * tp
+        if dp_shard is None:
+            dp_shard = world // rest if rest > 0 and world % rest == 0 else 0
+        dims = cls(dp_shard=dp_shard, **sizes)
+        dims.validate(world)
+        return dims
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    def describe(self) -> str:
+        return " x ".join(f"{name}={size}" for name, size in asdict(self).items())
+
+    def validate(self, world: int) -> None:
+        problem = ""
+        bad = [name for name, size in asdict(self).items() if size < 1]
+        if bad:
+            problem = f"{', '.join(FIELDS[b] for b in bad)} must be >= 1"
+        elif self.world != world:
+            problem = "their product must equal the world size (trainer.devices x trainer.num_nodes)"
+        elif (self.dp_shard * self.cp) % self.ep:
+            problem = (f"{FIELDS['ep']} must divide data_parallel_shard_size x context_parallel_size = "
+                       f"{self.dp_shard * self.cp} (experts are carved from those ranks)")
+        if problem:
+            raise ConfigError(f"parallel layout {self.describe()} on a world of {world} ranks: {problem}")
+
+
+def _coords(rank: int, dims: ParallelDims) -> dict[str, int]:
+    out = {}
+    for name in reversed(DIMS):  # tp innermost
+        size = getattr(dims, name)
+        out[name] = rank % size
+        rank //= size
+    return out
+
+
+def _partition(world: int, key: Callable[[dict[str, int]], tuple]) -> list[list[int]]:
+    """The ranks grouped by `key(coords)`, each group in rank order, the groups sorted."""
+    groups: dict[tuple, list[int]] = {}
+    for r in range(world):
+        groups.setdefault(key(r), []).append(r)
+    return sorted(groups.values())
+
+
+def rank_grid(dims: ParallelDims) -> dict[str, list[list[int]]]:
+    """Every group of every dimension and derived group (see the module docstring), as lists of global ranks."""
+    world = dims.world
+    coords = [_coords(r, dims) for r in range(world)]
+
+    def varying(*names: str) -> list[list[int]]:  # the ranks that differ only in `names`
+        fixed = [d for d in DIMS if d not in names]
+        return _partition(world, lambda r: tuple(coords[r][d] for d in fixed))
+
+    def flat_shard_cp(c: dict[str, int]) -> int:
+        return c["dp_shard"] * dims.cp + c["cp"]
+
+    grid = {d: varying(d) for d in DIMS}
+    grid["dp"] = varying("dp_replicate", "dp_shard")
+    outer = ("pp", "dp_replicate", "tp")
+    grid["ep"] = _partition(world, lambda r: (*(coords[r][d] for d in outer), flat_shard_cp(coords[r]) // dims.ep))
+    grid["edp"] = _partition(world, lambda r: (coords[r]["pp"], coords[r]["tp"], flat_shard_cp(coords[r]) % dims.ep))
+    grid["pp_embedding"] = [sorted({g[0], g[-1]}) for g in grid["pp"]]
     return grid
-
-
-def _rank(coords: dict[str, int], sizes: dict[str, int]) -> int:
-    return (coords["pp"] * sizes["dp"] + coords["dp"]) * sizes["tp"] + coords["tp"]
 
 
 @dataclass
 class ParallelLayout:
-    """This rank's groups of a dp x pp x tp layout. Build with `ParallelLayout.get(...)` (collective, cached)."""
+    """This rank's groups of every dimension. Build with `ParallelLayout.get(dims)` (collective, cached)."""
 
-    world_size: int
-    sizes: dict[str, int]
-    ranks: dict[str, list[int]]  # the global ranks of this rank's group, per dimension
+    dims: ParallelDims
+    grid: dict[str, list[list[int]]]
     groups: dict[str, dist.ProcessGroup]
-    _mesh: dict[str, "torch.distributed.device_mesh.DeviceMesh"] = field(default_factory=dict, repr=False)
+    _meshes: dict[tuple, "torch.distributed.device_mesh.DeviceMesh"] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def get(cls, dp: Optional[int] = None, pp: int = 1, tp: int = 1) -> "ParallelLayout":
-        """The cached layout for these sizes, creating its groups (all ranks must call) on first use."""
-        world = dist.get_world_size()
-        key = (id(dist.group.WORLD), world, dp, pp, tp)
+    def get(cls, dims: ParallelDims) -> "ParallelLayout":
+        """The cached layout for `dims` on the current default group, creating its groups on first use."""
+        dims.validate(dist.get_world_size())
+        key = (id(dist.group.WORLD), dims)
         if key not in _CACHE:
-            _CACHE[key] = cls._build(world, rank_grid(world, dp, pp, tp))
+            grid = rank_grid(dims)
+            groups = {}
+            for name in GROUPS:  # every rank creates every group (new_group is collective), keeping its own
+                mine, _ = dist.new_subgroups_by_enumeration(grid[name])
+                comm.name_group(mine, name)
+                groups[name] = mine
+            _CACHE[key] = cls(dims, grid, groups)
         return _CACHE[key]
 
-    @classmethod
-    def _build(cls, world: int, grid: dict[str, list[list[int]]]) -> "ParallelLayout":
-        rank = dist.get_rank()
-        groups, ranks = {}, {}
-        for dim in DIMS:
-            # Every rank creates every group (new_group is collective over the world), keeping its own.
-            mine, _ = dist.new_subgroups_by_enumeration(grid[dim])
-            comm.name_group(mine, dim)
-            groups[dim] = mine
-            ranks[dim] = next(g for g in grid[dim] if rank in g)
-        return cls(world, {dim: len(ranks[dim]) for dim in DIMS}, ranks, groups)
+    def group(self, name: str) -> dist.ProcessGroup:
+        return self.groups[name]
 
-    def device_mesh(self, device_type: str) -> "torch.distributed.device_mesh.DeviceMesh":
-        """A ("pp", "dp", "tp") DeviceMesh over the existing groups (for DTensor checkpoints); no new groups."""
+    def ranks(self, name: str) -> list[int]:
+        """The global ranks of this rank's group `name`, in group-rank order."""
+        me = dist.get_rank()
+        return next(g for g in self.grid[name] if me in g)
+
+    def size(self, name: str) -> int:
+        return len(self.ranks(name))
+
+    def rank(self, name: str) -> int:
+        return self.ranks(name).index(dist.get_rank())
+
+    def device_mesh(self, device_type: str, *names: str) -> "torch.distributed.device_mesh.DeviceMesh":
+        """A DeviceMesh over existing groups (for DTensor checkpoints), no new groups: the full
+        (pp, dp_replicate, dp_shard, cp, tp) mesh by default, or this rank's slab of `names` (e.g. "edp", "ep")."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        if device_type not in self._mesh:
-            mesh = torch.arange(self.world_size).view(self.sizes["pp"], self.sizes["dp"], self.sizes["tp"])
-            self._mesh[device_type] = DeviceMesh.from_group(
-                [self.groups[d] for d in DIMS], device_type, mesh=mesh, mesh_dim_names=DIMS
-            )
-        return self._mesh[device_type]
+        names = names or DIMS
+        key = (device_type, names)
+        if key not in self._meshes:
+            def slab(rank: int, rest: tuple[str, ...]) -> object:  # [i1][i2]...: this rank's slab, nested
+                if not rest:
+                    return rank
+                return [slab(r, rest[1:]) for r in next(g for g in self.grid[rest[0]] if rank in g)]
 
-    # The names every strategy uses.
+            mesh = torch.tensor(slab(dist.get_rank(), names))
+            self._meshes[key] = DeviceMesh.from_group([self.groups[n] for n in names], device_type, mesh=mesh,
+                                                      mesh_dim_names=names)
+        return self._meshes[key]
+
+    # The names strategies and callbacks use most.
     dp_group = property(lambda self: self.groups["dp"])
     pp_group = property(lambda self: self.groups["pp"])
     tp_group = property(lambda self: self.groups["tp"])
-    dp_size = property(lambda self: self.sizes["dp"])
-    pp_size = property(lambda self: self.sizes["pp"])
-    tp_size = property(lambda self: self.sizes["tp"])
-    dp_rank = property(lambda self: self.ranks["dp"].index(dist.get_rank()))
-    pp_rank = property(lambda self: self.ranks["pp"].index(dist.get_rank()))
-    tp_rank = property(lambda self: self.ranks["tp"].index(dist.get_rank()))
+    dp_size = property(lambda self: self.dims.dp)
+    pp_size = property(lambda self: self.dims.pp)
+    tp_size = property(lambda self: self.dims.tp)
+    dp_rank = property(lambda self: self.rank("dp"))
+    pp_rank = property(lambda self: self.rank("pp"))
+    tp_rank = property(lambda self: self.rank("tp"))
 
 
 _CACHE: dict[tuple, ParallelLayout] = {}
+

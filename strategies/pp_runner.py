@@ -56,7 +56,7 @@ class _Slot:
 
 class PipelineRunner:
     def __init__(self, model: PipelineModel, schedule: Schedule, rank: int, chunk_layers: list[list[int]],
-                 group: Optional[dist.ProcessGroup] = None) -> None:
+                 group: Optional[dist.ProcessGroup] = None, seq_shards: int = 1) -> None:
         if len(chunk_layers) != schedule.chunks:
             raise ValueError(f"{len(chunk_layers)} layer lists for a schedule with {schedule.chunks} chunks per rank")
         self.model = model
@@ -64,6 +64,7 @@ class PipelineRunner:
         self.rank = rank
         self.chunk_layers = chunk_layers
         self.group = group
+        self.seq_shards = seq_shards  # sequence parallelism: stages exchange 1/seq_shards of the positions
         self.stats = StepStats()
         self._waited = 0.0  # seconds the current compute action spent waiting for its message
 
@@ -76,7 +77,7 @@ class PipelineRunner:
         sched = self.schedule if train else self.schedule.forward_only()
         m, p = sched.microbatches, sched.stages
         xs, ys = inputs.chunk(m), targets.chunk(m)
-        shape, dtype = self.model.pipeline_activation(xs[0].shape[0], xs[0].shape[1])
+        shape, dtype = self.model.pipeline_activation(xs[0].shape[0], xs[0].shape[1] // self.seq_shards)
         slots: dict[tuple[int, int], _Slot] = {}
         recvs: dict[tuple[str, int, int], tuple[Tensor, Any]] = {}
         sends: list[tuple[Tensor, Any]] = []

@@ -173,15 +173,25 @@ class ZeroEngine:
     """
 
     def __init__(self, module: nn.Module, stage: int, group: Optional[dist.ProcessGroup] = None,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, replicate_group: Optional[dist.ProcessGroup] = None,
+                 reduce_in_backward: bool = True, init: Optional[Callable[[str, Tensor], None]] = None) -> None:
         self.stage = check_stage(stage)
         self.module = module
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.device = device
+        # HSDP: the shards are replicated over `replicate_group`; each reduced shard is then all-reduced over it
+        self.replicate_group = replicate_group
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        # stages 2-3 reduce-scatter during each backward; off (the pipeline: its split backward assigns weight
+        # gradients outside autograd's accumulation hooks) they reduce once per step, in `finish_grad_sync`
+        self.reduce_in_backward = reduce_in_backward
         self._hooks: list[Any] = []
         self._prefix, self._model = find_block_model(module)
+        # fills a meta parameter from its name relative to the block model (default: the model's own init; a
+        # composed strategy passes one that knows which slice of the global parameter this rank holds)
+        self._init = init if init is not None else getattr(self._model, "init_parameter", None)
         self.root, self.blocks = self._build_units(module)
         self.units = [self.root, *self.blocks]
         self._reduce_order = [*reversed(self.blocks), self.root]  # roughly the order backward finishes them
@@ -193,7 +203,7 @@ class ZeroEngine:
     def attach(self) -> None:
         """Register the hooks (stage 2: gradients; stage 3: gradients and gathers). `detach()` removes them."""
         self.detach()
-        if self.stage >= 2:
+        if self.stage >= 2 and self.reduce_in_backward:
             self._register_grad_hooks()
         if self.stage == 3:
             self._register_gather_hooks()
@@ -259,7 +269,7 @@ class ZeroEngine:
                     for mod, name in owners[sp.param]:  # every owner: tied weights stay tied
                         setattr(mod, name, new)
                     sp.param = new
-                    self._model.init_parameter(sp.fqn[len(dot):], new.data)
+                    self._init(sp.fqn[len(dot):], new.data)
                 p = sp.param
                 rows = p.data[sp.start: sp.end]
                 if self.stage == 3:
@@ -269,11 +279,13 @@ class ZeroEngine:
                     sp.master = rows if p.dtype == torch.float32 else rows.float()
                 sp.master.requires_grad_(p.requires_grad)  # a leaf the optimizer (and its state init) accepts
             unit.gathered = self.stage < 3
-        if self.stage < 3:  # replicas start equal whatever each rank's seed was
-            src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-            for unit in self.units:
-                for sp in unit.params:
-                    comm.broadcast(sp.param.data, src, self.group)
+        # Replicas start equal whatever each rank's seed was: whole parameters (stages 1-2) over the shard group,
+        # and what this rank holds over the HSDP replicas.
+        held = [sp.param.data if self.stage < 3 else sp.master for unit in self.units for sp in unit.params]
+        for group in ([self.group] if self.stage < 3 else []) + [g for g in [self.replicate_group] if g is not None]:
+            src = dist.get_global_rank(group, 0) if group is not None else 0
+            for tensor in held:
+                comm.broadcast(tensor, src, group, label="zero broadcast parameters")
 
     # -- parameters: all-gather -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -343,7 +355,9 @@ class ZeroEngine:
         work, _send, recv = unit.pending_reduce
         work.wait()
         unit.pending_reduce = None
-        recv.div_(self.world)  # the mean over ranks of per-rank mean losses = the global-batch mean
+        if self.replicate_group is not None:  # HSDP: the same shard of every replica, summed
+            comm.all_reduce(recv, self.replicate_group, label=f"zero replicate {unit.name}")
+        recv.div_(self.world * self.replicas)  # the mean over ranks of per-rank mean losses = the global-batch mean
         for sp in unit.params:
             if not sp.param.requires_grad:
                 continue  # frozen: no gradient, so the optimizer skips it (no weight decay either)
@@ -414,22 +428,13 @@ class ZeroEngine:
 
     # -- the step -------------------------------------------------------------------------------------------
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Point the optimizer's param groups at the master shards, in place: schedulers and hyper-parameters
-        stay attached to the same optimizer object, and its state (m, v) is created at shard size."""
-        if optimizer.state:
-            raise ValueError("shard the optimizer before its first step: it already holds state")
-        masters = {sp.param: sp.master for u in self.units for sp in u.params}
-        for group in optimizer.param_groups:
-            unknown = [p for p in group["params"] if p not in masters]
-            if unknown:
-                raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not parameters of the "
-                                 "sharded module: build param groups from the model's parameters")
-            group["params"] = [masters[p] for p in group["params"]]
+        shard_optimizer(optimizer, [self])
 
     def finish_grad_sync(self) -> None:
         """After the last backward of an accumulation window: every unit's gradient shard is in `master.grad`.
-        Stage 1 reduces the accumulated full gradients here; stages 2-3 did after each backward."""
-        if self.stage == 1:
+        Stage 1 (and any stage without `reduce_in_backward`) reduces the accumulated full gradients here; stages 2-3
+        did after each backward."""
+        if self.stage == 1 or not self.reduce_in_backward:
             for unit in self._reduce_order:
                 self._launch_reduce(unit)
             for unit in self._reduce_order:
@@ -465,6 +470,20 @@ class ZeroEngine:
     def sharded_params(self) -> Iterable[ShardedParam]:
         for unit in self.units:
             yield from unit.params
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer, engines: list[ZeroEngine]) -> None:
+    """Point the optimizer's param groups at the engines' master shards, in place: schedulers and hyper-parameters
+    stay attached to the same optimizer object, and its state (m, v) is created at shard size."""
+    if optimizer.state:
+        raise ValueError("shard the optimizer before its first step: it already holds state")
+    masters = {sp.param: sp.master for engine in engines for sp in engine.sharded_params()}
+    for group in optimizer.param_groups:
+        unknown = [p for p in group["params"] if p not in masters]
+        if unknown:
+            raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not parameters of the "
+                             "sharded module: build param groups from the model's parameters")
+        group["params"] = [masters[p] for p in group["params"]]
 
 
 def model_state_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-import strategies  # noqa: F401  (registers lm_ddp)
+import strategies.registry  # noqa: F401  (registers lm_ddp)
 from dist_utils import TinyLM, fit_tiny, run_distributed
 from strategies.checkpoint import is_sharded_checkpoint
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-import strategies  # noqa: F401  (registers lm_ddp, zero2)
+import strategies.registry  # noqa: F401  (registers lm_ddp, zero2)
 from callbacks.nan_guard import NanGuard, NonFiniteError
 from dist_utils import fit_tiny, free_port, run_distributed
 from strategies import checkpoint as ckpt

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
-import strategies  # noqa: F401  (registers lm_ddp)
+import strategies.registry  # noqa: F401  (registers lm_ddp)
 from callbacks.clip import GlobalNormClip
 from dist_utils import TinyLM, run_distributed
 from parity import Case, assert_parity, run_parity
