@@ -253,6 +253,13 @@ class Transformer(nn.Module):
         with torch.no_grad():
             tensor.copy_(values)
 
+    def init_buffer(self, name: str, tensor: Tensor) -> None:
+        """Fill a buffer built on the meta device: the MoE routers' bias and token counts start at zero."""
+        if not name.endswith(("expert_bias", "step_counts")):
+            raise ValueError(f"no initial value for buffer {name}")
+        with torch.no_grad():
+            tensor.zero_()
+
     def init_weights(self) -> None:
         for name, param in self.named_parameters():
             self.init_parameter(name, param)
@@ -268,8 +275,6 @@ class Transformer(nn.Module):
         `strategies.plan.TensorParallel` for the styles; the strategy decides HOW."""
         from strategies.plan import TensorParallel as TP  # the protocol's types; strategies never import lit_lm
 
-        self._refuse_moe("tensor parallelism", "shard the experts with `ep` instead")
-
         heads, kv_heads = (TP("column", self.config.head_dim, name) for name in ("query heads", "kv heads"))
         plan = {"tok_embeddings": TP("vocab_embedding"), "norm": TP("sequence"), "lm_head": TP("vocab_head"),
                 "loss_fn": TP("vocab_loss")}
@@ -278,8 +283,12 @@ class Transformer(nn.Module):
             plan.update({f"{b}.attn_norm": TP("sequence"), f"{b}.attn": TP("region"), f"{b}.attn.wq": heads,
                          f"{b}.attn.wk": kv_heads, f"{b}.attn.wv": kv_heads,
                          f"{b}.attn.wo": TP("row", self.config.head_dim, "query heads"),
-                         f"{b}.mlp_norm": TP("sequence"), f"{b}.mlp": TP("region"), f"{b}.mlp.w_gate": TP("column"),
-                         f"{b}.mlp.w_up": TP("column"), f"{b}.mlp.w_down": TP("row")})
+                         f"{b}.mlp_norm": TP("sequence")})
+            if isinstance(self.blocks[i].mlp, MoE):  # experts replicated over tp (shard them with ep)
+                plan[f"{b}.mlp"] = TP("batch")
+            else:
+                plan.update({f"{b}.mlp": TP("region"), f"{b}.mlp.w_gate": TP("column"), f"{b}.mlp.w_up": TP("column"),
+                             f"{b}.mlp.w_down": TP("row")})
             if self.config.qk_norm:
                 plan.update({f"{b}.attn.q_norm": TP("per_head"), f"{b}.attn.k_norm": TP("per_head")})
         return plan
@@ -326,7 +335,6 @@ class Transformer(nn.Module):
     def pipeline_split(self, stage_layers: list[int], is_first: bool, is_last: bool) -> None:
         """Keep only what one pipeline stage owns: its blocks (still keyed by global index), the embedding on the
         first stage, the final norm and head on the last. A tied head keeps its Parameter on the last stage."""
-        self._refuse_moe("pipeline parallelism", "the balancing losses of a stage's MoE layers would be lost")
         keep = {str(i) for i in stage_layers}
         for key in [k for k in self.blocks if k not in keep]:
             del self.blocks[key]
@@ -348,6 +356,8 @@ class Transformer(nn.Module):
             x = self.tok_embeddings(x)
         for i in layers:
             x = self.blocks[str(i)](x)
+        aux = sum((moe_aux_loss(self.blocks[str(i)]) for i in layers), 0.0)  # these layers' balancing losses
         if targets is None:
-            return x
-        return self.loss_fn(self.lm_head(self.norm(x)), targets)
+            return (x, aux) if isinstance(aux, Tensor) else x
+        loss, ce = self.loss_fn(self.lm_head(self.norm(x)), targets)
+        return loss + aux, ce

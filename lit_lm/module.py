@@ -19,7 +19,7 @@ from lit_lm.checkpoints import with_tied_head
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.generate import generate
 from lit_lm.model import Transformer
-from lit_lm.moe import moe_metrics, update_router_bias
+from lit_lm.moe import moe_layers, moe_metrics, update_router_bias
 from strategies.checkpoint import OPTIMIZER_FQNS
 
 
@@ -154,9 +154,11 @@ class LanguageModel(L.LightningModule):
 
     # -- optimisation --------------------------------------------------------------------------------------
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
-        """The step, then the MoE routers' auxiliary-loss-free bias update (counts summed over the dp ranks)."""
+        """The step, then the MoE routers' auxiliary-loss-free bias update (counts summed over the ranks that split
+        the batch: the layers' `batch_group`, which the strategy set; a pipeline stage's layers live on its ranks)."""
         super().optimizer_step(*args, **kwargs)
-        update_router_bias(self.model, lambda t: self.trainer.strategy.reduce(t, reduce_op="sum"))
+        group = next((m.batch_group for m in moe_layers(self.model).values()), None)
+        update_router_bias(self.model, lambda t: self.trainer.strategy.reduce(t, group, reduce_op="sum"))
 
     def configure_optimizers(self) -> dict[str, Any]:
         decay, no_decay = [], []

@@ -51,14 +51,15 @@ def tokens_per_s(config: ModelConfig, steps: int) -> float:
 
 
 def _ep_worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
-    from strategies.ep import ExpertLayout, shard_experts
+    from strategies.ep import shard_experts
+    from strategies.layout import ParallelDims, ParallelLayout
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = Transformer(MOE)
-    shard_experts(model, ExpertLayout.get(world).ep_group)
+    shard_experts(model, ParallelLayout.get(ParallelDims.of(world, ep=world)).group("ep"))
     COMM_LOG.reset()
     for step in range(steps):
         tokens = _batch(step * world + rank)

@@ -50,6 +50,8 @@ TensorParallelStyle = Literal[
     "vocab_embedding",  # nn.Embedding split over the vocabulary rows
     "vocab_head",  # nn.Linear split over the vocabulary (output) rows; its logits stay split
     "vocab_loss",  # the loss on vocab-split logits: forward(logits, targets) -> (loss, detached ce), as LMLoss
+    "batch",  # replicated weights whose forward needs statistics of the whole batch (MoE routing balance): every
+    #           tp rank runs it on the same tokens, so it refuses sequence parallelism
 ]
 
 
@@ -81,7 +83,9 @@ class PipelineModel(BlockModel, Protocol):
     - `pipeline_activation(batch, seq_len)`: shape and dtype of the tensor passed between stages, so a stage can
       post its receive before the data exists.
     - `stage_forward(x, layers, targets)`: token ids or a hidden state through `layers` (in order); with
-      `targets`, finish the model and return (loss, detached cross-entropy).
+      `targets`, finish the model and return (loss, detached cross-entropy). Without, the hidden state, or
+      (hidden state, auxiliary loss) when these layers add a loss of their own (MoE balancing): the runner
+      backpropagates it with the stage and adds it to the reported loss.
     - `loss(inputs, targets)`: the whole model's (loss, ce); the LightningModule calls it once per step, and
       the pipeline strategy runs its schedule in its place.
     """

@@ -9,7 +9,9 @@ Messages are non-blocking: RECV posts an irecv into a buffer whose shape and dty
 sends are waited at the end of the step). The schedule pairs sends and recvs by order, so no tags are needed.
 
 The loss is the mean of the microbatch losses (each backward starts from loss / m): with equal microbatches this
-is the whole batch's mean, so gradients match one-process training (exactly when no target is ignored).
+is the whole batch's mean, so gradients match one-process training (exactly when no target is ignored). A stage
+before the last may add an auxiliary loss (MoE balancing: `stage_forward` returns (hidden, aux)): it is attached to
+the stage's output so that its backward starts from aux / m too, and the reported loss sums every stage's part.
 
 Split backward (ZB-H1). B must produce the input gradient fast and leave the weight gradients for a later W,
 without running the stage's backward twice. B calls `torch.autograd.grad(output, stage_input)` and, through
@@ -34,6 +36,20 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from strategies import comm
 from strategies.plan import PipelineModel
 from strategies.pp_schedules import Action, Schedule
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on the stage's output whose backward also starts `aux`'s: gradient `scale` (1/m, the microbatch
+    weight the last stage's loss gets), so one backward from the output covers the stage's auxiliary loss."""
+
+    @staticmethod
+    def forward(ctx: Any, output: Tensor, aux: Tensor, scale: float) -> Tensor:
+        ctx.aux_shape, ctx.scale = aux.shape, scale
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        return grad, grad.new_full(ctx.aux_shape, ctx.scale), None
 
 
 @dataclass
@@ -115,8 +131,8 @@ class PipelineRunner:
             for _, work in sends:
                 work.wait()
         self.stats.wall = time.perf_counter() - start
-        last = self._global(sched.place(sched.num_stages - 1)[0])
-        comm.broadcast(totals, last, self.group)
+        # the last stage holds (loss, ce), the others their auxiliary losses: the sum is every rank's answer
+        comm.all_reduce(totals, self.group, label="pp step loss")
         return totals[0] / m, totals[1] / m
 
     @staticmethod
@@ -142,6 +158,10 @@ class PipelineRunner:
             loss, ce = out
             totals += torch.stack([loss.detach().float(), ce.float()])
             out = loss
+        elif isinstance(out, tuple):  # (hidden, auxiliary loss)
+            out, aux = out
+            totals[0] += aux.detach().float()
+            out = _AttachLoss.apply(out, aux, 1.0 / self.schedule.microbatches) if train else out
         slot.output = out
 
     def _backward_input(self, a: Action, slot: _Slot, stage: int, recvs: dict, split: bool) -> None:

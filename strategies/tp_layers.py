@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from strategies import comm
+from strategies.errors import ConfigError
 from strategies.plan import TensorParallel
 
 
@@ -298,6 +299,10 @@ def parallelize_model(model: nn.Module, plan: dict[str, TensorParallel], tp: TPG
                 shards.partial.extend(module.parameters())
         elif spec.style == "per_head":
             shards.partial.extend(module.parameters())
+        elif spec.style == "batch":
+            if tp.sequence_parallel:
+                raise ConfigError(f"{name}: computes statistics over the whole batch (MoE routing), which sequence "
+                                  "parallelism would split over the tp ranks; set sequence_parallel: false")
         elif spec.style in ("vocab_embedding", "vocab_head"):
             vocab_start[name] = tp.rows(module.weight.shape[0])[0]
             weight = shard(name, module.weight, 0, None)

@@ -22,7 +22,8 @@ from lit_lm.model import Transformer
 from lit_lm.moe import GroupedExperts, moe_layers
 from strategies.checkpoint import to_single_file
 from strategies.comm import COMM_LOG
-from strategies.ep import ExpertLayout, ExpertParallelStrategy, ExpertShard, check_expert_parallel
+from strategies.ep import ExpertParallelStrategy, ExpertShard, check_expert_parallel
+from strategies.layout import ParallelDims, ParallelLayout
 
 STEPS = 5  # odd: the sign updates cannot cancel to a zero bias
 
@@ -43,7 +44,7 @@ def _engine_case() -> dict:
     x.grad = None
     experts = GroupedExperts(4, 8, 6)
     experts.load_state_dict(full.state_dict())
-    shard = ExpertShard(experts, 4, ExpertLayout.get(2).ep_group)
+    shard = ExpertShard(experts, 4, ParallelLayout.get(ParallelDims.of(2, ep=2)).group("ep"))
     COMM_LOG.reset()
     out = shard(x, counts)
     out.square().sum().backward()

@@ -1,4 +1,4 @@
-"""The dp x pp x tp process-group layout: the rank arithmetic (pure), then the real groups on 4 processes."""
+"""The N-D process-group layout: the rank arithmetic (pure), its validation, then the real groups on 4 processes."""
 
 from __future__ import annotations
 
@@ -8,54 +8,70 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 from strategies import comm
-from strategies.layout import ParallelLayout, rank_grid
+from strategies.errors import ConfigError
+from strategies.layout import DIMS, GROUPS, ParallelDims, ParallelLayout, rank_grid
 
 
 def test_dp2_tp2() -> None:
-    grid = rank_grid(4, tp=2)
+    grid = rank_grid(ParallelDims.of(4, tp=2))
     assert grid["tp"] == [[0, 1], [2, 3]]  # tensor-parallel peers are neighbours
-    assert grid["dp"] == [[0, 2], [1, 3]]
+    assert grid["dp"] == grid["dp_shard"] == [[0, 2], [1, 3]]
     assert grid["pp"] == [[0], [1], [2], [3]]
 
 
 def test_pp2_dp2() -> None:
-    grid = rank_grid(4, dp=2, pp=2)
+    grid = rank_grid(ParallelDims.of(4, pp=2))
     assert grid["pp"] == [[0, 2], [1, 3]]  # stages are farthest apart
     assert grid["dp"] == [[0, 1], [2, 3]]
-    assert grid["tp"] == [[0], [1], [2], [3]]
+    assert grid["pp_embedding"] == [[0, 2], [1, 3]]  # first and last stage of each pipeline
 
 
-def test_dp2_pp2_tp2_covers_every_rank_once_per_dimension() -> None:
-    grid = rank_grid(8, pp=2, tp=2)
-    for dim, size in (("dp", 2), ("pp", 2), ("tp", 2)):
-        assert sorted(r for g in grid[dim] for r in g) == list(range(8))
-        assert all(len(g) == size for g in grid[dim])
-    assert grid["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+def test_every_dimension_covers_every_rank_once() -> None:
+    dims = ParallelDims.of(16, pp=2, dp_replicate=2, tp=2, cp=1)  # dp_shard 2
+    grid = rank_grid(dims)
+    for name in GROUPS:
+        assert sorted(r for g in grid[name] for r in g) == list(range(16)), name
+    for name in DIMS:
+        assert all(len(g) == getattr(dims, name) for g in grid[name]), name
+    assert grid["dp"][0] == [0, 2, 4, 6]  # dp_replicate x dp_shard, tp fixed
+    assert grid["dp_replicate"][0] == [0, 4] and grid["dp_shard"][0] == [0, 2]
+    assert rank_grid(ParallelDims.of(8, pp=2, tp=2))["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
-def test_bad_sizes_are_explained() -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        rank_grid(6, tp=4)
-    with pytest.raises(ValueError, match="world size"):
-        rank_grid(4, dp=4, tp=2)
+def test_ep_is_carved_from_dp_shard_x_cp() -> None:
+    grid = rank_grid(ParallelDims.of(8, tp=2, ep=2))  # dp_shard 4
+    assert grid["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]  # consecutive dp ranks, the same tp rank
+    assert grid["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]  # the ranks holding the same experts
+
+
+def test_bad_sizes_name_every_size_and_the_world() -> None:
+    with pytest.raises(ConfigError, match=r"pp=1 x dp_replicate=1 x dp_shard=0 x cp=1 x tp=4 x ep=1 on a world of 6"):
+        ParallelDims.of(6, tp=4)
+    with pytest.raises(ConfigError, match="expert_parallel_size must divide"):
+        ParallelDims.of(4, tp=2, ep=4)
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1"):
+        ParallelDims.of(4, tp=0)
 
 
 def _layout_worker() -> dict:
-    layout = ParallelLayout.get(tp=2)
-    assert ParallelLayout.get(tp=2) is layout  # cached: no second round of new_group
+    dims = ParallelDims.of(4, tp=2, ep=2)
+    layout = ParallelLayout.get(dims)
+    assert ParallelLayout.get(dims) is layout  # cached: no second round of new_group
     summed = torch.tensor([float(dist.get_rank() + 1)])
     comm.all_reduce(summed, layout.tp_group)
     mesh = layout.device_mesh("cpu")
+    expert_mesh = layout.device_mesh("cpu", "edp", "ep")
     return {"dp": (layout.dp_rank, layout.dp_size), "tp": (layout.tp_rank, layout.tp_size), "tp_sum": summed.item(),
             "mesh": mesh.mesh.tolist(), "mesh_tp_rank": mesh.get_local_rank("tp"),
-            "group": comm.COMM_LOG.records[-1].group}
+            "expert_mesh": expert_mesh.mesh.tolist(), "group": comm.COMM_LOG.records[-1].group}
 
 
-def test_groups_on_2_processes() -> None:
-    results = run_distributed(_layout_worker, 2)
-    assert [r["dp"] for r in results] == [(0, 1), (0, 1)]
-    assert [r["tp"] for r in results] == [(0, 2), (1, 2)]
-    assert [r["tp_sum"] for r in results] == [3.0, 3.0]
-    assert results[0]["mesh"] == [[[0, 1]]]
-    assert [r["mesh_tp_rank"] for r in results] == [0, 1]
+def test_groups_on_4_processes() -> None:
+    results = run_distributed(_layout_worker, 4)
+    assert [r["dp"] for r in results] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert [r["tp"] for r in results] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert [r["tp_sum"] for r in results] == [3.0, 3.0, 7.0, 7.0]
+    assert results[0]["mesh"] == [[[[[0, 1]], [[2, 3]]]]]  # (pp, dp_replicate, dp_shard, cp, tp)
+    assert [r["mesh_tp_rank"] for r in results] == [0, 1, 0, 1]
+    assert [r["expert_mesh"] for r in results] == [[[0, 2]], [[1, 3]], [[0, 2]], [[1, 3]]]  # (edp, ep) slabs
     assert results[0]["group"] == "tp"

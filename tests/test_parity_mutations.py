@@ -16,6 +16,7 @@ import torch
 
 from parity import MOE, Case, assert_parity, run_parity
 from strategies import comm, ddp, zero_engine
+from strategies.composed import ComposedStrategy
 from strategies.ddp import DataParallelStrategy
 from strategies.ep import ExpertParallelStrategy
 from strategies.zero import ZeroStrategy
@@ -44,14 +45,14 @@ def zero_reduce_scatter_doubled(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def ep_forgets_division(monkeypatch: pytest.MonkeyPatch) -> None:
     """The expert gradients keep the sum over the ep peers (finish_grad_sync's `/ ep` undone)."""
-    finish = ExpertParallelStrategy.finish_grad_sync
+    finish = ComposedStrategy.finish_grad_sync
 
-    def without_division(self: ExpertParallelStrategy) -> None:
+    def without_division(self: ComposedStrategy) -> None:
         finish(self)
-        grads = [g for g in map(self._grad, self._expert_params()) if g is not None]
-        torch._foreach_mul_(grads, self.expert_parallel_size)
+        grads = [rec.grad for rec in self._params if rec.expert and rec.grad is not None]
+        torch._foreach_mul_(grads, self.ep_size)
 
-    monkeypatch.setattr(ExpertParallelStrategy, "finish_grad_sync", without_division)
+    monkeypatch.setattr(ComposedStrategy, "finish_grad_sync", without_division)
 
 
 MUTANTS = {  # case, the parameter the report must name
