@@ -30,6 +30,12 @@ def peak_flops_for(device_name: str) -> Optional[float]:
     return next((flops for key, flops in PEAK_FLOPS if key in device_name), None)
 
 
+def data_parallel_size(trainer: L.Trainer) -> int:
+    """How many model replicas consume different batches: the strategy's sampler replicas (dp; tp and pp peers of
+    a replica read the same tokens), 1 without a distributed sampler."""
+    return (getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1)
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak CUDA memory allocated by tensors, or on CPU the process's peak resident set size."""
     if device.type == "cuda":
@@ -44,9 +50,10 @@ class Throughput(L.Callback):
     Reads the model shape from `pl_module.model.config` (a `lit_lm` ModelConfig: `num_params` (MoE: the active
     ones), `n_layers`, `d_model`) and the sequence length from the batch, a (B, T + 1) LongTensor. Time runs from
     batch start to batch start (data loading and optimizer step included) with CUDA synchronised at both ends, so it
-    measures what a run achieves, not one kernel. tokens/s is summed over `trainer.world_size` ranks, i.e. it
-    assumes every rank consumes its own tokens (data parallelism); MFU = achieved model FLOP/s per device /
-    `peak_flops` (looked up from the device name when not given; without a peak, MFU is not logged).
+    measures what a run achieves, not one kernel. tokens/s is summed over the data-parallel replicas (tp and pp
+    peers of a replica read the same tokens: counting them would overcount); MFU = achieved model FLOP/s per
+    device (the replicas' FLOP/s over all `trainer.world_size` devices) / `peak_flops` (looked up from the device
+    name when not given; without a peak, MFU is not logged).
     """
 
     def __init__(self, peak_flops: Optional[float] = None, window: int = 10) -> None:
@@ -84,12 +91,13 @@ class Throughput(L.Callback):
         cfg = pl_module.model.config
         flops = flops_per_token(cfg.num_params(include_embedding=False, active=True), cfg.n_layers, cfg.d_model,
                                 seq_len)
+        tokens_per_sec *= data_parallel_size(trainer)
         metrics = {
-            "throughput/tokens_per_sec": tokens_per_sec * trainer.world_size,
+            "throughput/tokens_per_sec": tokens_per_sec,
             "throughput/flops_per_token": float(flops),
             "throughput/peak_memory_gb": peak_memory_bytes(pl_module.device) / 1e9,
         }
         if self.peak_flops:
-            metrics["throughput/mfu"] = tokens_per_sec * flops / self.peak_flops
+            metrics["throughput/mfu"] = tokens_per_sec * flops / (trainer.world_size * self.peak_flops)
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
         self._start, self._tokens, self._batches = now, 0, 0

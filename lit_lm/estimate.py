@@ -336,8 +336,6 @@ def check_layout(work: Workload, layout: Layout) -> None:
                           f"per-replica batch {local}")
     if layout.pp * layout.virtual_stages > cfg.n_layers:
         raise ConfigError(f"pp x virtual_stages = {layout.pp * layout.virtual_stages} exceeds n_layers {cfg.n_layers}")
-    if cfg.moe_experts and layout.tp > 1:
-        raise ConfigError("tp with MoE layers: the model publishes no tensor-parallel plan for them (use ep)")
     if cfg.n_kv_heads % layout.tp or cfg.d_ff % layout.tp:
         raise ConfigError(f"tp {layout.tp} must divide n_kv_heads {cfg.n_kv_heads} and d_ff {cfg.d_ff}")
     if layout.tp > 1 and layout.sequence_parallel and work.seq_len // layout.cp % layout.tp:
@@ -350,20 +348,20 @@ def check_layout(work: Workload, layout: Layout) -> None:
 
 
 def runnable_today(cfg: ModelConfig, layout: Layout, checkpointing: str = "none") -> str:
-    """"" when a strategy of this tree runs `layout`, else why not (what issue #13's composition adds)."""
-    moe = cfg.moe_experts > 0
-    if checkpointing != "none":
-        return "activation checkpointing (#13)"
+    """"" when `strategies.composed.ComposedStrategy` runs `layout`, else what it lacks (the combinations it refuses
+    at construction, docs/parallelism.md)."""
     if layout.cp > 1:
-        return "context parallelism (#14, composed in #13)"
-    if layout.dp_replicate > 1:
-        return "HSDP: dp_replicate x dp_shard (#13)"
-    if layout.tp > 1 and (layout.pp > 1 or layout.ep > 1 or moe):
-        return "tp with pp, ep or MoE (#13)"
-    if layout.pp > 1 and (layout.zero_stage or moe):
-        return "pp with ZeRO or MoE (#13)"
-    if layout.zero_stage == 3 and (layout.tp > 1 or layout.ep > 1):
-        return "ZeRO-3 with tp or ep (#13)"
+        return "context parallelism (#14)"
+    if checkpointing != "none":
+        return "activation checkpointing"
+    if layout.zero_stage == 3 and (layout.pp > 1 or layout.ep > 1):
+        return "ZeRO-3 with pp or ep (ZeRO-1/2 compose with them)"
+    if layout.ep > 1 and layout.dp_replicate > 1:
+        return "ep with HSDP"
+    if layout.dp_replicate > 1 and not layout.zero_stage:
+        return "HSDP without ZeRO"
+    if cfg.moe_experts and layout.tp > 1 and layout.sequence_parallel:
+        return "MoE layers under sequence parallelism"
     return ""
 
 
@@ -485,7 +483,7 @@ def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout:
             sends = (stage < stages - 1) + (stage > 0)  # activations forward, their gradients back
             rank.add_comm("pp", "send", layout.accumulate * sends * n * one // layout.tp, p)
             rank.add_comm("pp", "recv", layout.accumulate * sends * n * one // layout.tp, p)
-        rank.add_comm("pp", "broadcast", layout.accumulate * 2 * 4, p)  # the batch loss and ce, from the last stage
+        rank.add_comm("pp", "all_reduce", layout.accumulate * 2 * 4, p)  # the batch loss and ce (+ stages' aux)
         if cfg.tie_embeddings and (first or last):
             emb = _chunk(cfg.padded_vocab_size, layout.tp) * cfg.d_model
             rank.add_comm("pp_embedding", "all_reduce", emb * pbytes, 2)

@@ -13,7 +13,7 @@ from torch import Tensor
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
-from callbacks.throughput import flops_per_token
+from callbacks.throughput import data_parallel_size, flops_per_token
 
 from lit_lm.checkpoints import with_tied_head
 from lit_lm.config import ConfigError, ModelConfig
@@ -147,8 +147,7 @@ class LanguageModel(L.LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         elapsed = time.perf_counter() - self._step_started
-        dp = (getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1)
-        tokens = (batch.shape[1] - 1) * batch.shape[0] * dp
+        tokens = (batch.shape[1] - 1) * batch.shape[0] * data_parallel_size(self.trainer)
         self.log("tokens_per_s", tokens / max(elapsed, 1e-9), prog_bar=True)
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
 

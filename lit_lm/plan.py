@@ -214,22 +214,14 @@ def strategy_yaml(r: Ranked, cluster: Cluster, precision: Optional[str] = None) 
     lay = r.layout
     if not r.estimate.runs_today:
         raise ConfigError(f"layout {lay.describe()} needs {r.estimate.why_not}: no strategy of this tree runs it")
+    args: dict = {"tensor_parallel_size": lay.tp, "pipeline_parallel_size": lay.pp, "expert_parallel_size": lay.ep,
+                  "data_parallel_replicate_size": lay.dp_replicate, "zero_stage": lay.zero_stage}
+    if lay.tp > 1:
+        args["sequence_parallel"] = lay.sequence_parallel
     if lay.pp > 1:
-        strategy = {"class_path": "strategies.pp.PipelineStrategy",
-                    "init_args": {"pipeline_parallel_size": lay.pp, "microbatches": lay.microbatches,
-                                  "schedule": lay.schedule, "virtual_stages": lay.virtual_stages,
-                                  "balance": "layers"}}
-    elif lay.tp > 1:
-        strategy = {"class_path": "strategies.tp.TensorParallelStrategy",
-                    "init_args": {"tensor_parallel_size": lay.tp, "sequence_parallel": lay.sequence_parallel,
-                                  "zero_stage": lay.zero_stage}}
-    elif lay.ep > 1:
-        strategy = {"class_path": "strategies.ep.ExpertParallelStrategy",
-                    "init_args": {"expert_parallel_size": lay.ep, "zero_stage": lay.zero_stage}}
-    elif lay.zero_stage:
-        strategy = {"class_path": "strategies.zero.ZeroStrategy", "init_args": {"stage": lay.zero_stage}}
-    else:
-        strategy = {"class_path": "strategies.ddp.DataParallelStrategy", "init_args": {"bucket_cap_mb": 25.0}}
+        args.update(microbatches=lay.microbatches, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
+                    balance="layers")
+    strategy = {"class_path": "strategies.composed.ComposedStrategy", "init_args": args}
     trainer = {"num_nodes": cluster.nodes, "devices": cluster.gpus_per_node,
                "accumulate_grad_batches": lay.accumulate, "strategy": strategy}
     if precision is not None:

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> None:
     print_table(console, ranked[: args.top], cluster)
     winner = best_runnable(ranked)
     if winner is None:
-        console.print("[yellow]no layout that the strategies of this tree run fits; the ones above need #13[/]")
+        console.print("[yellow]no layout that the strategies of this tree run fits; the ones above say what it lacks[/]")
     elif winner is not ranked[0]:
         console.print(f"fastest runnable today: [bold]{winner.layout.describe()}[/] "
                       f"({winner.step_time:.3g} s/step, #{ranked.index(winner) + 1})")
@@ -183,7 +183,7 @@ def answer(console: Console, work: Workload, cluster: Cluster, ranked: list[Rank
             else:
                 hi = mid - 1
         what = "with the strategies of this tree (no checkpointing)" if runnable else \
-            "with full activation checkpointing and any layout (#13)"
+            "with full activation checkpointing and any layout"
         console.print(f"largest Llama-shaped model that fits {cluster.world} GPUs {what}: {best or 'none'} "
                       f"(sequence {work.seq_len}, global batch {work.global_batch}, AdamW, {work.precision})")
     cfg = work.config

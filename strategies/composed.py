@@ -27,6 +27,7 @@ what works instead.
 from __future__ import annotations
 
 import copy
+import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Generator, Optional, Union
@@ -54,7 +55,7 @@ from strategies.pp_runner import PipelineRunner
 from strategies.pp_schedules import build_schedule
 from strategies.pp_split import split_layers
 from strategies.tp_layers import TPGroup, TPShards, parallelize_model
-from strategies.zero_engine import ShardedParam, ZeroEngine, check_stage, model_state_bytes, shard_optimizer
+from strategies.zero_engine import ShardedParam, ZeroEngine, check_stage, shard_optimizer
 
 BALANCE = ("layers", "params")
 PIPELINE_DEFAULTS = {"microbatches": 4, "schedule": "1f1b", "virtual_stages": 1, "balance": "layers"}
@@ -176,6 +177,13 @@ class ComposedStrategy(BaseStrategy):
                               "zero_stage (1-3), or drop data_parallel_replicate_size (plain data parallel)")
 
     @override
+    def _configure_launcher(self) -> None:
+        if self.num_processes % self.tp_size:
+            warnings.warn(f"tensor_parallel_size={self.tp_size} does not divide trainer.devices={self.num_processes} "
+                          "(per node): tp groups span nodes and their per-layer collectives cross the slow network; "
+                          "use a tp size that divides the devices of a node", stacklevel=2)
+        super()._configure_launcher()
+
     def parallel_dims(self, world: int) -> ParallelDims:
         return ParallelDims.of(world, pp=self.pp_size, dp_replicate=self.replicate_size, tp=self.tp_size,
                                ep=self.ep_size)
@@ -488,23 +496,34 @@ class ComposedStrategy(BaseStrategy):
         return super().predict_step(*args, **kwargs)
 
     # -- services: norms, gradients and weights under global names ------------------------------------------------
-    def _counted(self, rec: _Param) -> bool:
-        """Whether this rank counts `rec`'s gradient in global sums: the first of every group it is replicated on."""
+    def _norm_groups(self) -> list[dist.ProcessGroup]:
+        """The groups a global sum over gradients runs over: those the gradients are partitioned across (tp slices,
+        pipeline stages, ZeRO rows, experts), never the pure replicas (each replica computes the same sum)."""
         layout = self.layout
-        if rec.placement is None or rec.placement.over != "tp":
-            if layout.tp_size > 1 and layout.tp_rank != 0:
-                return False
+        groups = [name for name, size in (("tp", self.tp_size), ("pp", self.pp_size)) if size > 1]
+        if self.zero_stage:  # rows over dp_shard; with experts, over dp (ep x edp)
+            groups.append("dp" if self.ep_size > 1 else "dp_shard")
+        elif self.ep_size > 1:
+            groups.append("ep")
+        return [layout.group(name) for name in groups if layout.size(name) > 1]
+
+    def _counted(self, rec: _Param) -> bool:
+        """Whether this rank counts `rec`'s gradient in the sums over `_norm_groups`: once per group it is
+        replicated on inside them (tp for unsplit parameters, pp for the tied copy, ep for dense ones)."""
+        layout = self.layout
+        if (rec.placement is None or rec.placement.over != "tp") and self.tp_size > 1 and layout.tp_rank != 0:
+            return False
         if any(rec.param is t for t in self._tied) and layout.pp_rank != 0:
             return False
-        if rec.rows is not None:  # ZeRO rows are disjoint over the engine's group, equal over the replicas
-            return self.replicate_size == 1 or layout.rank("dp_replicate") == 0
-        return layout.rank("edp" if rec.expert else "dp") == 0
+        if self.ep_size > 1 and not self.zero_stage and not rec.expert:
+            return layout.rank("ep") == 0
+        return True
 
     def grad_norm_shards(self) -> GradShards:
-        """Every gradient the optimizer uses; counted once over the world (see `_counted`), summed over it."""
+        """Every gradient the optimizer uses, each element counted once (`_counted`, `_norm_groups`)."""
         recs = [rec for rec in self._params if rec.grad is not None]
         owned = [rec.grad for rec in recs if self._counted(rec)]
-        return GradShards([rec.grad for rec in recs], owned, groups=[dist.group.WORLD], device=self.root_device)
+        return GradShards([rec.grad for rec in recs], owned, groups=self._norm_groups(), device=self.root_device)
 
     def named_grads(self) -> list[GradPart]:
         return [GradPart(rec.name, rec.global_shape, rec.index, rec.grad) for rec in self._params]
@@ -532,11 +551,6 @@ class ComposedStrategy(BaseStrategy):
                 out.append(WeightShard(rec.name, rec.param, rec.param, rec.param.shape, 0, 0,
                                        rec.param.shape[0] if rec.param.dim() else 1))
         return out
-
-    def model_state_bytes(self) -> dict[str, int]:
-        """Bytes of params, grads and optimizer state on this rank (for the memory figures)."""
-        optimizer = _unwrap(self.optimizers[0]) if self.optimizers else None
-        return model_state_bytes(self.lightning_module, optimizer)
 
     # -- checkpoints: one format, global names and shapes ---------------------------------------------------------
     def _dtensor(self, rec: _Param, local: Tensor, rows: bool) -> DTensor:

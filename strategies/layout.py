@@ -66,7 +66,11 @@ class ParallelDims:
         sizes = dict(pp=pp, dp_replicate=dp_replicate, cp=cp, tp=tp, ep=ep)
         rest = pp * dp_replicate * cp * tp
         if dp_shard is None:
-            dp_shard = world // rest if rest > 0 and world % rest == 0 else 0
+            if rest < 1 or world % rest:
+                named = ", ".join(f"{FIELDS[k]}={v}" for k, v in sizes.items())
+                raise ConfigError(f"{named} on a world of {world} ranks: the product of the sizes but ep ({rest}) "
+                                  "must divide the world size (trainer.devices x trainer.num_nodes)")
+            dp_shard = world // rest
         dims = cls(dp_shard=dp_shard, **sizes)
         dims.validate(world)
         return dims

@@ -45,8 +45,10 @@ def test_ep_is_carved_from_dp_shard_x_cp() -> None:
 
 
 def test_bad_sizes_name_every_size_and_the_world() -> None:
-    with pytest.raises(ConfigError, match=r"pp=1 x dp_replicate=1 x dp_shard=0 x cp=1 x tp=4 x ep=1 on a world of 6"):
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=4, expert_parallel_size=1 on a world of 6 ranks"):
         ParallelDims.of(6, tp=4)
+    with pytest.raises(ConfigError, match=r"pp=1 x dp_replicate=1 x dp_shard=3 x cp=1 x tp=2 x ep=1 on a world of 8"):
+        ParallelDims(dp_shard=3, tp=2).validate(8)
     with pytest.raises(ConfigError, match="expert_parallel_size must divide"):
         ParallelDims.of(4, tp=2, ep=4)
     with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1"):

@@ -10,6 +10,7 @@ import pytest
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 
 from strategies.base import BaseStrategy
+from strategies.composed import ComposedStrategy
 from strategies.ddp import DataParallelStrategy
 from strategies.ep import ExpertParallelStrategy
 from strategies.pp import PipelineStrategy
@@ -22,7 +23,7 @@ def _function(attr: object) -> object:
     return getattr(attr, "__wrapped__", attr)  # @contextmanager
 
 
-@pytest.mark.parametrize("cls", [BaseStrategy, DataParallelStrategy, ZeroStrategy, TensorParallelStrategy,
+@pytest.mark.parametrize("cls", [BaseStrategy, ComposedStrategy, DataParallelStrategy, ZeroStrategy, TensorParallelStrategy,
                                  PipelineStrategy, ExpertParallelStrategy])
 def test_overrides_are_marked_and_exist(cls: type) -> None:
     for name, attr in vars(cls).items():

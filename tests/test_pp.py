@@ -150,12 +150,12 @@ def test_runner_matches_the_whole_model(p: int) -> None:
             got, expected = r["loss"]
             assert got == pytest.approx(expected, rel=1e-5) and r["eval"] == pytest.approx(expected, rel=1e-5)
             assert r["all_grads"] and r["grad_err"] < 1e-5, (name, m, rank, r["grad_err"])
-            # traffic: activation-sized p2p messages only, plus the broadcast (loss, ce)
+            # traffic: activation-sized p2p messages only, plus the all-reduce of (loss, ce)
             activation = batch // m * 8 * ENGINE["d_model"]
             p2p = [numel for op, numel in r["comm"] if op in ("send", "recv")]
             assert set(p2p) == {activation}, (name, m)
             assert sum(op == "send" for op, _ in r["comm"]) == r["sends"]
-            assert [rec for rec in r["comm"] if rec[0] not in ("send", "recv")] == [("broadcast", 2)]
+            assert [rec for rec in r["comm"] if rec[0] not in ("send", "recv")] == [("all_reduce", 2)]
 
 
 # -- the strategy against one process --------------------------------------------------------------------------------

@@ -21,10 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from dist_utils import TINY, Recorder, TinyLM, run_distributed, token_data
-from strategies.ddp import DataParallelStrategy
-from strategies.pp import PipelineStrategy
-from strategies.tp import TensorParallelStrategy
-from strategies.zero import ZeroStrategy
+from strategies.composed import ComposedStrategy
 
 K, MORE, GLOBAL_BATCH = 2, 2, 8  # save at step K, resume for MORE steps
 
@@ -33,6 +30,7 @@ class Topology(NamedTuple):
     dp: int
     tp: int = 1
     pp: int = 1
+    zero: int = 0
 
     @property
     def world(self) -> int:
@@ -40,20 +38,17 @@ class Topology(NamedTuple):
 
 
 TOPOLOGIES = {
-    "single": Topology(1), "lm_ddp": Topology(2), "zero3": Topology(2), "tp": Topology(1, tp=2),
-    "pp": Topology(1, pp=2), "dp2_tp2": Topology(2, tp=2),
+    "single": Topology(1), "lm_ddp": Topology(2), "zero3": Topology(2, zero=3), "tp": Topology(1, tp=2),
+    "pp": Topology(1, pp=2), "dp2_tp2": Topology(2, tp=2), "tp2_pp2": Topology(1, tp=2, pp=2),
+    "zero3_dp4": Topology(4, zero=3), "dp2_tp2_pp2": Topology(2, tp=2, pp=2, zero=1),
 }
 
 
-def _strategy(name: str) -> Any:
+def _strategy(name: str) -> ComposedStrategy:
     topo = TOPOLOGIES[name]
-    if name == "zero3":
-        return ZeroStrategy(stage=3)
-    if topo.tp > 1:
-        return TensorParallelStrategy(topo.tp, sequence_parallel=True)
-    if topo.pp > 1:
-        return PipelineStrategy(pipeline_parallel_size=topo.pp, microbatches=2, schedule="1f1b")
-    return DataParallelStrategy()
+    pipeline = dict(microbatches=2, schedule="1f1b") if topo.pp > 1 else {}
+    return ComposedStrategy(tensor_parallel_size=topo.tp, pipeline_parallel_size=topo.pp, zero_stage=topo.zero,
+                            **pipeline)
 
 
 def _whole(value: Any) -> Any:
@@ -151,6 +146,14 @@ SUBSET = [("zero3", "tp"), ("tp", "pp"), ("pp", "zero3"), ("zero3", "single"), (
 
 def test_resume_matrix_subset(tmp_path: Path) -> None:
     _check(tmp_path, SUBSET)
+
+
+# the composed layouts: 3D (zero1 x tp2 x pp2 on 8 ranks) to and from one process, tp x pp to ZeRO-3 on 4
+COMPOSED = [("dp2_tp2_pp2", "single"), ("single", "dp2_tp2_pp2"), ("tp2_pp2", "zero3_dp4")]
+
+
+def test_resume_matrix_composed(tmp_path: Path) -> None:
+    _check(tmp_path, COMPOSED)
 
 
 @pytest.mark.slow

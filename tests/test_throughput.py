@@ -1,5 +1,7 @@
 """The Throughput callback: the FLOPs formula by hand, the peak table, and the keys it logs in a real CPU fit."""
 
+from types import SimpleNamespace
+
 import lightning as L
 import pytest
 import torch
@@ -56,3 +58,21 @@ def test_logs_throughput_keys(peak_flops: float) -> None:
     if peak_flops:
         mfu = metrics["throughput/tokens_per_sec"] * metrics["throughput/flops_per_token"] / peak_flops
         assert metrics["throughput/mfu"] == pytest.approx(mfu, rel=1e-4)
+
+
+def test_tokens_are_counted_per_data_parallel_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dp2 x tp2 on 4 ranks: 2 replicas read different tokens, the tp peers of each the same ones. A rank that
+    processed 2 x 16 tokens in 1 s reports 2 replicas x 32 tokens/s, and MFU divides by all 4 devices."""
+    clock = iter([10.0, 11.0])
+    monkeypatch.setattr("callbacks.throughput.time.perf_counter", lambda: next(clock))
+    logged: dict = {}
+    strategy = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": 0})
+    trainer = SimpleNamespace(strategy=strategy, world_size=4)
+    module = SimpleNamespace(device=torch.device("cpu"), model=SimpleNamespace(config=ModelConfig(**CONFIG)),
+                             log_dict=lambda metrics, **_: logged.update(metrics))
+    callback = Throughput(peak_flops=1e12, window=1)
+    batch = torch.zeros(2, 17, dtype=torch.long)
+    callback.on_train_batch_start(trainer, module, batch, 0)
+    callback.on_train_batch_end(trainer, module, None, batch, 0)
+    assert logged["throughput/tokens_per_sec"] == 2 * 32.0
+    assert logged["throughput/mfu"] == pytest.approx(64.0 * logged["throughput/flops_per_token"] / (4 * 1e12))

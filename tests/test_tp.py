@@ -362,13 +362,8 @@ def test_heads_not_divisible_by_tp(heads: int, kv_heads: int, tp: int, what: str
         parallelize_model(model, model.tensor_parallel_plan(), TPGroup(None, tp, 0))
 
 
-def test_zero3_with_tp_refused() -> None:
-    with pytest.raises(ValueError, match=r"zero_stage=3 with tensor parallelism.*ZeRO-3 is not supported"):
-        TensorParallelStrategy(2, zero_stage=3)
-
-
 def test_tp_larger_than_world_or_across_nodes() -> None:
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide the number of processes"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4.* on a world of 2 ranks"):
         L.Trainer(accelerator="cpu", devices=2, strategy=TensorParallelStrategy(4))
     with pytest.warns(UserWarning, match=r"tp groups span nodes"):
         L.Trainer(accelerator="cpu", devices=3, num_nodes=2, strategy=TensorParallelStrategy(2))

@@ -1,0 +1,83 @@
+"""Every composition of the N-D strategy against one process (tests/parity.py): per-step losses, the pre-clip norm,
+every gradient part under its global name before the update, and the final parameters, fp32 at 1e-5.
+
+The first-wave names are presets of `ComposedStrategy`, so a preset given another dimension's size composes (the
+ZeRO-3 x tp case is `ZeroStrategy(stage=3, tensor_parallel_size=2)`, as `configs/strategies/fsdp_tp.yaml` builds it).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+
+from parity import MOE, TINY, Case, assert_parity, run_parity
+from strategies.composed import ComposedStrategy
+from strategies.errors import ConfigError
+from strategies.pp import PipelineStrategy
+from strategies.registry import ExpertParallelStrategy
+from strategies.tp import TensorParallelStrategy
+from strategies.zero import ZeroStrategy
+
+# MoE in every block and no Switch loss: a pipeline computes routing statistics per microbatch (as Megatron does),
+# so only per-token losses (z-loss) and the step-summed bias update can match a one-process run exactly
+MOE_PP = dict(MOE, moe_aux_loss=0.0, moe_first_dense=0)
+DEEP = dict(TINY, n_layers=4)  # interleaved 1F1B needs pp x virtual_stages layers
+
+FOUR_RANKS = {
+    "tp2_pp2": Case(partial(PipelineStrategy, tensor_parallel_size=2, microbatches=2), label="tp2 x pp2"),
+    "zero3_dp2_tp2": Case(partial(ZeroStrategy, stage=3, tensor_parallel_size=2), optimizer="adamw",
+                          label="zero3 dp2 x tp2"),
+    "zero1_dp2_pp2": Case(partial(PipelineStrategy, zero_stage=1, microbatches=2, schedule="gpipe"),
+                          label="zero1 dp2 x pp2"),
+    "ep2_tp2": Case(partial(ExpertParallelStrategy, tensor_parallel_size=2, sequence_parallel=False), model=MOE,
+                    label="ep2 x tp2 (MoE)"),
+    "ep2_pp2": Case(partial(ExpertParallelStrategy, pipeline_parallel_size=2, microbatches=2), model=MOE_PP,
+                    optimizer="adamw", label="ep2 x pp2 (MoE)"),
+    "hsdp_zero3": Case(partial(ZeroStrategy, stage=3, data_parallel_replicate_size=2), label="HSDP 2 x 2 zero3"),
+}
+
+EIGHT_RANKS = {  # dp2 x tp2 x pp2, every schedule once
+    "zero1_gpipe": Case(partial(ComposedStrategy, zero_stage=1, tensor_parallel_size=2, pipeline_parallel_size=2,
+                                microbatches=2, schedule="gpipe"), model=DEEP, label="3d zero1 gpipe"),
+    "zero2_1f1b": Case(partial(ComposedStrategy, zero_stage=2, tensor_parallel_size=2, pipeline_parallel_size=2,
+                               microbatches=2, schedule="1f1b"), model=DEEP, optimizer="adamw",
+                       label="3d zero2 1f1b"),
+    "zero1_interleaved": Case(partial(ComposedStrategy, zero_stage=1, tensor_parallel_size=2,
+                                      pipeline_parallel_size=2, microbatches=2, schedule="interleaved_1f1b",
+                                      virtual_stages=2), model=DEEP, label="3d zero1 interleaved"),
+    "zero2_zb_h1": Case(partial(ComposedStrategy, zero_stage=2, tensor_parallel_size=2, pipeline_parallel_size=2,
+                                microbatches=2, schedule="zb_h1"), model=DEEP, label="3d zero2 zb_h1"),
+}
+
+
+@pytest.mark.parametrize("names", [["tp2_pp2", "zero3_dp2_tp2", "zero1_dp2_pp2"], ["ep2_tp2", "ep2_pp2", "hsdp_zero3"]])
+def test_four_rank_compositions_match_one_process(names: list[str]) -> None:
+    for run in run_parity([FOUR_RANKS[n] for n in names], world_size=4):
+        assert_parity(run)
+
+
+def test_dp2_tp2_pp2_on_eight_ranks_matches_one_process() -> None:
+    for run in run_parity(list(EIGHT_RANKS.values()), world_size=8):
+        assert_parity(run)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(zero_stage=3, pipeline_parallel_size=2), "use zero_stage 1 or 2 with pipeline parallelism"),
+    (dict(zero_stage=3, expert_parallel_size=2), "use zero_stage 1 or 2 with expert parallelism"),
+    (dict(zero_stage=2, expert_parallel_size=2, data_parallel_replicate_size=2), "set data_parallel_replicate_size to 1"),
+    (dict(data_parallel_replicate_size=2), "set zero_stage"),
+    (dict(microbatches=4), "pipeline options, but pipeline_parallel_size is 1"),
+    (dict(sequence_parallel=True), "set tensor_parallel_size > 1"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size=0: must be an integer >= 1"),
+    (dict(zero_stage=4), "unknown ZeRO stage 4"),
+])
+def test_unsupported_combinations_are_refused_at_construction(kwargs: dict, message: str) -> None:
+    with pytest.raises((ConfigError, ValueError), match=message):
+        ComposedStrategy(**kwargs)
+
+
+def test_presets_are_the_composed_strategy() -> None:
+    tp = TensorParallelStrategy(zero_stage=2, pipeline_parallel_size=2)  # no option is silently ignored any more
+    assert isinstance(tp, ComposedStrategy) and (tp.tp_size, tp.pp_size, tp.zero_stage) == (2, 2, 2)
+    assert ZeroStrategy(stage=3, tensor_parallel_size=2).tp_size == 2
