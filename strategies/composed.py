@@ -440,8 +440,11 @@ class ComposedStrategy(BaseStrategy):
             if inputs.shape[0] % self.microbatches:
                 raise ConfigError(f"microbatches={self.microbatches} must divide the per-replica batch size "
                                   f"{inputs.shape[0]}: change microbatches or the batch size")
+            # Lightning scales the returned loss by 1 / accumulate_grad_batches before a backward that is a no-op
+            # here (the schedule ran it): the runner scales its backwards instead
+            scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
             with self._no_sync() if train else ExitStack():
-                return runner.run(inputs, targets, train)
+                return runner.run(inputs, targets, train, loss_scale=scale)
 
         model.loss = pipelined_loss  # an instance attribute shadows the method
         try:
@@ -473,10 +476,12 @@ class ComposedStrategy(BaseStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self._runner is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)  # callbacks' on_before_backward
         for q, grad in self._stash:  # every backward already ran inside the schedule
             q.grad = grad
         self._stash = []
-        return closure_loss
+        return self.precision_plugin.post_backward(closure_loss, module)  # on_after_backward
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -83,11 +83,12 @@ class PipelineRunner:
         self.seq_shards = seq_shards  # sequence parallelism: stages exchange 1/seq_shards of the positions
         self.stats = StepStats()
         self._waited = 0.0  # seconds the current compute action spent waiting for its message
+        self._grad_scale = 1.0
 
     def _global(self, pp_rank: int) -> int:
         return pp_rank if self.group is None else dist.get_global_rank(self.group, pp_rank)
 
-    def run(self, inputs: Tensor, targets: Tensor, train: bool) -> tuple[Tensor, Tensor]:
+    def run(self, inputs: Tensor, targets: Tensor, train: bool, loss_scale: float = 1.0) -> tuple[Tensor, Tensor]:
         """One pass of the schedule (forward-only when not `train`) over `inputs`/`targets` split into the
         schedule's microbatches; returns (mean loss, mean ce), broadcast from the last stage to every rank."""
         sched = self.schedule if train else self.schedule.forward_only()
@@ -98,6 +99,8 @@ class PipelineRunner:
         recvs: dict[tuple[str, int, int], tuple[Tensor, Any]] = {}
         sends: list[tuple[Tensor, Any]] = []
         totals = torch.zeros(2, device=inputs.device)  # sum of microbatch (loss, ce) on the last stage
+        # each microbatch's backward starts from loss_scale / m (loss_scale: 1 / gradient-accumulation steps)
+        self._grad_scale = loss_scale / m
         self.stats = StepStats(start=time.perf_counter())
         start = self.stats.start
         with torch.enable_grad() if train else torch.no_grad():
@@ -161,12 +164,12 @@ class PipelineRunner:
         elif isinstance(out, tuple):  # (hidden, auxiliary loss)
             out, aux = out
             totals[0] += aux.detach().float()
-            out = _AttachLoss.apply(out, aux, 1.0 / self.schedule.microbatches) if train else out
+            out = _AttachLoss.apply(out, aux, self._grad_scale) if train else out
         slot.output = out
 
     def _backward_input(self, a: Action, slot: _Slot, stage: int, recvs: dict, split: bool) -> None:
         if stage == self.schedule.num_stages - 1:
-            grad = torch.full_like(slot.output, 1.0 / self.schedule.microbatches)
+            grad = torch.full_like(slot.output, self._grad_scale)
         else:
             grad = self._wait(recvs, ("B", a.mb, a.chunk))
         if not split:  # also the first stage of ZB-H1: no input gradient to hurry for, it has no W

@@ -25,7 +25,8 @@ MOE_PP = dict(MOE, moe_aux_loss=0.0, moe_first_dense=0)
 DEEP = dict(TINY, n_layers=4)  # interleaved 1F1B needs pp x virtual_stages layers
 
 FOUR_RANKS = {
-    "tp2_pp2": Case(partial(PipelineStrategy, tensor_parallel_size=2, microbatches=2), label="tp2 x pp2"),
+    "tp2_pp2": Case(partial(PipelineStrategy, tensor_parallel_size=2, microbatches=2), label="tp2 x pp2",
+                    trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}),
     "zero3_dp2_tp2": Case(partial(ZeroStrategy, stage=3, tensor_parallel_size=2), optimizer="adamw",
                           label="zero3 dp2 x tp2"),
     "zero1_dp2_pp2": Case(partial(PipelineStrategy, zero_stage=1, microbatches=2, schedule="gpipe"),
