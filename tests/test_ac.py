@@ -21,6 +21,7 @@ from strategies.plan import find_block_model
 from strategies.zero import ZeroStrategy
 
 BATCH, SEQ = 4, 16
+DEFAULT = dict(TINY, d_model=192, n_layers=4, n_heads=6, n_kv_heads=2)  # configs/default.yaml's blocks
 
 
 def build(cfg: dict, mode: str) -> Transformer:
@@ -123,7 +124,7 @@ def moe_state_bytes(model: Transformer) -> int:
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("cfg", [TINY, MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("cfg", [TINY, MOE, DEFAULT], ids=["dense", "moe", "default"])
 def test_activation_memory_per_mode(cfg: dict) -> None:
     config = ModelConfig(**cfg)
     layers = [str(i) for i in range(config.n_layers)]
@@ -145,6 +146,8 @@ def test_activation_memory_per_mode(cfg: dict) -> None:
                  for i in layers]
     assert kept_selective == sum(per_block) + state
     assert kept_full < kept_selective < kept_none
+    print(f"\nd_model={config.d_model}{', MoE' if config.moe_experts else ''}: none {kept_none}, full {kept_full} (peak {peak_full}), "
+          f"selective {kept_selective}, block input {block_input}, blocks {kept_block}")
 
 
 # -- the wrapping ---------------------------------------------------------------------------------------------
