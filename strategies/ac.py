@@ -62,7 +62,11 @@ def recomputing() -> bool:
 
 
 def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    """Keep `SAVED_OPS` outputs, except inside a custom autograd function's forward (it runs with grad disabled and
+    saves what its backward needs itself): there the cache would hold its internals, e.g. context parallelism's
+    attention score tiles, O(T^2), more than no checkpointing keeps. Such a function is recomputed whole."""
+    keep = op in SAVED_OPS and torch.is_grad_enabled()
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class Checkpointed:

@@ -11,12 +11,13 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from dist_utils import TINY, token_data
+from dist_utils import TINY, run_distributed, token_data
 from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
 from lit_lm.moe import moe_aux_loss, moe_layers, update_router_bias
 from parity import MOE, Case, assert_parity, run_parity
 from strategies.ac import ActivationMemory, Checkpointed, apply_activation_checkpointing, check_mode
+from strategies.cp import parallelize_context
 from strategies.plan import find_block_model
 from strategies.zero import ZeroStrategy
 
@@ -148,6 +149,25 @@ def test_activation_memory_per_mode(cfg: dict) -> None:
     assert kept_full < kept_selective < kept_none
     print(f"\nd_model={config.d_model}{', MoE' if config.moe_experts else ''}: none {kept_none}, full {kept_full} (peak {peak_full}), "
           f"selective {kept_selective}, block input {block_input}, blocks {kept_block}")
+
+
+def _context_parallel_kept() -> int:
+    model = build(TINY, "none")
+    # one rank (the default group); PyTorch tiles: Triton's interpreter (the suite's TRITON_INTERPRET=1) keeps its
+    # launch buffers alive, which would be counted
+    parallelize_context(model, backend="reference")
+    apply_activation_checkpointing(model, "selective")
+    return measure(model, list(model.blocks))[0]
+
+
+def test_selective_keeps_nothing_inside_a_custom_autograd_function() -> None:
+    """Context-parallel attention is an autograd function computing score tiles with its own matmuls (O(T^2)):
+    `selective` keeps none of its insides (it saves what it needs itself), so a block keeps the dense figure less
+    the attention kernel's outputs, and the function is recomputed whole."""
+    config = ModelConfig(**TINY)
+    attention = 4 * BATCH * SEQ * (config.n_heads * config.head_dim + config.n_heads)
+    assert run_distributed(_context_parallel_kept, 1) == \
+        [config.n_layers * (dense_selective_bytes(config) - attention)]
 
 
 # -- the wrapping ---------------------------------------------------------------------------------------------
