@@ -90,6 +90,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     nothing."""
     if check_mode(mode) == "none":
         return
+    if not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
+        raise TypeError(f"activation_checkpointing wraps a model's `blocks` (strategies.plan.BlockModel): "
+                        f"{type(model).__name__} has none; use activation_checkpointing: none")
     for block in model.blocks.values():
         current = block.__dict__.get("forward")
         original = current.forward if isinstance(current, Checkpointed) else block.forward

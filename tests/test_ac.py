@@ -184,9 +184,11 @@ def test_applying_again_wraps_once_and_keeps_names() -> None:
     assert list(model.state_dict()) == names
 
 
-def test_unknown_mode_is_explained() -> None:
+def test_unknown_mode_and_a_model_without_blocks_are_explained() -> None:
     with pytest.raises(ValueError, match=r"activation_checkpointing 'some'.*none, full, selective"):
         check_mode("some")
+    with pytest.raises(TypeError, match=r"Linear has none; use activation_checkpointing: none"):
+        apply_activation_checkpointing(torch.nn.Linear(2, 2), "full")
 
 
 # -- ZeRO-3's gather hooks around a checkpointed block -----------------------------------------------------------
