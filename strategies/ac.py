@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 MODES = ("none", "full", "selective")
 
@@ -75,13 +75,12 @@ class Checkpointed:
     def __init__(self, forward: Callable[..., Any], mode: str) -> None:
         self.forward, self.mode = forward, mode
         self._context_fn = partial(create_selective_checkpoint_contexts, _selective_policy) \
-            if mode == "selective" else None
+            if mode == "selective" else noop_context_fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation, generation: nothing is saved anyway
             return self.forward(*args, **kwargs)
-        extra = {} if self._context_fn is None else {"context_fn": self._context_fn}
-        return checkpoint(self.forward, *args, use_reentrant=False, **extra, **kwargs)
+        return checkpoint(self.forward, *args, use_reentrant=False, context_fn=self._context_fn, **kwargs)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:

@@ -3,6 +3,7 @@ activation memory each mode leaves for the backward, measured and checked agains
 
 from __future__ import annotations
 
+import copy
 from functools import partial
 from typing import Any
 
@@ -182,6 +183,8 @@ def test_applying_again_wraps_once_and_keeps_names() -> None:
         assert isinstance(block.forward, Checkpointed) and block.forward.mode == "selective"
         assert block.forward.forward == first[i] and not isinstance(first[i], Checkpointed)
     assert list(model.state_dict()) == names
+    twin = copy.deepcopy(model)  # e.g. an EMA copy: its blocks must run on its own weights
+    assert all(b.forward.forward.__self__ is b for b in twin.blocks.values())
 
 
 def test_unknown_mode_and_a_model_without_blocks_are_explained() -> None:
