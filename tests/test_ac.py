@@ -33,14 +33,15 @@ def build(cfg: dict, mode: str) -> Transformer:
     return model
 
 
-def train(cfg: dict, mode: str, steps: int = 2) -> list[dict[str, Any]]:
+def train(cfg: dict, mode: str, bf16: bool = False, steps: int = 2) -> list[dict[str, Any]]:
     """Per step: the loss, every gradient, each MoE layer's token counts and (after the update) router bias."""
     model = build(cfg, mode)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     tokens = token_data(steps * BATCH, SEQ).view(steps, BATCH, SEQ + 1)
     record = []
     for batch in tokens:
-        loss, _ = model.loss(batch[:, :-1], batch[:, 1:])
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            loss, _ = model.loss(batch[:, :-1], batch[:, 1:])
         aux = {name: m.aux_loss for name, m in moe_layers(model).items()}
         loss.backward()
         assert all(m.aux_loss is aux[name] for name, m in moe_layers(model).items()), "recomputation replaced aux_loss"
@@ -54,18 +55,20 @@ def train(cfg: dict, mode: str, steps: int = 2) -> list[dict[str, Any]]:
     return record
 
 
-@pytest.mark.parametrize(("cfg", "early_stop"), [(TINY, True), (MOE, True), (MOE, False)],
-                         ids=["dense", "moe", "moe-whole-recompute"])
+@pytest.mark.parametrize(("cfg", "early_stop", "bf16"),
+                         [(TINY, True, False), (MOE, True, False), (MOE, False, False), (MOE, True, True)],
+                         ids=["dense", "moe", "moe-whole-recompute", "moe-bf16-autocast"])
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_checkpointing_changes_no_result(cfg: dict, early_stop: bool, mode: str) -> None:
-    """Bitwise: the recomputation runs the same CPU kernels on the same inputs, so it reproduces every saved tensor
-    exactly, and the backward then does the same arithmetic as without checkpointing.
+def test_checkpointing_changes_no_result(cfg: dict, early_stop: bool, bf16: bool, mode: str) -> None:
+    """Bitwise: the recomputation runs the same CPU kernels on the same inputs (under the forward's autocast
+    state), so it reproduces every saved tensor exactly, and the backward then does the same arithmetic as without
+    checkpointing.
 
     torch stops a recomputation early, once it has every tensor the backward needs, which here is before the MoE
     layer's accounting; without early stopping it runs the block to the end, accounting included."""
-    expected = train(cfg, "none")
+    expected = train(cfg, "none", bf16)
     with set_checkpoint_early_stop(early_stop):
-        got = train(cfg, mode)
+        got = train(cfg, mode, bf16)
     for step, (e, g) in enumerate(zip(expected, got)):
         assert torch.equal(e["loss"], g["loss"]), f"step {step}: loss"
         for part in ("grads", "counts", "bias"):
