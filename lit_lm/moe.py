@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from lit_lm.config import ModelConfig
 from strategies import comm
+from strategies.ac import recomputing
 
 
 @dataclass
@@ -158,10 +159,15 @@ class MoE(nn.Module):
 
     def _account(self, r: Routing, counts: Tensor, total: Tensor, kept: Tensor) -> None:
         """The balancing losses and the statistics of this forward: `counts` this rank's pairs per expert, `total`
-        and `kept` the batch's (global or this rank's, see the module docstring)."""
+        and `kept` the batch's (global or this rank's, see the module docstring).
+
+        Under activation checkpointing the backward runs this forward again: the losses are computed (the
+        recomputation must save what the forward saved) but not kept, and nothing is counted a second time."""
         load = total.float() / total.sum()  # f_i: the fraction of (token, slot) pairs sent to expert i
         aux = self.n_experts * (load * r.probs.mean(0)).sum()
         z = torch.logsumexp(r.logits, dim=-1).pow(2).mean()
+        if recomputing():
+            return
         self.aux_loss = self.aux_weight * aux + self.z_weight * z
         self.stats = {"load": load.detach(), "max_mean_load": (load.max() * self.n_experts).detach(),
                       "dropped": (1 - kept.sum() / total.sum()).detach().float(), "aux": aux.detach(),
