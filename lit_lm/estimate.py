@@ -347,13 +347,11 @@ def check_layout(work: Workload, layout: Layout) -> None:
         raise ConfigError(f"ep {layout.ep} must divide moe_experts {cfg.moe_experts} and dp_shard x cp")
 
 
-def runnable_today(cfg: ModelConfig, layout: Layout, checkpointing: str = "none") -> str:
+def runnable_today(cfg: ModelConfig, layout: Layout) -> str:
     """"" when `strategies.composed.ComposedStrategy` runs `layout`, else what it lacks (the combinations it refuses
     at construction, docs/parallelism.md)."""
     if layout.cp > 1:
         return "context parallelism (#14)"
-    if checkpointing != "none":
-        return "activation checkpointing"
     if layout.zero_stage == 3 and (layout.pp > 1 or layout.ep > 1):
         return "ZeRO-3 with pp or ep (ZeRO-1/2 compose with them)"
     if layout.ep > 1 and layout.dp_replicate > 1:
@@ -419,7 +417,7 @@ def estimate(work: Workload, layout: Layout) -> Estimate:
         _activation_comm(rank, r, cfg, layout, chunks, first, last, mb, t, local_batch, abytes, pbytes)
         ranks.append(rank)
     bubble = bubble_theory(layout.schedule, p, m, v) if p > 1 else 0.0
-    why = runnable_today(cfg, layout, work.checkpointing)
+    why = runnable_today(cfg, layout)
     return Estimate(work, layout, ranks, bubble, not why, why)
 
 

@@ -41,8 +41,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from strategies import ac, comm
 from strategies import checkpoint as ckpt
-from strategies import comm
 from strategies.base import BaseStrategy, GradPart, WeightShard, _unwrap
 from strategies.clip import GradShards
 from strategies.ddp import GradSync, broadcast_parameters
@@ -105,13 +105,15 @@ class ComposedStrategy(BaseStrategy):
         data_parallel_replicate_size: HSDP: whole replicas of the ZeRO shards (dp_shard = what is left).
         zero_stage: 0 (replicated, `GradSync` all-reduce), 1, 2 or 3 (see `strategies/zero_engine.py`).
         bucket_cap_mb: `GradSync`'s gradient buckets (zero_stage 0).
+        activation_checkpointing: none, full or selective, per block (`strategies/ac.py`, docs/ac.md).
     """
 
     def __init__(self, tensor_parallel_size: int = 1, sequence_parallel: Optional[bool] = None,
                  pipeline_parallel_size: int = 1, microbatches: Optional[int] = None, schedule: Optional[str] = None,
                  virtual_stages: Optional[int] = None, layers_per_stage: Optional[list[int]] = None,
                  balance: Optional[str] = None, expert_parallel_size: int = 1, data_parallel_replicate_size: int = 1,
-                 zero_stage: int = 0, bucket_cap_mb: float = 25.0, **kwargs: Any) -> None:
+                 zero_stage: int = 0, bucket_cap_mb: float = 25.0, activation_checkpointing: str = "none",
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.tp_size, self.pp_size, self.ep_size = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
         self.replicate_size = data_parallel_replicate_size
@@ -142,6 +144,7 @@ class ComposedStrategy(BaseStrategy):
         self._schedule = build_schedule(self.schedule_name, self.pp_size, self.microbatches, self.virtual_stages) \
             if self.pp_size > 1 else None
         self.bucket_cap_mb = bucket_cap_mb
+        self.activation_checkpointing = ac.check_mode(activation_checkpointing)
         self._refuse_unsupported()
 
         self._module: Optional[nn.Module] = None  # the LightningModule the engines were applied to
@@ -248,6 +251,8 @@ class ComposedStrategy(BaseStrategy):
             raise ConfigError(f"{leftover[:3]} were built on the meta device outside the block model: build them "
                               "in the LightningModule's __init__, not in configure_model")
         self._canonical = {name: first_use[name] for name, _ in module.named_parameters(remove_duplicate=False)}
+        if self.activation_checkpointing != "none":
+            ac.apply_activation_checkpointing(model, self.activation_checkpointing)
 
     @contextmanager
     def _rebinding(self, module: nn.Module) -> Generator[None, None, None]:

@@ -19,16 +19,16 @@ from strategies.pp_split import split_layers
 class PipelineStrategy(ComposedStrategy):
     """`pipeline_parallel_size` stages (default 2); dp = what is left of the world.
 
-    Args:
-        microbatches: the per-replica batch is cut into this many equal microbatches.
-        schedule: gpipe, 1f1b, interleaved_1f1b (with `virtual_stages` chunks per rank) or zb_h1.
+    Args (pipeline options: refused with pipeline_parallel_size 1, which runs no pipeline):
+        microbatches: the per-replica batch is cut into this many equal microbatches (default 4).
+        schedule: gpipe, 1f1b (default), interleaved_1f1b (with `virtual_stages` chunks per rank) or zb_h1.
         layers_per_stage: fixed layer counts per (virtual) stage, e.g. [3, 2]; otherwise balanced by `balance`
-            ("layers", or "params": parameter counts, the embedding and head included).
+            ("layers", the default, or "params": parameter counts, the embedding and head included).
     """
 
-    def __init__(self, pipeline_parallel_size: int = 2, microbatches: int = 4, schedule: str = "1f1b",
-                 virtual_stages: int = 1, layers_per_stage: Optional[list[int]] = None, balance: str = "layers",
-                 **kwargs: Any) -> None:
+    def __init__(self, pipeline_parallel_size: int = 2, microbatches: Optional[int] = None,
+                 schedule: Optional[str] = None, virtual_stages: Optional[int] = None,
+                 layers_per_stage: Optional[list[int]] = None, balance: Optional[str] = None, **kwargs: Any) -> None:
         super().__init__(pipeline_parallel_size=pipeline_parallel_size, microbatches=microbatches,
                          schedule=schedule, virtual_stages=virtual_stages, layers_per_stage=layers_per_stage,
                          balance=balance, **kwargs)

@@ -25,16 +25,18 @@ MOE_PP = dict(MOE, moe_aux_loss=0.0, moe_first_dense=0)
 DEEP = dict(TINY, n_layers=4)  # interleaved 1F1B needs pp x virtual_stages layers
 
 FOUR_RANKS = {
-    "tp2_pp2": Case(partial(PipelineStrategy, tensor_parallel_size=2, microbatches=2), label="tp2 x pp2",
+    "tp2_pp2": Case(partial(PipelineStrategy, tensor_parallel_size=2, microbatches=2, activation_checkpointing="full"),
+                    label="tp2 x pp2, full checkpointing",
                     trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}),
-    "zero3_dp2_tp2": Case(partial(ZeroStrategy, stage=3, tensor_parallel_size=2), optimizer="adamw",
-                          label="zero3 dp2 x tp2"),
+    "zero3_dp2_tp2": Case(partial(ZeroStrategy, stage=3, tensor_parallel_size=2, activation_checkpointing="selective"),
+                          optimizer="adamw", label="zero3 dp2 x tp2, selective checkpointing"),
     "zero1_dp2_pp2": Case(partial(PipelineStrategy, zero_stage=1, microbatches=2, schedule="gpipe"),
                           label="zero1 dp2 x pp2"),
     "ep2_tp2": Case(partial(ExpertParallelStrategy, tensor_parallel_size=2, sequence_parallel=False), model=MOE,
                     label="ep2 x tp2 (MoE)"),
-    "ep2_pp2": Case(partial(ExpertParallelStrategy, pipeline_parallel_size=2, microbatches=2), model=MOE_PP,
-                    optimizer="adamw", label="ep2 x pp2 (MoE)"),
+    "ep2_pp2": Case(partial(ExpertParallelStrategy, pipeline_parallel_size=2, microbatches=2,
+                            activation_checkpointing="full"), model=MOE_PP, optimizer="adamw",
+                    label="ep2 x pp2 (MoE), full checkpointing"),
     "hsdp_zero3": Case(partial(ZeroStrategy, stage=3, data_parallel_replicate_size=2), label="HSDP 2 x 2 zero3"),
 }
 
@@ -46,9 +48,11 @@ EIGHT_RANKS = {  # dp2 x tp2 x pp2, every schedule once
                        label="3d zero2 1f1b"),
     "zero1_interleaved": Case(partial(ComposedStrategy, zero_stage=1, tensor_parallel_size=2,
                                       pipeline_parallel_size=2, microbatches=2, schedule="interleaved_1f1b",
-                                      virtual_stages=2), model=DEEP, label="3d zero1 interleaved"),
+                                      virtual_stages=2, activation_checkpointing="selective"), model=DEEP,
+                              label="3d zero1 interleaved, selective checkpointing"),
     "zero2_zb_h1": Case(partial(ComposedStrategy, zero_stage=2, tensor_parallel_size=2, pipeline_parallel_size=2,
-                                microbatches=2, schedule="zb_h1"), model=DEEP, label="3d zero2 zb_h1"),
+                                microbatches=2, schedule="zb_h1", activation_checkpointing="full"), model=DEEP,
+                        label="3d zero2 zb_h1, full checkpointing"),
 }
 
 
@@ -72,6 +76,7 @@ def test_dp2_tp2_pp2_on_eight_ranks_matches_one_process() -> None:
     (dict(sequence_parallel=True), "set tensor_parallel_size > 1"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size=0: must be an integer >= 1"),
     (dict(zero_stage=4), "unknown ZeRO stage 4"),
+    (dict(activation_checkpointing="some"), "unknown activation_checkpointing 'some'"),
 ])
 def test_unsupported_combinations_are_refused_at_construction(kwargs: dict, message: str) -> None:
     with pytest.raises((ConfigError, ValueError), match=message):
