@@ -391,7 +391,8 @@ def estimate(work: Workload, layout: Layout) -> Estimate:
         for q in keep:
             (experts if q.expert else dense).setdefault(q.unit, []).append(_local_shape(q, layout))
         dp_group = layout.dp_shard * layout.cp  # gradients are averaged over every rank that saw other tokens
-        _model_state(rank, dense, layout.zero_stage, dp_group, pbytes, "dp", layout.accumulate)
+        shard_group = "dp" if layout.dp_replicate == 1 else "dp_shard"  # the group the strategy's ZeRO uses
+        _model_state(rank, dense, layout.zero_stage, dp_group, pbytes, shard_group, layout.accumulate)
         if experts:  # one unit, over the ranks holding the same experts
             _model_state(rank, {"experts": [s for u in experts.values() for s in u]}, layout.zero_stage,
                          dp_group // layout.ep, pbytes, "edp", layout.accumulate)

@@ -61,8 +61,9 @@ class Ranked:
 def _spans(layout: Layout) -> dict[str, int]:
     """How many consecutive ranks each group spans (rank order pp, dp_replicate, dp_shard, cp, tp)."""
     tp, cp, shard = layout.tp, layout.cp, layout.dp_shard
-    return {"tp": tp, "cp": cp * tp, "ep": layout.ep * tp, "dp": shard * cp * tp, "edp": shard * cp * tp,
-            "dp_replicate": layout.dp * cp * tp, "pp": layout.world, "pp_embedding": layout.world}
+    return {"tp": tp, "cp": cp * tp, "ep": layout.ep * tp, "dp": shard * cp * tp, "dp_shard": shard * cp * tp,
+            "edp": shard * cp * tp, "dp_replicate": layout.dp * cp * tp, "pp": layout.world,
+            "pp_embedding": layout.world}
 
 
 def step_time(est: Estimate, cluster: Cluster) -> tuple[float, dict[str, float]]:
@@ -73,7 +74,7 @@ def step_time(est: Estimate, cluster: Cluster) -> tuple[float, dict[str, float]]
     for group in est.groups:
         bw = cluster.intra_bw if spans[group] <= cluster.gpus_per_node else cluster.inter_bw
         seconds = est.wire_bytes(group) / bw
-        if group in ("dp", "edp", "dp_replicate"):
+        if group in ("dp", "dp_shard", "edp", "dp_replicate"):
             # ZeRO-1/2 gather the updated shards after the step: that part cannot hide behind the backward
             after_step = est.wire_bytes(group, "all_gather") / bw if layout.zero_stage in (1, 2) else 0.0
             seconds = after_step + max(0.0, seconds - after_step - hidden)

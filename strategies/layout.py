@@ -66,7 +66,9 @@ class ParallelDims:
         sizes = dict(pp=pp, dp_replicate=dp_replicate, cp=cp, tp=tp, ep=ep)
         rest = pp * dp_replicate * cp * tp
         if dp_shard is None:
-            if rest < 1 or world % rest:
+            if min(sizes.values()) < 1:
+                cls(**sizes).validate(world)  # names the size that is not positive
+            if world % rest:
                 named = ", ".join(f"{FIELDS[k]}={v}" for k, v in sizes.items())
                 raise ConfigError(f"{named} on a world of {world} ranks: the product of the sizes but ep ({rest}) "
                                   "must divide the world size (trainer.devices x trainer.num_nodes)")

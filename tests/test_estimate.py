@@ -214,7 +214,7 @@ def test_layouts_beyond_this_tree_are_estimated_and_marked() -> None:
     none = estimate(Workload(cfg, 64, 16, "bf16-mixed"), Layout(dp_replicate=2, dp_shard=2, zero_stage=3, tp=2, cp=2))
     assert est.ranks[0].activations < none.ranks[0].activations
     assert est.ranks[0].recompute_flops == pytest.approx(est.flops / 3)
-    assert {"cp", "tp", "dp", "dp_replicate"} <= set(est.groups)
+    assert {"cp", "tp", "dp_shard", "dp_replicate"} <= set(est.groups)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
