@@ -42,7 +42,7 @@ from typing_extensions import override
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runner import MARK, run_rounds, summarize, write_json  # noqa: E402
-from bench_strategies import _env, _spawn, add_run_args, forwarded, model_config, run_one  # noqa: E402
+from bench_strategies import _env, _spawn, add_run_args, footer, forwarded, model_config, run_one  # noqa: E402
 from strategies import comm, ddp  # noqa: E402
 from strategies.comm import COMM_LOG  # noqa: E402
 from strategies.ddp import DataParallelStrategy  # noqa: E402
@@ -144,11 +144,11 @@ def markdown(run: dict[str, Any]) -> str:
     base = {"default": table["ddp"]["tokens_per_s"]["median"], "fused": table["ddp_view fused"]["tokens_per_s"]["median"]}
     names = {"ddp": "torch DDP", "ddp_view": "torch DDP, `gradient_as_bucket_view`", "lm_ddp": f"`lm_ddp` ({cap:g} MB)"}
     lines = ["| contender | AdamW | tokens/s median (min–max) | vs torch DDP, same AdamW |", "|---|---|---|---|"]
-    for name, t in table.items():
+    for name in ("ddp", "ddp_view", "lm_ddp", "ddp_view fused", "lm_ddp fused"):
+        t = table[name]
         kind, _, adamw = name.partition(" ")
-        if kind in names:
-            adamw = adamw or "default"
-            lines.append(f"| {names[kind]} | {adamw} | {_spread(t['tokens_per_s'])} | "
+        adamw = adamw or "default"
+        lines.append(f"| {names[kind]} | {adamw} | {_spread(t['tokens_per_s'])} | "
                          f"{t['tokens_per_s']['median'] / base[adamw]:.2f}× |")
     lines += ["", "| `lm_ddp` bucket cap | buckets | step ms | same, all-reduce a no-op, ms | all-reduces alone, ms "
               "| hidden |", "|---|---|---|---|---|---|"]
@@ -157,9 +157,7 @@ def markdown(run: dict[str, Any]) -> str:
         lines.append(f"| {name.split()[1]} MB | {t['buckets']['median']:.0f} | {_spread(t['step_s'], 1e3, '.1f')} | "
                      f"{_spread(t['nocomm_s'], 1e3, '.1f')} | {_spread(t['comm_s'], 1e3, '.1f')} | "
                      f"{_spread(t['hidden'], 100)} % |")
-    load = run["load_1min"]
-    lines.append(f"\nΦ = {run['phi']:,}, {len(run['rounds'])} rounds, load average (1 min) {load['min']:.1f}–"
-                 f"{load['max']:.1f} (median {load['median']:.1f}) on {run['cpus']} CPUs.")
+    lines.append(f"\n{footer(run)}")
     return "\n".join(lines)
 
 

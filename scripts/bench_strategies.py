@@ -291,10 +291,15 @@ def markdown(run: dict[str, Any]) -> str:
         lines.append(f"| {name} | {speed['median']:.0f} ({speed['min']:.0f}–{speed['max']:.0f}) | {ratio} | "
                      f"{row['state_bytes'] / 1e6:.2f} ({row['state_bytes_theory'] / 1e6:.2f}) | {sent} "
                      f"({row['wire_bytes_theory'] / 1e6:.3f}) |")
-    load = run["load_1min"]
-    lines.append(f"\nΦ = {run['phi']:,}, {len(run['rounds'])} rounds, load average (1 min) {load['min']:.1f}–"
-                 f"{load['max']:.1f} (median {load['median']:.1f}) on {run['cpus']} CPUs.")
+    lines.append(f"\n{footer(run)}")
     return "\n".join(lines)
+
+
+def footer(run: dict[str, Any]) -> str:
+    """What a saved run's table needs beside it: the model size, the rounds and the machine's load."""
+    load = run["load_1min"]
+    return (f"Φ = {run['phi']:,}, {len(run['rounds'])} rounds, load average (1 min) {load['min']:.1f}–"
+            f"{load['max']:.1f} (median {load['median']:.1f}) on {run['cpus']} CPUs.")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
