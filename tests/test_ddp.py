@@ -85,8 +85,9 @@ def _engine_case(bucket_cap_mb: float) -> dict:
 
 
 def _in_place_case() -> dict:
-    """Where the gradients live over three steps: after zero_grad(set_to_none=True) twice, then set_to_none=False,
-    on the same batch (so the averaged gradients must come out equal)."""
+    """Where the gradients live over four steps on the same batch (so the averaged gradients must come out equal):
+    after zero_grad(set_to_none=True) twice, after set_to_none=False, and with a `.grad` replaced by a tensor of
+    the user's before backward (accumulated there, then copied into its slice at launch)."""
     rank = dist.get_rank()
     model = Toy()
     sync = GradSync(model, bucket_cap_mb=1e-4)  # a few parameters per bucket
@@ -94,12 +95,15 @@ def _in_place_case() -> dict:
     buffers = {b.flat.untyped_storage().data_ptr() for b in sync.buckets}
     batch = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(rank))
     steps = []
-    for set_to_none in (True, True, False):
-        model.zero_grad(set_to_none=set_to_none)
+    for mode in ("none", "none", "zeros", "replaced"):
+        model.zero_grad(set_to_none=mode == "none")
+        if mode == "replaced":
+            model.body.weight.grad = torch.zeros_like(model.body.weight)
         sync(batch, rank == 1).backward()
         # before finish(): what autograd accumulated is already in the buckets (the unused layer is not yet)
+        replaced = {"body.weight"} if mode == "replaced" else set()  # still the user's tensor
         in_buffers_before = {n: p.grad.untyped_storage().data_ptr() in buffers
-                             for n, p in model.named_parameters() if p.grad is not None}
+                             for n, p in model.named_parameters() if p.grad is not None and n not in replaced}
         sync.finish()
         # gradient memory: the distinct storages behind the .grads and the communication buffers
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -139,7 +143,7 @@ def _check_in_place(per_rank: tuple[dict, ...]) -> None:
             assert step["grad_bytes"] == step["walked_grad_bytes"] == r["phi_bytes"]
             assert step["grads"]["frozen.weight"] is None
         first = r["steps"][0]["grads"]
-        for step in r["steps"][1:]:  # zero_grad(set_to_none=...) restarts from zeros either way
+        for step in r["steps"][1:]:  # every mode restarts from zeros
             for name, g in step["grads"].items():
                 torch.testing.assert_close(g, first[name], rtol=0, atol=0)
 
