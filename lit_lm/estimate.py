@@ -127,7 +127,7 @@ class RankEstimate:
     params: int = 0
     grads: int = 0
     optimizer: int = 0
-    buffers: int = 0  # communication buffers: DDP buckets, ZeRO-3 gathered units, pipeline outputs held
+    buffers: int = 0  # communication buffers: ZeRO-3 gathered units, pipeline outputs held (DDP buckets are the grads)
     activations: int = 0
     flops: float = 0.0  # model FLOPs (what MFU counts)
     recompute_flops: float = 0.0  # the forwards activation checkpointing runs again
@@ -246,9 +246,8 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
     numel = sum(math.prod(s) for s in shapes)
     if stage == 0:
         rank.params += numel * pbytes
-        rank.grads += numel * pbytes
+        rank.grads += numel * pbytes  # GradSync's buckets: the .grads are views into them
         rank.optimizer += 2 * numel * pbytes + 4 * len(shapes)  # Adam m, v (parameter dtype), step
-        rank.buffers += numel * pbytes if group > 1 else 0  # GradSync's buckets (strategies build none for dp 1)
         rank.add_comm(group_name, "all_reduce", numel * pbytes, group)
         return
     master_copy = pbytes != 4  # fp32 parameters are their own master rows (a view)

@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import lightning as L
 import torch
@@ -80,9 +80,9 @@ def theory(name: str, config: ModelConfig, n: int, tokens: int) -> tuple[float, 
 
 
 class BenchLM(L.LightningModule):
-    def __init__(self, config: ModelConfig, fsdp2: bool) -> None:
+    def __init__(self, config: ModelConfig, fsdp2: bool, adamw: Optional[dict[str, Any]] = None) -> None:
         super().__init__()
-        self.config, self.fsdp2 = config, fsdp2
+        self.config, self.fsdp2, self.adamw = config, fsdp2, adamw or {}
         self.model: Transformer | None = None
 
     def configure_model(self) -> None:
@@ -100,7 +100,7 @@ class BenchLM(L.LightningModule):
         return self.model.loss(tokens[:, :-1], tokens[:, 1:])[0]
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+        return torch.optim.AdamW(self.parameters(), lr=1e-4, **self.adamw)
 
 
 class Probe(L.Callback):
@@ -136,7 +136,9 @@ def make_strategy(name: str, n: int) -> Any:
             "tp_sp": lambda: TensorParallelStrategy(n, sequence_parallel=True)}[name]()
 
 
-def run_one(name: str, args: argparse.Namespace, config: ModelConfig, accelerator: str) -> dict[str, Any]:
+def run_one(name: str, args: argparse.Namespace, config: ModelConfig, accelerator: str, strategy: Any = None,
+            adamw: Optional[dict[str, Any]] = None, callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
+    """Fit `args.steps` steps under `strategy` (default: the contender `name`'s); median steady step and more."""
     rank, n = int(os.environ["LOCAL_RANK"]), args.devices
     dp = 1 if name.startswith("tp") else n  # tp peers read one batch: the global one
     gen = torch.Generator().manual_seed(1000 + rank % dp)  # each replica its own batch of the global batch
@@ -144,16 +146,16 @@ def run_one(name: str, args: argparse.Namespace, config: ModelConfig, accelerato
     tokens = torch.randint(0, config.vocab_size, (local * args.steps, args.seq_len + 1), generator=gen)
     loader = DataLoader(TensorDataset(tokens), batch_size=local)
     L.seed_everything(0, verbose=False)
-    module = BenchLM(config, fsdp2=name == "fsdp2")
+    module = BenchLM(config, fsdp2=name == "fsdp2", adamw=adamw)
     device = torch.device("cuda", rank) if accelerator == "gpu" else torch.device("cpu")
     probe = Probe(device)
-    trainer = L.Trainer(accelerator=accelerator, devices=n, strategy=make_strategy(name, n), max_steps=args.steps,
-                        callbacks=[probe], logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0,
-                        precision=args.precision)
+    trainer = L.Trainer(accelerator=accelerator, devices=n, strategy=strategy or make_strategy(name, n),
+                        max_steps=args.steps, callbacks=[probe, *callbacks], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
+                        num_sanity_val_steps=0, precision=args.precision)
     trainer.fit(module, loader)
     steady = probe.times[args.warmup:]
-    out = {"step_s": statistics.median(steady), "memory": probe.memory,
+    out = {"step_s": statistics.median(steady), "steady_s": steady, "memory": probe.memory,
            "wire_bytes": statistics.median(probe.wire[args.warmup:])}
     del trainer, module
     gc.collect()
@@ -289,19 +291,20 @@ def markdown(run: dict[str, Any]) -> str:
         lines.append(f"| {name} | {speed['median']:.0f} ({speed['min']:.0f}–{speed['max']:.0f}) | {ratio} | "
                      f"{row['state_bytes'] / 1e6:.2f} ({row['state_bytes_theory'] / 1e6:.2f}) | {sent} "
                      f"({row['wire_bytes_theory'] / 1e6:.3f}) |")
-    load = run["load_1min"]
-    lines.append(f"\nΦ = {run['phi']:,}, {len(run['rounds'])} rounds, load average (1 min) {load['min']:.1f}–"
-                 f"{load['max']:.1f} (median {load['median']:.1f}) on {run['cpus']} CPUs.")
+    lines.append(f"\n{footer(run)}")
     return "\n".join(lines)
 
 
-def main() -> None:
-    gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--devices", type=int, default=torch.cuda.device_count() if gpu else 2)
-    p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
-    p.add_argument("--one", choices=STRATEGIES, help="run this contender once and print its metrics (the runner's "
-                                                      "unit of work)")
+def footer(run: dict[str, Any]) -> str:
+    """What a saved run's table needs beside it: the model size, the rounds and the machine's load."""
+    load = run["load_1min"]
+    return (f"Φ = {run['phi']:,}, {len(run['rounds'])} rounds, load average (1 min) {load['min']:.1f}–"
+            f"{load['max']:.1f} (median {load['median']:.1f}) on {run['cpus']} CPUs.")
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """The arguments every contender is forwarded (FORWARDED) plus the runner's rounds and seed."""
+    p.add_argument("--devices", type=int, default=torch.cuda.device_count() if torch.cuda.is_available() else 2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seed", type=int, default=0, help="of the per-round shuffles")
     p.add_argument("--steps", type=int, default=25)
@@ -313,6 +316,19 @@ def main() -> None:
     p.add_argument("--n-layers", type=int, default=4)
     p.add_argument("--n-heads", type=int, default=8)
     p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
+
+
+def forwarded(args: argparse.Namespace) -> list[str]:
+    """The command-line flags that give a contender's process the same run."""
+    return [item for key in FORWARDED for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
+    p.add_argument("--one", choices=STRATEGIES, help="run this contender once and print its metrics (the runner's "
+                                                      "unit of work)")
+    add_run_args(p)
     p.add_argument("--out", default="runs/bench_strategies.json")
     p.add_argument("--moe-steps", type=int, default=5, help="steps of the MoE rows (0 skips them)")
     p.add_argument("--table", help="print a saved run (its --out JSON) as a Markdown table, and exit")
@@ -325,8 +341,7 @@ def main() -> None:
     if args.one:
         _spawn(worker_one, args)
         return
-    forwarded = [item for key in FORWARDED for item in (f"--{key.replace('_', '-')}", str(getattr(args, key)))]
-    contenders = {name: [sys.executable, __file__, "--one", name, *forwarded] for name in args.strategies}
+    contenders = {name: [sys.executable, __file__, "--one", name, *forwarded(args)] for name in args.strategies}
     rounds = run_rounds(contenders, args.rounds, args.seed)
     table = summarize(rounds)
     loads = [m["load_1min"] for r in rounds for _, m in r]

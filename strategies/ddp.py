@@ -6,20 +6,26 @@ backward; instead (as torch DDP does):
 
 - parameters are packed, in *reverse* registration order (roughly the order backward produces their gradients),
   into flat buckets of about `bucket_cap_mb`;
-- a `post_accumulate_grad_hook` per parameter marks it ready; when a bucket's parameters are all ready its
-  gradients are copied into the flat buffer and an *asynchronous* all-reduce is launched, so it overlaps the rest
-  of backward. Buckets launch strictly in order, so every rank issues the same collectives in the same order even
-  when gradients arrive in a different order;
-- `finish()` launches what is left (a parameter that got no gradient on this rank, i.e. unused, contributes zeros,
-  so no rank waits forever), waits, divides by the group size and copies back into `.grad`. Every trainable
-  parameter then has the same gradient on every rank (zeros if no rank used it), so the replicas cannot drift.
+- gradients live in the buckets (torch DDP's `gradient_as_bucket_view`, Megatron's grad buffer): each
+  parameter's `.grad` is a view into its bucket's flat buffer, allocated once, and autograd accumulates into it in
+  place. A gradient pre-hook re-points a `.grad` that `zero_grad(set_to_none=True)` dropped (zeroing its slice)
+  just before autograd accumulates into it, so one gradient copy of Φ exists, never two, and nothing is copied;
+- a `post_accumulate_grad_hook` per parameter marks it ready; when a bucket's parameters are all ready an
+  *asynchronous* in-place all-reduce of its buffer is launched, so it overlaps the rest of backward. Buckets
+  launch strictly in order, so every rank issues the same collectives in the same order even when gradients
+  arrive in a different order;
+- `finish()` launches what is left (a parameter that got no gradient on this rank, i.e. unused, contributes its
+  zeroed slice, so no rank waits forever), waits, and divides each buffer by the group size in place. Every
+  trainable parameter then has the same gradient on every rank (zeros if no rank used it), so the replicas cannot
+  drift.
 
 Averaging is a post-division (sum, then divide the flat buffer once): the sum of bf16 or fp32 gradients cannot
 overflow (bf16 has fp32's exponent range; pre-division is the fp16 remedy), and dividing the sum rounds once
 where pre-division rounds every rank's contribution.
 
 Tied parameters are one `Parameter` reachable twice: `parameters()` yields it once, autograd accumulates both uses
-before its hook fires, so it is reduced once. Frozen parameters (`requires_grad=False`) are left out.
+before its hook fires, so it is reduced once. Frozen parameters (`requires_grad=False`) are left out. A `.grad`
+that someone replaced by another tensor is copied into its slice and re-pointed at launch (correct, one copy).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Generator, Iterable, Optional
 
 import torch
@@ -47,8 +54,8 @@ def broadcast_parameters(module: nn.Module, group: Optional[dist.ProcessGroup] =
 @dataclass
 class _Bucket:
     params: list[nn.Parameter]
-    flat: Tensor  # the communication buffer
-    views: list[Tensor]  # flat's slices, shaped like params
+    flat: Tensor  # the communication buffer, where the gradients live
+    views: list[Tensor]  # flat's slices, shaped like params: their `.grad`
     ready: set[int] = field(default_factory=set)  # indices into params whose gradient is final
     work: Optional[dist.Work] = None
 
@@ -61,6 +68,19 @@ class _Bucket:
         flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
         views = [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in params]), params)]
         return cls(params, flat, views)
+
+    def attach(self) -> None:
+        """Point every `.grad` of the bucket at its slice: a dropped one (None) starts from zeros, a replaced one
+        is copied in. Cheap when all are attached already (the common case inside backward)."""
+        with torch.no_grad():
+            for p, view in zip(self.params, self.views):
+                if p.grad is view:
+                    continue
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad)
+                p.grad = view
 
 
 def _bucketize(params: Iterable[nn.Parameter], cap_bytes: float) -> list[list[nn.Parameter]]:
@@ -83,7 +103,8 @@ class GradSync(nn.Module):
         loss = model(x).sum(); loss.backward(); model.finish(); optimizer.step()
         with model.no_sync(): ...                                # accumulate locally, no communication
 
-    Construction broadcasts the first rank's parameters and buffers so the replicas start equal.
+    Construction broadcasts the first rank's parameters and buffers so the replicas start equal. After the first
+    backward every trainable `.grad` is a view into `buckets[i].flat` (see the module docstring).
     """
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None, bucket_cap_mb: float = 25.0,
@@ -98,7 +119,8 @@ class GradSync(nn.Module):
         self.buckets = [_Bucket.of(b) for b in _bucketize(reversed(params), bucket_cap_mb * 2**20)]
         self._slot = {p: (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
         self._next = 0  # the first bucket not launched yet
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self._hooks = [h for p in params for h in (p.register_hook(partial(self._before_accumulate, p)),
+                                                   p.register_post_accumulate_grad_hook(self._on_grad_ready))]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -111,6 +133,12 @@ class GradSync(nn.Module):
             yield
         finally:
             self.sync_enabled = previous
+
+    def _before_accumulate(self, param: nn.Parameter, grad: Tensor) -> None:
+        """Runs just before autograd accumulates `grad` into `param.grad`: make that `.grad` the bucket's slice,
+        so the accumulation writes into the communication buffer (in place: shapes and strides match)."""
+        if param.grad is None:  # the first gradient since zero_grad(set_to_none=True): the whole bucket was dropped
+            self.buckets[self._slot[param][0]].attach()
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self.sync_enabled:
@@ -127,31 +155,21 @@ class GradSync(nn.Module):
             self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: _Bucket) -> None:
-        for p, view in zip(bucket.params, bucket.views):
-            if p.grad is None:
-                view.zero_()  # unused on this rank: contribute nothing, but take part in the collective
-            else:
-                view.copy_(p.grad)
+        bucket.attach()  # unused on this rank: its zeroed slice takes part in the collective
         bucket.work = comm.all_reduce(bucket.flat, self.group, async_op=True, label="GradSync bucket")
         self._next += 1
 
     def finish(self) -> None:
-        """Launch the remaining buckets, wait for all, and write the averaged gradients into `.grad`."""
+        """Launch the remaining buckets, wait for all, and average them in place (the `.grad`s are their views)."""
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         world = dist.get_world_size(self.group)
-        with torch.no_grad():
-            for bucket in self.buckets:
-                assert bucket.work is not None
-                bucket.work.wait()
-                bucket.flat.div_(world)
-                for p, view in zip(bucket.params, bucket.views):
-                    if p.grad is None:
-                        p.grad = view.clone()
-                    else:
-                        p.grad.copy_(view)
-                bucket.ready.clear()
-                bucket.work = None
+        for bucket in self.buckets:
+            assert bucket.work is not None
+            bucket.work.wait()
+            bucket.flat.div_(world)
+            bucket.ready.clear()
+            bucket.work = None
         self._next = 0
 
     def remove_hooks(self) -> None:

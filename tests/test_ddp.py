@@ -18,6 +18,7 @@ from dist_utils import TinyLM, run_distributed
 from parity import Case, assert_parity, run_parity
 from strategies.comm import COMM_LOG
 from strategies.ddp import DataParallelStrategy, GradSync
+from strategies.zero_engine import model_state_bytes
 
 
 # -- engine ------------------------------------------------------------------------------------------------------
@@ -46,8 +47,8 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _engine_worker(bucket_caps_mb: list[float]) -> list[dict]:
-    return [_engine_case(cap) for cap in bucket_caps_mb]
+def _engine_worker(bucket_caps_mb: list[float]) -> tuple[list[dict], dict]:
+    return [_engine_case(cap) for cap in bucket_caps_mb], _in_place_case()
 
 
 def _engine_case(bucket_cap_mb: float) -> dict:
@@ -83,13 +84,46 @@ def _engine_case(bucket_cap_mb: float) -> dict:
     return out
 
 
+def _in_place_case() -> dict:
+    """Where the gradients live over four steps on the same batch (so the averaged gradients must come out equal):
+    after zero_grad(set_to_none=True) twice, after set_to_none=False, and with a `.grad` replaced by a tensor of
+    the user's before backward (accumulated there, then copied into its slice at launch)."""
+    rank = dist.get_rank()
+    model = Toy()
+    sync = GradSync(model, bucket_cap_mb=1e-4)  # a few parameters per bucket
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    buffers = {b.flat.untyped_storage().data_ptr() for b in sync.buckets}
+    batch = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(rank))
+    steps = []
+    for mode in ("none", "none", "zeros", "replaced"):
+        model.zero_grad(set_to_none=mode == "none")
+        if mode == "replaced":
+            model.body.weight.grad = torch.zeros_like(model.body.weight)
+        sync(batch, rank == 1).backward()
+        # before finish(): what autograd accumulated is already in the buckets (the unused layer is not yet)
+        replaced = {"body.weight"} if mode == "replaced" else set()  # still the user's tensor
+        in_buffers_before = {n: p.grad.untyped_storage().data_ptr() in buffers
+                             for n, p in model.named_parameters() if p.grad is not None and n not in replaced}
+        sync.finish()
+        # gradient memory: the distinct storages behind the .grads and the communication buffers
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in [*(p.grad for p in trainable), *(b.flat for b in sync.buckets)]}
+        steps.append({"in_buffers_before": in_buffers_before,
+                      "in_buffers": [p.grad.untyped_storage().data_ptr() in buffers for p in trainable],
+                      "grad_bytes": sum(storages.values()), "walked_grad_bytes": model_state_bytes(model)["grads"],
+                      "grads": _grads(model)})
+    return {"steps": steps, "phi_bytes": sum(p.numel() * p.element_size() for p in trainable),
+            "buffer_bytes": sum(b.flat.untyped_storage().nbytes() for b in sync.buckets)}
+
+
 def _mean(per_rank: list[dict], name: str, like: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.zeros_like(like) if r[name] is None else r[name] for r in per_rank]).mean(0)
 
 
 def test_grad_sync_averages_gradients() -> None:
     caps = [1e-6, 1000.0]  # one bucket per parameter (7 trainable tensors); one bucket for all
-    per_rank = run_distributed(_engine_worker, 2, caps)
+    per_rank, in_place = zip(*run_distributed(_engine_worker, 2, caps))
+    _check_in_place(in_place)
     for case, buckets in enumerate((7, 1)):
         results = [r[case] for r in per_rank]
         assert results[0]["buckets"] == buckets
@@ -97,6 +131,21 @@ def test_grad_sync_averages_gradients() -> None:
     # Reverse order: rank1_only's 2 tensors come first, then the unused layer, which holds every later bucket
     # back (buckets launch in order). Rank 1 used rank1_only: 2 buckets left during backward; rank 0: none.
     assert [r[0]["launched_in_backward"] for r in per_rank] == [0, 2]
+
+
+def _check_in_place(per_rank: tuple[dict, ...]) -> None:
+    """Gradients live in the buckets: one copy of Φ per rank (grads and communication buffers together, storages
+    counted once), every .grad a view of a bucket buffer from backward on, the same buffers every step."""
+    for r in per_rank:
+        assert r["buffer_bytes"] == r["phi_bytes"]
+        for step in r["steps"]:
+            assert all(step["in_buffers"]) and all(step["in_buffers_before"].values())
+            assert step["grad_bytes"] == step["walked_grad_bytes"] == r["phi_bytes"]
+            assert step["grads"]["frozen.weight"] is None
+        first = r["steps"][0]["grads"]
+        for step in r["steps"][1:]:  # every mode restarts from zeros
+            for name, g in step["grads"].items():
+                torch.testing.assert_close(g, first[name], rtol=0, atol=0)
 
 
 def _check_engine_case(results: list[dict]) -> None:

@@ -1,0 +1,188 @@
+"""Benchmark the data-parallel hot path: `lm_ddp` against torch DDP, and how much of its all-reduce backward hides.
+
+    python scripts/bench_ddp.py                               # CPU/gloo, 2 processes, 5 rounds
+    python scripts/bench_ddp.py --one lm_ddp --fused          # one contender once (what the rounds run)
+    python scripts/bench_ddp.py --table docs/bench_ddp.json    # a saved run as the README's Markdown
+
+Contenders (each in its own fresh processes, alternated over >= 5 rounds in an order shuffled per round by
+`scripts/bench_runner.py`; tokens/s is the median over rounds of each run's median steady step, with min-max):
+
+- `ddp`: torch `DistributedDataParallel` through Lightning's `ddp`; `ddp_view`: the same with
+  `gradient_as_bucket_view=True` (its gradients live in its buckets, as ours do);
+- `lm_ddp`: `strategies.ddp.GradSync` at `--bucket-cap-mb`;
+- with the same AdamW for all (torch's default: on CPU a per-tensor loop), then each with its best setting
+  (`--fused`: fused AdamW; torch DDP with bucket views);
+- `lm_ddp_overlap` at `--bucket-cap-mb` and each `--sweep` cap: the overlap measurement (below).
+
+Overlap, measured in one process so that both sides see the same machine load: `lm_ddp_overlap` alternates steps
+with GradSync's all-reduce and steps with it replaced by a no-op (the step without communication), and at the end
+times the step's bucket all-reduces on their own, one after another with nothing to overlap (`comm_s`, the sizes
+the accounting layer recorded). The fraction of communication hidden behind backward is
+1 - (step - step without communication) / comm_s: 1 is fully hidden, 0 fully exposed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from typing_extensions import override
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_runner import MARK, run_rounds, summarize, write_json  # noqa: E402
+from bench_strategies import _env, _spawn, add_run_args, footer, forwarded, model_config, run_one  # noqa: E402
+from strategies import comm, ddp  # noqa: E402
+from strategies.comm import COMM_LOG  # noqa: E402
+from strategies.ddp import DataParallelStrategy  # noqa: E402
+
+KINDS = ["ddp", "ddp_view", "lm_ddp", "lm_ddp_overlap"]
+LABEL = "GradSync bucket"  # the accounting layer's label of GradSync's all-reduces
+
+
+class _Done:
+    """The handle of a collective that had nothing to do."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def _no_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> _Done:
+    return _Done()
+
+
+NO_COMM = SimpleNamespace(**{**vars(comm), "all_reduce": _no_all_reduce})
+
+
+class AlternateComm(L.Callback):
+    """Odd steps run with GradSync's all-reduce a no-op (the replicas drift apart: only the time matters)."""
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        ddp.comm = NO_COMM if batch_idx % 2 else comm
+
+
+class CommAlone(L.Callback):
+    """The last step's gradient all-reduces (sizes as recorded by `strategies.comm`), timed on their own at the end
+    of training: serial, synchronous, nothing to overlap. The median of `reps`."""
+
+    def __init__(self, reps: int = 10) -> None:
+        self.reps, self.sizes, self.seconds = reps, [], None
+
+    @override
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.sizes = [r.numel for r in COMM_LOG.records if r.label == LABEL] or self.sizes  # not the no-op steps
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        buffers = [torch.zeros(n, device=pl_module.device) for n in self.sizes]
+        times = []
+        for _ in range(self.reps):
+            dist.barrier()
+            start = time.perf_counter()
+            for b in buffers:
+                dist.all_reduce(b)
+            times.append(time.perf_counter() - start)
+        self.seconds = statistics.median(times)
+
+
+def strategy(kind: str, bucket_cap_mb: float) -> Any:
+    if kind.startswith("ddp"):
+        return DDPStrategy(gradient_as_bucket_view=kind == "ddp_view", bucket_cap_mb=bucket_cap_mb)
+    return DataParallelStrategy(bucket_cap_mb=bucket_cap_mb)
+
+
+def worker_one(rank: int, args: argparse.Namespace, port: int, accelerator: str) -> None:
+    config = _env(rank, args, port, accelerator)
+    overlap = args.one == "lm_ddp_overlap"
+    alone = CommAlone()
+    r = run_one(args.one, args, config, accelerator, strategy(args.one, args.bucket_cap_mb),
+                adamw={"fused": True} if args.fused else None, callbacks=[alone, AlternateComm()] if overlap else [])
+    if rank != 0:
+        return
+    metrics = {"tokens_per_s": args.global_batch * args.seq_len / r["step_s"], "step_s": r["step_s"],
+               "grad_bytes": r["memory"].get("grads")}
+    if overlap:  # steady step i is batch args.warmup + i: even batches communicated
+        steps = [t for i, t in enumerate(r["steady_s"], args.warmup) if i % 2 == 0]
+        without = [t for i, t in enumerate(r["steady_s"], args.warmup) if i % 2 == 1]
+        step, nocomm = statistics.median(steps), statistics.median(without)
+        metrics = {"step_s": step, "nocomm_s": nocomm, "comm_s": alone.seconds, "buckets": len(alone.sizes),
+                   "hidden": 1 - (step - nocomm) / alone.seconds}
+    print(MARK + json.dumps(metrics), flush=True)
+
+
+def contenders(args: argparse.Namespace) -> dict[str, list[str]]:
+    """{name: command}: the same-optimizer rows, the best-setting rows, the overlap runs over the bucket caps."""
+    base = [sys.executable, __file__, *forwarded(args)]
+    cap = ["--bucket-cap-mb", str(args.bucket_cap_mb)]
+    out = {kind: [*base, "--one", kind, *cap] for kind in KINDS[:3]}
+    out.update({f"{kind} fused": [*base, "--one", kind, "--fused", *cap] for kind in ("ddp_view", "lm_ddp")})
+    out.update({f"lm_ddp_overlap {mb:g}": [*base, "--one", "lm_ddp_overlap", "--bucket-cap-mb", str(mb)]
+                for mb in [args.bucket_cap_mb, *args.sweep]})
+    return out
+
+
+def _spread(t: dict[str, Any], scale: float = 1.0, fmt: str = ".0f") -> str:
+    return f"{t['median'] * scale:{fmt}} ({t['min'] * scale:{fmt}}–{t['max'] * scale:{fmt}})"
+
+
+def markdown(run: dict[str, Any]) -> str:
+    """The speed table (ratio of medians against torch DDP with the same AdamW) and the overlap table."""
+    table, cap = run["summary"], run["args"]["bucket_cap_mb"]
+    base = {"default": table["ddp"]["tokens_per_s"]["median"], "fused": table["ddp_view fused"]["tokens_per_s"]["median"]}
+    names = {"ddp": "torch DDP", "ddp_view": "torch DDP, `gradient_as_bucket_view`", "lm_ddp": f"`lm_ddp` ({cap:g} MB)"}
+    lines = ["| contender | AdamW | tokens/s median (min–max) | vs torch DDP, same AdamW |", "|---|---|---|---|"]
+    for name in ("ddp", "ddp_view", "lm_ddp", "ddp_view fused", "lm_ddp fused"):
+        t = table[name]
+        kind, _, adamw = name.partition(" ")
+        adamw = adamw or "default"
+        lines.append(f"| {names[kind]} | {adamw} | {_spread(t['tokens_per_s'])} | "
+                         f"{t['tokens_per_s']['median'] / base[adamw]:.2f}× |")
+    lines += ["", "| `lm_ddp` bucket cap | buckets | step ms | same, all-reduce a no-op, ms | all-reduces alone, ms "
+              "| hidden |", "|---|---|---|---|---|---|"]
+    for name, t in sorted(((n, t) for n, t in table.items() if n.startswith("lm_ddp_overlap")),
+                          key=lambda item: -float(item[0].split()[1])):
+        lines.append(f"| {name.split()[1]} MB | {t['buckets']['median']:.0f} | {_spread(t['step_s'], 1e3, '.1f')} | "
+                     f"{_spread(t['nocomm_s'], 1e3, '.1f')} | {_spread(t['comm_s'], 1e3, '.1f')} | "
+                     f"{_spread(t['hidden'], 100)} % |")
+    lines.append(f"\n{footer(run)}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(p)
+    p.add_argument("--one", choices=KINDS, help="run this contender once and print its metrics")
+    p.add_argument("--fused", action="store_true", help="fused AdamW (with --one)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--sweep", type=float, nargs="*", default=[0.25, 1.0], help="more lm_ddp bucket caps (MB)")
+    p.add_argument("--out", default="runs/bench_ddp.json")
+    p.add_argument("--table", help="print a saved run (its --out JSON) as Markdown, and exit")
+    args = p.parse_args(argv)
+    if args.table:
+        print(markdown(json.loads(Path(args.table).read_text())))
+        return
+    if args.one:
+        _spawn(worker_one, args)
+        return
+    rounds = run_rounds(contenders(args), args.rounds, args.seed)
+    run = {"args": vars(args), "phi": model_config(args).num_params()}
+    write_json(args.out, rounds, summarize(rounds), **run)
+    print(markdown(json.loads(Path(args.out).read_text())))
+    print(f"wrote {args.out} ({os.cpu_count()} CPUs)")
+
+
+if __name__ == "__main__":
+    main()
