@@ -61,8 +61,8 @@ class Ranked:
 def _spans(layout: Layout) -> dict[str, int]:
     """How many consecutive ranks each group spans (rank order pp, dp_replicate, dp_shard, cp, tp)."""
     tp, cp, shard = layout.tp, layout.cp, layout.dp_shard
-    return {"tp": tp, "cp": cp * tp, "ep": layout.ep * tp, "dp": shard * cp * tp, "edp": shard * cp * tp,
-            "dp_replicate": layout.dp * cp * tp, "pp": layout.world, "pp_embedding": layout.world}
+    return {"tp": tp, "cp": cp * tp, "ep": layout.ep * tp, "dp": shard * cp * tp, "dp_shard": shard * cp * tp,
+            "edp": shard * cp * tp, "dp_replicate": layout.dp * cp * tp, "pp": layout.world, "pp_embedding": layout.world}
 
 
 def step_time(est: Estimate, cluster: Cluster) -> tuple[float, dict[str, float]]:
@@ -73,7 +73,7 @@ def step_time(est: Estimate, cluster: Cluster) -> tuple[float, dict[str, float]]
     for group in est.groups:
         bw = cluster.intra_bw if spans[group] <= cluster.gpus_per_node else cluster.inter_bw
         seconds = est.wire_bytes(group) / bw
-        if group in ("dp", "edp", "dp_replicate"):
+        if group in ("dp", "dp_shard", "edp", "dp_replicate"):
             # ZeRO-1/2 gather the updated shards after the step: that part cannot hide behind the backward
             after_step = est.wire_bytes(group, "all_gather") / bw if layout.zero_stage in (1, 2) else 0.0
             seconds = after_step + max(0.0, seconds - after_step - hidden)
@@ -209,11 +209,9 @@ def reason(r: Ranked, cluster: Cluster) -> str:
 
 
 # -- the yaml ----------------------------------------------------------------------------------------------------
-def strategy_yaml(r: Ranked, cluster: Cluster, precision: Optional[str] = None) -> dict:
-    """The `trainer` and `data` settings that run layout `r` with the strategies of this tree."""
-    lay = r.layout
-    if not r.estimate.runs_today:
-        raise ConfigError(f"layout {lay.describe()} needs {r.estimate.why_not}: no strategy of this tree runs it")
+def strategy_args(lay: Layout) -> dict:
+    """`ComposedStrategy`'s arguments for `lay` (pipeline and sequence-parallel options only where they apply: the
+    strategy refuses options it would not read)."""
     args: dict = {"tensor_parallel_size": lay.tp, "pipeline_parallel_size": lay.pp, "expert_parallel_size": lay.ep,
                   "data_parallel_replicate_size": lay.dp_replicate, "zero_stage": lay.zero_stage}
     if lay.tp > 1:
@@ -221,7 +219,15 @@ def strategy_yaml(r: Ranked, cluster: Cluster, precision: Optional[str] = None) 
     if lay.pp > 1:
         args.update(microbatches=lay.microbatches, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
                     balance="layers")
-    strategy = {"class_path": "strategies.composed.ComposedStrategy", "init_args": args}
+    return args
+
+
+def strategy_yaml(r: Ranked, cluster: Cluster, precision: Optional[str] = None) -> dict:
+    """The `trainer` and `data` settings that run layout `r` with the strategies of this tree."""
+    lay = r.layout
+    if not r.estimate.runs_today:
+        raise ConfigError(f"layout {lay.describe()} needs {r.estimate.why_not}: no strategy of this tree runs it")
+    strategy = {"class_path": "strategies.composed.ComposedStrategy", "init_args": strategy_args(lay)}
     trainer = {"num_nodes": cluster.nodes, "devices": cluster.gpus_per_node,
                "accumulate_grad_batches": lay.accumulate, "strategy": strategy}
     if precision is not None:

@@ -167,7 +167,7 @@ def test_model_state_follows_the_zero_paper() -> None:
     for stage, k in theory.items():
         rank = estimate(work, Layout(dp_shard=n, zero_stage=stage)).ranks[0]
         assert rank.model_state == pytest.approx(k * phi, rel=0.01), stage
-        wire = rank.wire("dp")
+        wire = rank.wire("dp_shard" if stage else "dp")
         assert wire == pytest.approx((3 if stage == 3 else 2) * (n - 1) / n * phi * 4, rel=0.01), stage
 
 
@@ -214,7 +214,7 @@ def test_layouts_beyond_this_tree_are_estimated_and_marked() -> None:
     none = estimate(Workload(cfg, 64, 16, "bf16-mixed"), Layout(dp_replicate=2, dp_shard=2, zero_stage=3, tp=2, cp=2))
     assert est.ranks[0].activations < none.ranks[0].activations
     assert est.ranks[0].recompute_flops == pytest.approx(est.flops / 3)
-    assert {"cp", "tp", "dp", "dp_replicate"} <= set(est.groups)
+    assert {"cp", "tp", "dp_shard", "dp_replicate"} <= set(est.groups)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
