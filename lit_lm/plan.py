@@ -62,7 +62,8 @@ def _spans(layout: Layout) -> dict[str, int]:
     """How many consecutive ranks each group spans (rank order pp, dp_replicate, dp_shard, cp, tp)."""
     tp, cp, shard = layout.tp, layout.cp, layout.dp_shard
     return {"tp": tp, "cp": cp * tp, "ep": layout.ep * tp, "dp": shard * cp * tp, "dp_shard": shard * cp * tp,
-            "edp": shard * cp * tp, "dp_replicate": layout.dp * cp * tp, "pp": layout.world, "pp_embedding": layout.world}
+            "edp": shard * cp * tp, "dp_replicate": layout.dp * cp * tp, "pp": layout.world,
+            "pp_embedding": layout.world}
 
 
 def step_time(est: Estimate, cluster: Cluster) -> tuple[float, dict[str, float]]:
