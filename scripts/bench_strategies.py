@@ -6,7 +6,8 @@ the devices (`tp`, and `tp_sp` with sequence parallelism).
     python scripts/bench_strategies.py --devices 4 --d-model 512 --n-layers 8   # GPUs/nccl when available
     python scripts/bench_strategies.py --one zero2         # one contender once (what the rounds run)
     python scripts/bench_strategies.py --devices 4 --strategies tp2_pp2 zero3_tp2 hsdp_zero3 zero1_dp2_pp2
-    python scripts/bench_strategies.py --devices 8 --strategies 3d          # dp2 x tp2 x pp2, ZeRO-1
+    python scripts/bench_strategies.py --devices 8 --strategies 3d --n-heads 8   # dp2 x tp2 x pp2, ZeRO-1 (the
+                                                           # activation table splits the heads over all 8 ranks)
     python scripts/bench_strategies.py --table runs/bench_strategies.json   # a saved run as a README table
 
 Fairness (`scripts/bench_runner.py`): every strategy runs in its own fresh processes (`--one NAME`), alternated
