@@ -390,8 +390,9 @@ def estimate(work: Workload, layout: Layout) -> Estimate:
         for q in keep:
             (experts if q.expert else dense).setdefault(q.unit, []).append(_local_shape(q, layout))
         dp_group = layout.dp_shard * layout.cp  # gradients are averaged over every rank that saw other tokens
-        shard_group = "dp" if layout.dp_replicate == 1 else "dp_shard"  # the group the strategy's ZeRO uses
-        _model_state(rank, dense, layout.zero_stage, dp_group, pbytes, shard_group, layout.accumulate)
+        # named as the strategy's group: GradSync all-reduces over dp, ZeRO shards over dp_shard (HSDP: in a replica)
+        _model_state(rank, dense, layout.zero_stage, dp_group, pbytes, "dp_shard" if layout.zero_stage else "dp",
+                     layout.accumulate)
         if experts:  # one unit, over the ranks holding the same experts
             _model_state(rank, {"experts": [s for u in experts.values() for s in u]}, layout.zero_stage,
                          dp_group // layout.ep, pbytes, "edp", layout.accumulate)

@@ -210,11 +210,9 @@ def reason(r: Ranked, cluster: Cluster) -> str:
 
 
 # -- the yaml ----------------------------------------------------------------------------------------------------
-def strategy_yaml(r: Ranked, cluster: Cluster, precision: Optional[str] = None) -> dict:
-    """The `trainer` and `data` settings that run layout `r` with the strategies of this tree."""
-    lay = r.layout
-    if not r.estimate.runs_today:
-        raise ConfigError(f"layout {lay.describe()} needs {r.estimate.why_not}: no strategy of this tree runs it")
+def strategy_args(lay: Layout) -> dict:
+    """`ComposedStrategy`'s arguments for `lay` (pipeline and sequence-parallel options only where they apply: the
+    strategy refuses options it would not read)."""
     args: dict = {"tensor_parallel_size": lay.tp, "pipeline_parallel_size": lay.pp, "expert_parallel_size": lay.ep,
                   "data_parallel_replicate_size": lay.dp_replicate, "zero_stage": lay.zero_stage}
     if lay.tp > 1:
@@ -222,7 +220,15 @@ def strategy_yaml(r: Ranked, cluster: Cluster, precision: Optional[str] = None) 
     if lay.pp > 1:
         args.update(microbatches=lay.microbatches, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
                     balance="layers")
-    strategy = {"class_path": "strategies.composed.ComposedStrategy", "init_args": args}
+    return args
+
+
+def strategy_yaml(r: Ranked, cluster: Cluster, precision: Optional[str] = None) -> dict:
+    """The `trainer` and `data` settings that run layout `r` with the strategies of this tree."""
+    lay = r.layout
+    if not r.estimate.runs_today:
+        raise ConfigError(f"layout {lay.describe()} needs {r.estimate.why_not}: no strategy of this tree runs it")
+    strategy = {"class_path": "strategies.composed.ComposedStrategy", "init_args": strategy_args(lay)}
     trainer = {"num_nodes": cluster.nodes, "devices": cluster.gpus_per_node,
                "accumulate_grad_batches": lay.accumulate, "strategy": strategy}
     if precision is not None:

@@ -5,6 +5,9 @@ the devices (`tp`, and `tp_sp` with sequence parallelism).
     python scripts/bench_strategies.py                     # CPU/gloo, 2 processes, 5 rounds
     python scripts/bench_strategies.py --devices 4 --d-model 512 --n-layers 8   # GPUs/nccl when available
     python scripts/bench_strategies.py --one zero2         # one contender once (what the rounds run)
+    python scripts/bench_strategies.py --devices 4 --strategies tp2_pp2 zero3_tp2 hsdp_zero3 zero1_dp2_pp2
+    python scripts/bench_strategies.py --devices 8 --strategies 3d --n-heads 8   # dp2 x tp2 x pp2, ZeRO-1 (the
+                                                           # activation table splits the heads over all 8 ranks)
     python scripts/bench_strategies.py --table runs/bench_strategies.json   # a saved run as a README table
 
 Fairness (`scripts/bench_runner.py`): every strategy runs in its own fresh processes (`--one NAME`), alternated
@@ -18,6 +21,12 @@ Then the activation memory of one block under tp=1, tp=N and tp=N with SP: the b
 forward (`strategies.tp_layers.SavedActivations`), norms and regions apart, against theory. Then the MoE rows
 (`bench_moe.py`): an MoE model vs a dense one with the same active parameters, and the bytes of the expert-parallel
 all-to-alls vs theory. Prints the tables and writes JSON (every round's raw numbers included).
+
+The composed layouts (`COMPOSED`: tp x pp, ZeRO-3 x tp, HSDP, ZeRO-1 dp x pp, dp x tp x pp) each run on exactly
+their world size. Their theory is the planner's estimator (`lit_lm.estimate.estimate`, the one place that knows
+what a layout allocates and sends): every rank's model-state bytes and sent bytes, in all and per group (tp, pp,
+dp_shard, dp_replicate, ...), beside the estimate for its pipeline stage; the table gives the largest over the
+ranks and the run names every rank and figure that differ.
 """
 
 from __future__ import annotations
@@ -45,15 +54,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runner import MARK, run_rounds, summarize, write_json  # noqa: E402
 from lit_lm.config import ModelConfig  # noqa: E402
+from lit_lm.estimate import Layout, Workload, estimate  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
-from strategies.comm import COMM_LOG  # noqa: E402
+from lit_lm.plan import strategy_args  # noqa: E402
+from strategies.comm import COMM_LOG, wire_factor  # noqa: E402
+from strategies.composed import ComposedStrategy  # noqa: E402
 from strategies.ddp import DataParallelStrategy  # noqa: E402
+from strategies.layout import rank_grid  # noqa: E402
 from strategies.tp import TensorParallelStrategy  # noqa: E402
 from strategies.tp_layers import SavedActivations, TPGroup, parallelize_model  # noqa: E402
 from strategies.zero import ZeroStrategy  # noqa: E402
 from strategies.zero_engine import model_state_bytes  # noqa: E402
 
 STRATEGIES = ["ddp", "lm_ddp", "zero1", "zero2", "zero3", "fsdp2", "tp", "tp_sp"]
+# N-D layouts of `ComposedStrategy`, each run on exactly its world size (`--devices`): the strategy is built from
+# the estimator's Layout (`lit_lm.plan.strategy_args`), so the run and its theory describe the same layout
+COMPOSED = {
+    "tp2_pp2": Layout(tp=2, pp=2, microbatches=2),
+    "zero3_tp2": Layout(dp_shard=2, zero_stage=3, tp=2),
+    "hsdp_zero3": Layout(dp_replicate=2, dp_shard=2, zero_stage=3),
+    "zero1_dp2_pp2": Layout(dp_shard=2, zero_stage=1, pp=2, microbatches=2),
+    "3d": Layout(dp_shard=2, zero_stage=1, tp=2, pp=2, microbatches=2),
+}
 
 
 def tp_local_params(config: ModelConfig, n: int, sp: bool) -> int:
@@ -127,7 +149,44 @@ class Probe(L.Callback):
         self.wire.append(sum(op["wire_bytes"] for op in COMM_LOG.summary().values()))
 
 
+class LayoutProbe(Probe):
+    """Probe, plus what the estimator predicts per rank: every rank's model state and its last step's collectives
+    ({"group/op": logical bytes}, Lightning's metric sync left out), with its pipeline stage, gathered to every rank
+    at the end of training (the process group still lives)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.ranks: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        super().on_train_batch_end(*args)
+        self.comm: dict[str, int] = {}
+        self.sizes: dict[str, int] = {}
+        for r in COMM_LOG.records:
+            if r.label != "strategy.reduce":
+                self.comm[f"{r.group}/{r.op}"] = self.comm.get(f"{r.group}/{r.op}", 0) + r.nbytes
+                self.sizes[r.group] = r.world
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        mine = {"pp_rank": trainer.strategy.layout.rank("pp"), "state": self.memory, "comm": self.comm,
+                "sizes": self.sizes}
+        self.ranks = [None] * trainer.world_size
+        dist.all_gather_object(self.ranks, mine)
+
+
+def data_rank(strategy: Any, n: int, rank: int) -> tuple[int, int]:
+    """(this rank's index among the ranks that split the batch, their number): tp and pp peers read the same
+    rows, so for our strategies it is the layout's dp group (`strategies/layout.py`); Lightning's ddp and FSDP2
+    make every rank a replica."""
+    if not isinstance(strategy, ComposedStrategy):
+        return rank, n
+    group = next(g for g in rank_grid(strategy.parallel_dims(n))["dp"] if rank in g)
+    return group.index(rank), len(group)
+
+
 def make_strategy(name: str, n: int) -> Any:
+    if name in COMPOSED:
+        return ComposedStrategy(**strategy_args(COMPOSED[name]))
     return {"ddp": lambda: "ddp", "lm_ddp": DataParallelStrategy,
             "zero1": lambda: ZeroStrategy(stage=1), "zero2": lambda: ZeroStrategy(stage=2),
             "zero3": lambda: ZeroStrategy(stage=3),
@@ -140,23 +199,24 @@ def run_one(name: str, args: argparse.Namespace, config: ModelConfig, accelerato
             adamw: Optional[dict[str, Any]] = None, callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
     """Fit `args.steps` steps under `strategy` (default: the contender `name`'s); median steady step and more."""
     rank, n = int(os.environ["LOCAL_RANK"]), args.devices
-    dp = 1 if name.startswith("tp") else n  # tp peers read one batch: the global one
-    gen = torch.Generator().manual_seed(1000 + rank % dp)  # each replica its own batch of the global batch
+    strategy = strategy or make_strategy(name, n)
+    dp_rank, dp = data_rank(strategy, n, rank)
+    gen = torch.Generator().manual_seed(1000 + dp_rank)  # each replica its own batch of the global batch
     local = args.global_batch // dp
     tokens = torch.randint(0, config.vocab_size, (local * args.steps, args.seq_len + 1), generator=gen)
     loader = DataLoader(TensorDataset(tokens), batch_size=local)
     L.seed_everything(0, verbose=False)
     module = BenchLM(config, fsdp2=name == "fsdp2", adamw=adamw)
     device = torch.device("cuda", rank) if accelerator == "gpu" else torch.device("cpu")
-    probe = Probe(device)
-    trainer = L.Trainer(accelerator=accelerator, devices=n, strategy=strategy or make_strategy(name, n),
-                        max_steps=args.steps, callbacks=[probe, *callbacks], logger=False, enable_progress_bar=False,
+    probe = LayoutProbe(device) if name in COMPOSED else Probe(device)
+    trainer = L.Trainer(accelerator=accelerator, devices=n, strategy=strategy, max_steps=args.steps,
+                        callbacks=[probe, *callbacks], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
                         num_sanity_val_steps=0, precision=args.precision)
     trainer.fit(module, loader)
     steady = probe.times[args.warmup:]
     out = {"step_s": statistics.median(steady), "steady_s": steady, "memory": probe.memory,
-           "wire_bytes": statistics.median(probe.wire[args.warmup:])}
+           "wire_bytes": statistics.median(probe.wire[args.warmup:]), "ranks": getattr(probe, "ranks", None)}
     del trainer, module
     gc.collect()
     return out
@@ -218,8 +278,9 @@ def worker_one(rank: int, args: argparse.Namespace, port: int, accelerator: str)
     if rank == 0:
         tokens = args.global_batch * args.seq_len
         measured = r["wire_bytes"] if args.one not in ("ddp", "fsdp2") else None  # outside the accounting layer
+        ranks = {"ranks": r["ranks"]} if r["ranks"] else {}
         print(MARK + json.dumps({"tokens_per_s": tokens / r["step_s"], "state_bytes": r["memory"].get("total"),
-                                 "wire_bytes_per_step": measured}), flush=True)
+                                 "wire_bytes_per_step": measured, **ranks}), flush=True)
 
 
 def worker_activations(rank: int, args: argparse.Namespace, port: int, accelerator: str, out: str) -> None:
@@ -258,7 +319,7 @@ def print_table(table: dict[str, dict[str, Any]], args: argparse.Namespace, load
           f"{os.cpu_count()} CPUs")
     print(f"{'strategy':<8} {'tokens/s median (min-max)':>26} {'vs ddp':>7} {'state MB':>9} {'theory':>8} "
           f"{'sent MB/step':>13} {'theory':>8}")
-    for name in args.strategies:
+    for name in (s for s in args.strategies if s not in COMPOSED):
         t = table[name]
         speed = t["tokens_per_s"]
         mem_theory, wire_theory = theory(name, config, n, tokens)
@@ -272,6 +333,52 @@ def print_table(table: dict[str, dict[str, Any]], args: argparse.Namespace, load
         print(f"{name:<8} {spread:>26} {ratio:>7} {t['state_bytes']['median'] / 1e6:>9.2f} {mem_theory / 1e6:>8.2f} "
               f"{'-' if sent is None else f'{sent / 1e6:.3f}':>13} {wire_theory / 1e6:>8.3f}")
     return rows
+
+
+def _wire(comm: dict[str, int], sizes: dict[str, int], group: str | None = None) -> float:
+    """Bytes sent per step (ring algorithm) from {"group/op": logical bytes}, over one group or all."""
+    return sum(nbytes * wire_factor(key.split("/")[1], sizes[key.split("/")[0]]) for key, nbytes in comm.items()
+               if group in (None, key.split("/")[0]))
+
+
+def composed_rows(table: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per composed layout: tokens/s, and per rank model-state bytes, sent bytes in all and per group, each beside
+    the estimator's figure for that rank's pipeline stage (`lit_lm.estimate`); the rows give the largest over the
+    ranks, `differ` every rank and figure where measurement and estimate are not equal."""
+    work = Workload(model_config(args), args.seq_len, args.global_batch, args.precision)
+    rows = []
+    for name in (s for s in args.strategies if s in COMPOSED):
+        est = estimate(work, COMPOSED[name])
+        ranks = table[name]["ranks"]  # the last round's (bytes do not vary between rounds)
+        groups = sorted({k.split("/")[0] for r in ranks for k in r["comm"]} | set(est.groups))
+        figures: dict[str, list[tuple[float, float]]] = {"state": [], "sent": [], **{g: [] for g in groups}}
+        for r in ranks:
+            theory = est.ranks[r["pp_rank"]]
+            figures["state"].append((r["state"]["total"], theory.model_state))
+            figures["sent"].append((_wire(r["comm"], r["sizes"]), theory.wire()))
+            for g in groups:
+                figures[g].append((_wire(r["comm"], r["sizes"], g), theory.wire(g)))
+        differ = [f"rank {i} {key}: {m:.0f} vs {t:.0f}" for key, pairs in figures.items()
+                  for i, (m, t) in enumerate(pairs) if round(m) != round(t)]
+        rows.append({"strategy": name, "layout": COMPOSED[name].describe(), "tokens_per_s": table[name]["tokens_per_s"],
+                     **{key: {"measured": max(m for m, _ in pairs), "theory": max(t for _, t in pairs)}
+                        for key, pairs in figures.items()}, "groups": groups, "differ": differ})
+    return rows
+
+
+def composed_markdown(rows: list[dict[str, Any]]) -> str:
+    """The composed rows as Markdown: MB, measured (estimator), the largest over the ranks."""
+    def mb(fig: dict[str, float], digits: int = 3) -> str:
+        return f"{fig['measured'] / 1e6:.{digits}f} ({fig['theory'] / 1e6:.{digits}f})"
+
+    lines = ["| layout | tokens/s median (min–max) | model-state MB per rank (estimate) | sent MB/step per rank "
+             "(estimate) | of which per group |", "|---|---|---|---|---|"]
+    for row in rows:
+        speed = row["tokens_per_s"]
+        groups = ", ".join(f"{g} {mb(row[g])}" for g in row["groups"])
+        lines.append(f"| `{row['strategy']}` ({row['layout']}) | {speed['median']:.0f} ({speed['min']:.0f}–"
+                     f"{speed['max']:.0f}) | {mb(row['state'], 2)} | {mb(row['sent'])} | {groups} |")
+    return "\n".join(lines)
 
 
 LABELS = {"ddp": "Lightning `ddp` (reference)", "fsdp2": "torch FSDP2 `fully_shard` (reference)",
@@ -325,19 +432,26 @@ def forwarded(args: argparse.Namespace) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
-    p.add_argument("--one", choices=STRATEGIES, help="run this contender once and print its metrics (the runner's "
-                                                      "unit of work)")
+    p.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=[*STRATEGIES, *COMPOSED],
+                   help="contenders; a composed layout (%s) runs only on its world size" % ", ".join(COMPOSED))
+    p.add_argument("--one", choices=[*STRATEGIES, *COMPOSED],
+                   help="run this contender once and print its metrics (the runner's unit of work)")
     add_run_args(p)
     p.add_argument("--out", default="runs/bench_strategies.json")
     p.add_argument("--moe-steps", type=int, default=5, help="steps of the MoE rows (0 skips them)")
     p.add_argument("--table", help="print a saved run (its --out JSON) as a Markdown table, and exit")
     args = p.parse_args()
     if args.table:
-        print(markdown(json.loads(Path(args.table).read_text())))
+        run = json.loads(Path(args.table).read_text())
+        print("\n\n".join([*([markdown(run)] if run["rows"] else []),
+                            *([composed_markdown(run["composed_rows"])] if run.get("composed_rows") else [])]))
         return
     if args.global_batch % args.devices:
         p.error(f"--global-batch {args.global_batch} must be divisible by --devices {args.devices}")
+    for name in {args.one, *args.strategies} & set(COMPOSED):
+        if COMPOSED[name].world != args.devices:
+            p.error(f"{name} ({COMPOSED[name].describe()}) runs on {COMPOSED[name].world} ranks: use --devices "
+                    f"{COMPOSED[name].world}, not {args.devices}")
     if args.one:
         _spawn(worker_one, args)
         return
@@ -346,7 +460,15 @@ def main() -> None:
     table = summarize(rounds)
     loads = [m["load_1min"] for r in rounds for _, m in r]
     rows = print_table(table, args, {"min": min(loads), "max": max(loads)})
-    write_json(args.out, rounds, table, args=vars(args), phi=model_config(args).num_params(), rows=rows)
+    composed = composed_rows(table, args)
+    if composed:
+        print("\ncomposed layouts (MB, measured (estimate), the largest over the ranks):")
+        print(composed_markdown(composed))
+        for row in composed:
+            print(f"{row['strategy']}: " + ("every rank equals the estimate" if not row["differ"] else
+                                           "differs from the estimate: " + "; ".join(row["differ"])))
+    write_json(args.out, rounds, table, args=vars(args), phi=model_config(args).num_params(), rows=rows,
+               composed_rows=composed)
     print(f"wrote {args.out}")
     acts_file = Path(args.out).with_suffix(".activations.json")
     _spawn(worker_activations, args, str(acts_file))

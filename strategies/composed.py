@@ -117,8 +117,6 @@ class ComposedStrategy(BaseStrategy):
         super().__init__(**kwargs)
         self.tp_size, self.pp_size, self.ep_size = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
         self.replicate_size = data_parallel_replicate_size
-        # the group ZeRO shards over: dp, or under HSDP its dp_shard part (the same ranks when not replicated)
-        self._shard_group = "dp" if self.replicate_size == 1 else "dp_shard"
         for name, size in (("tensor_parallel_size", self.tp_size), ("pipeline_parallel_size", self.pp_size),
                            ("expert_parallel_size", self.ep_size), ("data_parallel_replicate_size",
                                                                     self.replicate_size)):
@@ -331,7 +329,7 @@ class ComposedStrategy(BaseStrategy):
         named = list(module.named_parameters())
         experts = [p for _, p in named if id(p) in expert_ids]
         dense = module if not experts else _param_holder([p for _, p in named if id(p) not in expert_ids])
-        parts = [(dense, layout.group(self._shard_group))]
+        parts = [(dense, layout.dp_group if self.zero_stage == 0 else layout.group("dp_shard"))]
         if experts:
             parts.append((_param_holder(experts), layout.group("edp")))
         self._engines, self._syncs = [], []
@@ -513,8 +511,8 @@ class ComposedStrategy(BaseStrategy):
         pipeline stages, ZeRO rows, experts), never the pure replicas (each replica computes the same sum)."""
         layout = self.layout
         groups = [name for name, size in (("tp", self.tp_size), ("pp", self.pp_size)) if size > 1]
-        if self.zero_stage:  # rows over the shard group; with experts, over dp (ep x edp)
-            groups.append("dp" if self.ep_size > 1 else self._shard_group)
+        if self.zero_stage:  # rows over dp_shard; with experts, over dp (ep x edp)
+            groups.append("dp" if self.ep_size > 1 else "dp_shard")
         elif self.ep_size > 1:
             groups.append("ep")
         return [layout.group(name) for name in groups if layout.size(name) > 1]
@@ -553,7 +551,7 @@ class ComposedStrategy(BaseStrategy):
                                   "compression callbacks")
             if rec.rows is not None:
                 rows = rec.index[0]
-                group = layout.dp_group if rec.expert else layout.group(self._shard_group)
+                group = layout.dp_group if rec.expert else layout.group("dp_shard")
                 out.append(WeightShard(rec.name, rec.optimized, rec.param, rec.global_shape, 0, rows.start, rows.stop,
                                        group))
             elif split is not None:

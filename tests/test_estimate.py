@@ -167,7 +167,7 @@ def test_model_state_follows_the_zero_paper() -> None:
     for stage, k in theory.items():
         rank = estimate(work, Layout(dp_shard=n, zero_stage=stage)).ranks[0]
         assert rank.model_state == pytest.approx(k * phi, rel=0.01), stage
-        wire = rank.wire("dp")
+        wire = rank.wire("dp_shard" if stage else "dp")
         assert wire == pytest.approx((3 if stage == 3 else 2) * (n - 1) / n * phi * 4, rel=0.01), stage
 
 

@@ -332,7 +332,7 @@ def test_strategy_matches_single_process_and_reshards_checkpoints(tmp_path: Path
     phi, units = _phi_local("dp2_tp2_sp_clip"), 1 + TINY["n_layers"]
     for step in zero2["comm"]:
         assert step["tp"] == _expected_comm("dp2_tp2_sp_clip", dp=2, zero=True)
-        assert step["dp"] == {"reduce_scatter": (units, phi), "all_gather": (units, phi), "all_reduce": (1, 1)}
+        assert step["dp_shard"] == {"reduce_scatter": (units, phi), "all_gather": (units, phi), "all_reduce": (1, 1)}
 
 
 # -- the parity harness: every gradient part (tp slices, under ZeRO dp rows of them), SGD and AdamW --------------
