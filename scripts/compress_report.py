@@ -9,8 +9,10 @@ each relative to the dense run; optionally a loss-vs-size scatter (`--plot`) and
 Exported bytes: float weights of the unstructured/N:M layers as stored sparse (non-zeros + a 1-bit mask, or
 + 2-bit indices for N:M), structured pruning physically shrunk (`make_permanent`), QAT converted to packed integer
 weights + scales (`QAT.convert`); everything else (embedding, norms) fp32. Single process, CPU or one GPU.
-Forward time: int8 layers run PyTorch's fbgemm integer kernel (`IntLinear`); structured pruning is a smaller dense
-model; unstructured/N:M sparsity and 4/2/1-bit weights run dense or reference code, so only their size shrinks.
+Forward time (`time_forward.py`): each exported model in its own worker process (1 thread by default: on a shared
+machine a second thread mostly waits for a descheduled peer at every kernel's barrier), alternated in shuffled
+rounds; median with min-max, and the load average. Every QAT width runs PyTorch's fbgemm int8 kernel (`IntLinear`);
+structured pruning is a smaller dense model; unstructured/N:M sparsity stays dense (only its size shrinks).
 """
 
 from __future__ import annotations
