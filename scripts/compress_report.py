@@ -9,8 +9,10 @@ each relative to the dense run; optionally a loss-vs-size scatter (`--plot`) and
 Exported bytes: float weights of the unstructured/N:M layers as stored sparse (non-zeros + a 1-bit mask, or
 + 2-bit indices for N:M), structured pruning physically shrunk (`make_permanent`), QAT converted to packed integer
 weights + scales (`QAT.convert`); everything else (embedding, norms) fp32. Single process, CPU or one GPU.
-Forward time: int8 layers run PyTorch's fbgemm integer kernel (`IntLinear`); structured pruning is a smaller dense
-model; unstructured/N:M sparsity and 4/2/1-bit weights run dense or reference code, so only their size shrinks.
+Forward time (`time_forward.py`): each exported model in its own worker process (1 thread by default: on a shared
+machine a second thread mostly waits for a descheduled peer at every kernel's barrier), alternated in shuffled
+rounds; median with min-max, and the load average. Every QAT width runs PyTorch's fbgemm int8 kernel (`IntLinear`);
+structured pruning is a smaller dense model; unstructured/N:M sparsity stays dense (only its size shrinks).
 """
 
 from __future__ import annotations
@@ -19,10 +21,9 @@ import argparse
 import copy
 import json
 import math
-import statistics
+import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,13 @@ import yaml
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_runner import MIN_ROUNDS  # noqa: E402
 from callbacks.compress import QAT, Pruning  # noqa: E402
 from callbacks.compress.qat import model_bytes  # noqa: E402
 from lit_lm.cli import DEFAULT_CONFIG, LitLMCLI  # noqa: E402
 from lit_lm.data import TextDataModule  # noqa: E402
 from lit_lm.module import LanguageModel  # noqa: E402
+from time_forward import forward_latency  # noqa: E402
 
 CONFIGS = ["prune_unstructured", "prune_2of4", "prune_structured", "qat_int8", "qat_int4", "qat_ternary", "qat_binary",
            "prune_then_qat"]
@@ -63,20 +66,6 @@ def export(module: nn.Module, prunings: list[Pruning], qats: list[QAT]) -> nn.Mo
     for q in qats:
         q.convert(module)
     return module
-
-
-def forward_ms(models: dict[str, nn.Module], batch: int = 8, seq_len: int = 128, rounds: int = 60) -> dict[str, float]:
-    """Median CPU time of one forward of each exported model (the first tenth of the rounds are warm-up), timed in
-    alternation so that machine noise hits all of them alike."""
-    idx = torch.randint(0, next(iter(models.values())).config.vocab_size, (batch, seq_len))
-    times: dict[str, list[float]] = {name: [] for name in models}
-    with torch.no_grad():
-        for _ in range(rounds):
-            for name, module in models.items():
-                start = time.perf_counter()
-                module.model(idx)
-                times[name].append(time.perf_counter() - start)
-    return {name: 1000 * statistics.median(t[rounds // 10:]) for name, t in times.items()}
 
 
 def exported_bytes(module: nn.Module, prunings: list[Pruning]) -> int:
@@ -114,13 +103,14 @@ def run(name: str, fragment: list[str], steps: int, val_batches: int, root: Path
 def table(rows: dict[str, dict[str, Any]]) -> list[str]:
     """The markdown table, every figure relative to the `dense` row in parentheses."""
     dense = rows["dense"]
-    lines = ["| config | val loss | perplexity | sparsity | bits | exported bytes | exported forward ms |",
+    lines = ["| config | val loss | perplexity | sparsity | bits | exported bytes | exported forward ms [min-max] |",
              "|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
+        ms = r["forward_ms"]
         lines.append(f"| {name} | {r['val_loss']:.4f} ({r['val_loss'] - dense['val_loss']:+.4f}) | {r['ppl']:.2f} "
                      f"({r['ppl'] / dense['ppl']:.3f}x) | {r['sparsity']:.3f} | {r['bits']} | {r['bytes']:,} "
-                     f"({r['bytes'] / dense['bytes']:.3f}x) | {r['forward_ms']:.1f} "
-                     f"({r['forward_ms'] / dense['forward_ms']:.2f}x) |")
+                     f"({r['bytes'] / dense['bytes']:.3f}x) | {ms['median']:.1f} [{ms['min']:.1f}-{ms['max']:.1f}] "
+                     f"({ms['median'] / dense['forward_ms']['median']:.2f}x) |")
     return lines
 
 
@@ -146,7 +136,11 @@ def main() -> None:
     parser.add_argument("--configs", nargs="*", default=CONFIGS)
     parser.add_argument("--base", nargs="*", default=[], help="config fragments applied to every run (e.g. a "
                         "smaller model: configs/compress/report_small.yaml)")
-    parser.add_argument("--rounds", type=int, default=60, help="alternating forward timings per model")
+    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS, help="alternated rounds of forward timings, each "
+                        "model in its own process (>= 5)")
+    parser.add_argument("--reps", type=int, default=5, help="timed forwards per model and round (their median)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each timing process")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per timed forward (of the data's seq_len)")
     parser.add_argument("--plot", type=Path, default=None, help="write the loss-vs-size scatter here (PNG)")
     parser.add_argument("--json", type=Path, default=None)
     opts = parser.parse_args()
@@ -158,13 +152,17 @@ def main() -> None:
             rows[name] = run(name, [*base, "--config", str(frag)], opts.steps, opts.val_batches, Path(tmp))
             print(f"[compress_report] {name}: val loss {rows[name]['val_loss']:.4f}", flush=True)
     exported = {name: r.pop("exported") for name, r in rows.items()}
-    for name, ms in forward_ms(exported, seq_len=rows["dense"].pop("seq_len"), rounds=opts.rounds).items():
-        rows[name]["forward_ms"] = ms
+    seq_len = rows["dense"]["seq_len"]
     for r in rows.values():
-        r.pop("seq_len", None)
+        r.pop("seq_len")
+    latency, loads = forward_latency(exported, opts.batch, seq_len, opts.rounds, opts.threads, opts.reps)
+    for name, ms in latency.items():
+        rows[name]["forward_ms"] = ms
     print(f"\n{opts.steps} steps{' with ' + ' '.join(map(str, opts.base)) if opts.base else ''}; relative to dense "
-          f"in parentheses (sparsity over the blocks' matrices); forward: median of {opts.rounds} alternating CPU "
-          f"timings, {torch.get_num_threads()} threads\n")
+          f"in parentheses (sparsity over the blocks' matrices); forward of ({opts.batch}, {seq_len}) tokens: each "
+          f"model in its own process, {opts.threads} thread(s), median [min-max] over {opts.rounds} shuffled "
+          f"alternated rounds of the median of {opts.reps}; 1-minute load average {min(loads):.1f}-{max(loads):.1f} "
+          f"on {os.cpu_count()} CPUs\n")
     print("\n".join(table(rows)))
     if opts.json:
         opts.json.write_text(json.dumps(rows, indent=1))

@@ -2,8 +2,11 @@
 QAT (the `QAT` callback fine-tuning the same checkpoint), in one table of validation loss and perplexity.
 
     python scripts/ptq.py --ckpt_path runs/default/.../last.ckpt [--method minmax percentile mse kl] \
-        [--bits 8 | --bits 4 --group-size 64] [--weight-method mse] [--calib-batches 8] [--val-batches 25] \
+        [--weights 8 4:64] [--weight-method mse] [--calib-batches 8] [--val-batches 25] \
         [--qat-steps 100] [--config configs/default.yaml]
+
+`--weights`: one or more weight settings, each `BITS` (one scale per output channel) or `BITS:GROUP` (one per
+group of GROUP inputs); every setting gets its rows (each method, then QAT) in the one table.
 
 The checkpoint: a single-file Lightning checkpoint or a lit-lm sharded checkpoint directory (converted on the
 fly). The data module is built from the `data:` section of `--config` (the run's config; the default run's by
@@ -49,12 +52,21 @@ def qat_finetune(ckpt: dict[str, Any], data: TextDataModule, bits: int, group_si
     return qat.convert(module.eval())
 
 
+def weight_setting(text: str) -> tuple[int, int | None]:
+    """`8` -> (8, None): per channel; `4:64` -> (4, 64): per group of 64 inputs."""
+    bits, _, group = text.partition(":")
+    try:
+        return int(bits), int(group) if group else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--weights takes BITS or BITS:GROUP (e.g. 8 4:64), got {text!r}") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt_path", type=Path, required=True)
     parser.add_argument("--method", nargs="+", choices=METHODS, default=list(METHODS))
-    parser.add_argument("--bits", type=int, default=8, choices=(3, 4, 8))
-    parser.add_argument("--group-size", type=int, default=None)
+    parser.add_argument("--weights", type=weight_setting, nargs="+", default=[(8, None)],
+                        help="BITS (3, 4 or 8; per channel) or BITS:GROUP (per group of GROUP inputs)")
     parser.add_argument("--weight-method", choices=("minmax", "mse"), default="minmax")
     parser.add_argument("--percentile", type=float, default=99.99)
     parser.add_argument("--calib-batches", type=int, default=8)
@@ -68,23 +80,24 @@ def main() -> None:
     calib = batches(data.train_set, data.batch_size, opts.calib_batches)
     val = batches(data.val_set, data.batch_size, opts.val_batches, shuffle=False)
     float_model = build_model(ckpt)
-    rows = {"float": val_loss(float_model, val)}
-    for method in opts.method:
-        ptq = PTQ(opts.bits, opts.group_size, method, opts.weight_method, opts.percentile)
-        model = copy.deepcopy(float_model)
-        ptq.calibrate(model, lambda b, m=model: m.model(b[:, :-1]), calib)
-        rows[f"PTQ {method}"] = val_loss(ptq.convert(model), val)
-        print(f"[ptq] {method}: {rows[f'PTQ {method}']:.4f}", flush=True)
-    if opts.qat_steps > 0:
-        rows[f"QAT ({opts.qat_steps} fine-tuning steps)"] = val_loss(
-            qat_finetune(ckpt, data, opts.bits, opts.group_size, opts.qat_steps), val)
-    weights = f"int{opts.bits} " + (f"per group of {opts.group_size}" if opts.group_size else "per channel") + \
-        f" ({opts.weight_method} range)"
-    print(f"\n{opts.ckpt_path}: weights {weights}, activations uint8 per tensor; {len(calib)} calibration and "
-          f"{len(val)} validation batches of {data.batch_size} x {data.seq_len}\n")
-    print("| model | val loss (vs float) | perplexity |\n|---|---|---|")
-    for name, loss in rows.items():
-        print(f"| {name} | {loss:.4f} ({loss - rows['float']:+.4f}) | {math.exp(loss):.2f} |")
+    rows = {("float", "fp32"): val_loss(float_model, val)}
+    for bits, group_size in opts.weights:
+        weights = f"int{bits} " + (f"per group of {group_size}" if group_size else "per channel")
+        for method in opts.method:
+            ptq = PTQ(bits, group_size, method, opts.weight_method, opts.percentile)
+            model = copy.deepcopy(float_model)
+            ptq.calibrate(model, lambda b, m=model: m.model(b[:, :-1]), calib)
+            rows[f"PTQ {method}", weights] = val_loss(ptq.convert(model), val)
+            print(f"[ptq] {method} {weights}: {rows[f'PTQ {method}', weights]:.4f}", flush=True)
+        if opts.qat_steps > 0:
+            rows[f"QAT ({opts.qat_steps} fine-tuning steps)", weights] = val_loss(
+                qat_finetune(ckpt, data, bits, group_size, opts.qat_steps), val)
+    print(f"\n{opts.ckpt_path}: weights' range by {opts.weight_method}, activations uint8 per tensor; {len(calib)} "
+          f"calibration and {len(val)} validation batches of {data.batch_size} x {data.seq_len}\n")
+    float_loss = rows["float", "fp32"]
+    print("| model | weights | val loss (vs float) | perplexity |\n|---|---|---|---|")
+    for (name, weights), loss in rows.items():
+        print(f"| {name} | {weights} | {loss:.4f} ({loss - float_loss:+.4f}) | {math.exp(loss):.2f} |")
 
 
 if __name__ == "__main__":

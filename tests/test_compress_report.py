@@ -1,5 +1,6 @@
 """scripts/compress_report.py: the exported int8 model is timed against the dense one (its layers on the fbgemm
-kernel), the table carries the forward-time column relative to dense, and the loss-vs-size scatter is a PNG."""
+kernel), each in its own worker process over alternated rounds, the table carries the forward-time column (median
+and min-max) relative to dense, and the loss-vs-size scatter is a PNG."""
 
 from __future__ import annotations
 
@@ -41,14 +42,18 @@ def test_report_times_the_int8_export_and_plots_loss_against_size(tmp_path: Path
     exported = report.export(exported, [], [qat])
     linears = [m for m in exported.modules() if isinstance(m, IntLinear)]
     assert len(linears) == 14 and all(m.uses_kernel for m in linears)
-    ms = report.forward_ms({"dense": dense.eval(), "qat_int8": exported.eval()}, batch=2, seq_len=16, rounds=5)
-    assert set(ms) == {"dense", "qat_int8"} and all(t > 0 for t in ms.values())
+    ms, loads = report.forward_latency({"dense": dense.eval(), "qat_int8": exported.eval()}, batch=2, seq_len=16,
+                                       rounds=5, reps=2)
+    assert list(ms) == ["dense", "qat_int8"] and len(loads) == 10
+    assert all(s["n"] == 5 and 0 < s["min"] <= s["median"] <= s["max"] for s in ms.values())
     rows = {name: {"val_loss": 4.0 + i, "ppl": 50.0, "sparsity": 0.0, "bits": 32 - 24 * i, "bytes": 1000 - 500 * i,
                    "forward_ms": ms[name]} for i, name in enumerate(ms)}
     header, _, dense_row, int8_row = report.table(rows)
-    assert header.rstrip(" |").endswith("exported forward ms")
-    assert dense_row.endswith(f"{ms['dense']:.1f} (1.00x) |")
-    assert int8_row.endswith(f"{ms['qat_int8']:.1f} ({ms['qat_int8'] / ms['dense']:.2f}x) |")
+    assert header.rstrip(" |").endswith("exported forward ms [min-max]")
+    dense_ms, int8_ms = ms["dense"], ms["qat_int8"]
+    assert dense_row.endswith(f"{dense_ms['median']:.1f} [{dense_ms['min']:.1f}-{dense_ms['max']:.1f}] (1.00x) |")
+    assert int8_row.endswith(f"{int8_ms['median']:.1f} [{int8_ms['min']:.1f}-{int8_ms['max']:.1f}] "
+                             f"({int8_ms['median'] / dense_ms['median']:.2f}x) |")
     png = report.plot_loss_vs_size(rows, tmp_path / "scatter.png")
     image = plt.imread(png)
     assert png.stat().st_size > 1000 and image.ndim == 3 and image.shape[0] > 100

@@ -1,8 +1,10 @@
 """PTQ: every range method calibrates and quantizes a tiny model; mse's range is the brute-force best, percentile
-clips exactly the tails it should, kl clips outliers but keeps a uniform range, and bad settings fail by name."""
+clips exactly the tails it should, kl clips outliers but keeps a uniform range, bad settings fail by name, and
+scripts/ptq.py reads its --weights settings (BITS or BITS:GROUP)."""
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
@@ -105,3 +107,12 @@ def test_mse_weight_scale_never_loses_to_absmax() -> None:
 def test_bad_settings(kwargs: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=f"PTQ.{field}"):
         PTQ(**kwargs)
+
+
+def test_ptq_script_reads_weight_settings() -> None:
+    from test_compress_report import load_script
+
+    setting = load_script("ptq").weight_setting
+    assert setting("8") == (8, None) and setting("4:32") == (4, 32)
+    with pytest.raises(argparse.ArgumentTypeError, match="--weights takes BITS or BITS:GROUP"):
+        setting("int4")

@@ -6,17 +6,19 @@ and their export is packed to 2 and 1 bits."""
 from __future__ import annotations
 
 import math
+import pickle
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import Tensor
 
 from callbacks.compress import QAT, KMeansQuantization
 from callbacks.compress.core import DEFAULT_EXCLUDE, select
 from callbacks.compress.qat import IntLinear, act_qparams, binary_codes, fake_quant_act, fake_quant_weight, \
-    model_bytes, quantize_weight, twn_codes, weight_scale
+    model_bytes, quantize_weight, ttq_codes, twn_codes, weight_scale
 from dist_utils import TinyLM, fit_tiny, token_data
 from lit_lm.config import ConfigError
 from strategies.base import whole_weights
@@ -166,17 +168,35 @@ def test_qat_fragments_build(name: str) -> None:
     assert QAT(**callback["init_args"]).bits == {"qat_int8": 8, "qat_int4": 4, "qat_ternary": 2, "qat_binary": 1}[name]
 
 
-def test_int8_export_runs_fbgemm_within_one_activation_level_of_fake_quant() -> None:
-    gen = torch.Generator().manual_seed(0)
+def _int_linear(bits: int, group_size: int | None, w: Tensor, act: tuple[float, int]) -> IntLinear:
+    if bits >= 3:
+        scale = weight_scale(w, bits, group_size)
+        return IntLinear(quantize_weight(w, scale, bits), scale, bits, act)
+    if bits == 1:
+        return IntLinear(*binary_codes(w, group_size), 1, act)
+    if group_size == 0:  # TTQ: a per-layer threshold, separate positive and negative scales
+        return IntLinear(ttq_codes(w, 0.05)[0], torch.tensor([[0.7]]), 2, act, torch.tensor([[1.3]]))
+    return IntLinear(*twn_codes(w, group_size), 2, act)
+
+
+@pytest.mark.parametrize("bits, group_size", [(8, None), (8, 16), (4, 8), (3, None), (2, None), (2, 16), (2, 0),
+                                              (1, None)])
+def test_export_runs_fbgemm_within_one_activation_level_of_the_integer_reference(bits: int,
+                                                                                 group_size: int | None) -> None:
+    """Every width (sub-byte codes unpacked to int8, one call per group, TTQ's negative rows apart) on the kernel."""
+    gen = torch.Generator().manual_seed(bits)
     w, x = torch.randn(48, 32, generator=gen), torch.randn(4, 16, 32, generator=gen)
-    scale, act = weight_scale(w, 8), act_qparams(float(x.min()), float(x.max()))
-    linear = IntLinear(quantize_weight(w, scale, 8), scale, 8, act)
+    act = act_qparams(float(x.min()), float(x.max()))
+    linear = _int_linear(bits, group_size, w, act)
     assert linear.uses_kernel
-    fake = torch.nn.functional.linear(fake_quant_act(x, *act), fake_quant_weight(w, scale, 8))
+    deq = torch.stack([linear.reference(torch.eye(32) * act[0])[:, o] / act[0] for o in range(48)])  # w as exported
+    fake = torch.nn.functional.linear(fake_quant_act(x, *act), deq)
     torch.testing.assert_close(linear.reference(x), fake, rtol=1e-5, atol=1e-5)  # exact integer maths
     kernel = linear(x)
-    assert linear._packed is not None
+    assert len(linear._packed) == (1 if group_size in (None, 0) else 32 // group_size)
     # x * (1/s) may round one level away from x / s: at most s_x * sum |w| per output, and rarely
-    bound = act[0] * fake_quant_weight(w, scale, 8).abs().sum(1)
+    bound = act[0] * deq.abs().sum(1)
     assert ((kernel - fake).abs() <= bound + 1e-5).all()
     assert (kernel - fake).abs().mean() < 1e-3 * fake.abs().mean()
+    restored = pickle.loads(pickle.dumps(linear))  # the packed weights are dropped and built again
+    assert not restored._packed and torch.equal(restored(x), kernel)

@@ -23,8 +23,8 @@ output channel is split over tp: its per-channel absmax is all-reduced (MAX) ove
 (`owned_weights()`); observers are reduced over every rank that runs the layer (all ranks; one pipeline stage's
 under pp, where each microbatch updates them), so those ranks (and a single-process run over the same global
 batch) hold the same range. The checkpoint keeps every stage's observers. `convert` replaces the linears by
-`IntLinear`: packed integer weights (2 bits a ternary weight, 1 a binary one), fp32 scales and an integer-matmul
-reference forward that matches the fake-quant model.
+`IntLinear`: packed integer weights (2 bits a ternary weight, 1 a binary one), fp32 scales, an integer-matmul
+reference forward that matches the fake-quant model, and on CPU PyTorch's fbgemm int8 kernel for every width.
 
 Logged every step: `bits/<layer>`, the weight bits the layer trains with (32 before `start_step`). A `start_step`
 the run never reaches is warned about at the start.
@@ -150,10 +150,15 @@ class IntLinear(nn.Module):
     integer-matmul reference forward: y = s_x * sum_g s_w[o, g] * sum_{i in g} (x_q[i] - z_x) * w_q[o, i]. Binary
     codes are stored as 1 bit, ternary as 2; TTQ's negative codes take `neg_scale` (its W_n) instead of `scale`.
 
-    int8 weights per channel with quantized activations run on CPU through PyTorch's fbgemm kernel instead
+    With quantized activations on CPU every width runs PyTorch's fbgemm kernel instead
     (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`: uint8 x int8 with int32 accumulation, the same
-    quantization of the input, fp32 out), so the export is faster, not only smaller. It quantizes x as
-    round(x * (1 / s_x)), which can differ by one level from round(x / s_x) at a rounding boundary.
+    quantization of the input, fp32 out), so the export is faster, not only smaller. fbgemm has int8 weights with
+    one scale per output row and no sub-byte matmul, so at the first forward the codes are unpacked to int8 (4-, 2-
+    and 1-bit codes are int8 values too) and prepacked once: one kernel call per input group (its slice of x against
+    that group's codes, the group's scales per row), the calls summed; TTQ's negative codes are extra rows with W_n
+    as their scale, added to the positive rows' output. The stored weight stays packed; in memory the prepacked one
+    is int8. The kernel quantizes x as round(x * (1 / s_x)), which can differ by one level from round(x / s_x) at
+    a rounding boundary.
     """
 
     def __init__(self, codes: Tensor, scale: Tensor, bits: int, act: Optional[tuple[float, int]],
@@ -170,33 +175,55 @@ class IntLinear(nn.Module):
         self.register_buffer("scale", scale.float())
         self.register_buffer("neg_scale", None if neg_scale is None else neg_scale.float())
         self.act = act
-        self._packed: Any = None  # fbgemm's prepacked weight, built at the first CPU forward
+        self._packed: list[Any] = []  # fbgemm's prepacked weights (one per input group), built at the first forward
 
     @property
     def uses_kernel(self) -> bool:
-        return (self.bits == 8 and self.act is not None and self.neg_scale is None and self.scale.shape[-1] == 1
-                and self.qweight.device.type == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines)
+        return (self.act is not None and self.qweight.device.type == "cpu"
+                and "fbgemm" in torch.backends.quantized.supported_engines)
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        self._packed = None  # new weights: pack again
+        self._packed = []  # new weights: pack again
         super()._load_from_state_dict(*args, **kwargs)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_packed": []}  # fbgemm's packed weights do not pickle: packed again after loading
+
+    def _parts(self) -> list[tuple[Tensor, Tensor]]:
+        """[(codes (out, groups, group size), scales (out, groups))]: one part, or TTQ's positive and negative."""
+        out, groups = self.shape[0], self.scale.shape[-1]
+        w = self.codes().view(out, groups, -1)
+        if self.neg_scale is None:
+            return [(w, self.scale)]
+        return [(w.clamp(min=0), self.scale.expand(out, groups)), (w.clamp(max=0), self.neg_scale.expand(out, groups))]
+
+    def _prepack(self) -> list[Any]:
+        """Per input group, fbgemm's packed int8 weight: every part's codes of that group stacked along the rows."""
+        parts, packed = self._parts(), []
+        engine = torch.backends.quantized.engine
+        torch.backends.quantized.engine = "fbgemm"  # the packed weight is fbgemm's, whatever the default
+        try:
+            for g in range(self.scale.shape[-1]):
+                codes = torch.cat([w[:, g] for w, _ in parts]).float()
+                scale = torch.cat([s[:, g] for _, s in parts]).float().clamp(min=1e-30)  # an all-zero row: any
+                with warnings.catch_warnings():  # quantized tensors are deprecated (pytorch#184982), kernels kept
+                    warnings.simplefilter("ignore", UserWarning)
+                    qweight = torch.quantize_per_channel(codes * scale[:, None], scale.double(),
+                                                         torch.zeros_like(scale, dtype=torch.int64), 0, torch.qint8)
+                packed.append(torch.ops.quantized.linear_prepack(qweight, None))
+        finally:
+            torch.backends.quantized.engine = engine
+        return packed
+
     def _kernel(self, x: Tensor) -> Tensor:
-        if self._packed is None:
-            scale = self.scale[:, 0].double()
-            with warnings.catch_warnings():  # quantized tensors are deprecated (pytorch#184982), the kernels kept
-                warnings.simplefilter("ignore", UserWarning)
-                qweight = torch.quantize_per_channel(self.qweight.float() * self.scale, scale,
-                                                     torch.zeros_like(scale, dtype=torch.int64), 0, torch.qint8)
-            engine = torch.backends.quantized.engine
-            torch.backends.quantized.engine = "fbgemm"  # the packed weight is fbgemm's, whatever the default
-            try:
-                self._packed = torch.ops.quantized.linear_prepack(qweight, None)
-            finally:
-                torch.backends.quantized.engine = engine
+        if not self._packed:
+            self._packed = self._prepack()
         s_x, z_x = self.act
-        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            x.reshape(-1, x.shape[-1]).float().contiguous(), s_x, z_x, self._packed)
+        rows = x.reshape(-1, x.shape[-1]).float()
+        size = rows.shape[-1] // len(self._packed)
+        y = sum(torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            rows[:, g * size:(g + 1) * size].contiguous(), s_x, z_x, packed) for g, packed in enumerate(self._packed))
+        y = y.view(rows.shape[0], -1, self.shape[0]).sum(1)  # TTQ: positive rows' output + negative rows'
         return y.to(x.dtype).view(*x.shape[:-1], self.shape[0])
 
     def codes(self) -> Tensor:
@@ -210,19 +237,16 @@ class IntLinear(nn.Module):
 
     def reference(self, x: Tensor) -> Tensor:
         out, groups = self.shape[0], self.scale.shape[-1]
-        w = self.codes().view(out, groups, -1)
         lead, dtype = x.shape[:-1], x.dtype
-        x = x.reshape(-1, groups, w.shape[-1])
+        x = x.reshape(-1, groups, self.shape[1] // groups)
         if self.act is None:
             x = x.double()
         else:
             s_x, z_x = self.act
             x = torch.clamp(torch.round(x.float() / s_x) + z_x, 0, 255).to(torch.int64) - z_x
         # integer accumulation when the input is quantized; negative codes apart when they have their own scale
-        parts = [(w, self.scale)] if self.neg_scale is None else [(w.clamp(min=0), self.scale),
-                                                                   (w.clamp(max=0), self.neg_scale)]
-        y = sum((torch.einsum("ngi,ogi->nog", x, part.to(x.dtype)).double() * s.double()).sum(-1)
-                for part, s in parts)
+        y = sum((torch.einsum("ngi,ogi->nog", x, w.to(x.dtype)).double() * s.double()).sum(-1)
+                for w, s in self._parts())
         if self.act is not None:
             y = y * self.act[0]
         return y.to(dtype).view(*lead, out)
