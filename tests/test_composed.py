@@ -7,7 +7,10 @@ ZeRO-3 x tp case is `ZeroStrategy(stage=3, tensor_parallel_size=2)`, as `configs
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +90,16 @@ def test_presets_are_the_composed_strategy() -> None:
     tp = TensorParallelStrategy(zero_stage=2, pipeline_parallel_size=2)  # no option is silently ignored any more
     assert isinstance(tp, ComposedStrategy) and (tp.tp_size, tp.pp_size, tp.zero_stage) == (2, 2, 2)
     assert ZeroStrategy(stage=3, tensor_parallel_size=2).tp_size == 2
+
+
+ENGINES = ["ac", "comm", "cp", "ddp", "ep", "layout", "placement", "plan", "pp_runner", "pp_schedules", "pp_split",
+           "tp_layers", "zero_engine"]
+
+
+def test_engines_import_without_lightning() -> None:
+    """The engines are usable (and testable) without a Trainer: importing them must not import Lightning."""
+    code = ("import sys\n" + "".join(f"import strategies.{name}\n" for name in ENGINES) +
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]", out.stdout

@@ -14,11 +14,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from parity import MOE, Case, assert_parity, run_parity
-from strategies import comm, ddp, zero_engine
+from parity import MOE, TINY, Case, assert_parity, run_parity
+from strategies import comm, composed, ddp, zero_engine
 from strategies.composed import ComposedStrategy
 from strategies.ddp import DataParallelStrategy
 from strategies.ep import ExpertParallelStrategy
+from strategies.pp import PipelineStrategy
 from strategies.zero import ZeroStrategy
 
 
@@ -43,6 +44,11 @@ def zero_reduce_scatter_doubled(monkeypatch: pytest.MonkeyPatch) -> None:
     _scaled_comm(zero_engine, "reduce_scatter", 2.0, monkeypatch)
 
 
+def pp_tied_doubled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The composed strategy's all-reduce of the tied embedding/head over the first and last stage doubles."""
+    _scaled_comm(composed, "all_reduce", 2.0, monkeypatch)
+
+
 def ep_forgets_division(monkeypatch: pytest.MonkeyPatch) -> None:
     """The expert gradients keep the sum over the ep peers (finish_grad_sync's `/ ep` undone)."""
     finish = ComposedStrategy.finish_grad_sync
@@ -65,6 +71,9 @@ MUTANTS = {  # case, the parameter the report must name
                             r"model\.\w+"),
     "ep_no_division": (Case(partial(ExpertParallelStrategy, expert_parallel_size=2), model=MOE,
                             mutation=ep_forgets_division, label="ep2, no / ep"), r"model\.blocks\.1\.mlp\.experts\.w_"),
+    "pp_tied_doubled": (Case(partial(PipelineStrategy, microbatches=2), model=dict(TINY, tie_embeddings=True),
+                             mutation=pp_tied_doubled,
+                             label="pp2, tied embedding reduced twice over"), r"model\.tok_embeddings\.weight"),
 }
 
 
