@@ -120,6 +120,25 @@ def test_pp_yaml_trains_like_one_process_with_every_schedule(tmp_path):
         assert pp_bf16[key] == pytest.approx(expected, rel=1e-3), key
 
 
+def test_cp_yaml_trains_and_validates_like_one_process(tmp_path):
+    """configs/strategies/cp.yaml (2 ranks, each given the same rows and feeding the model its zigzag share):
+    the logged train and val losses, means over the whole sequences, equal one process's with either method."""
+    base = tiny_args(tmp_path) + ["--trainer.max_steps", "4", "--trainer.val_check_interval", "2"]
+
+    def fit(name: str, *extra: str) -> dict[str, list[float]]:
+        done = run_cli("fit", *base, "--trainer.default_root_dir", str(tmp_path / name), *extra, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return _losses(tmp_path / name)
+
+    single = fit("single")
+    assert len(single["train_loss"]) == 4 and len(single["val_loss"]) == 2
+    cp = ["--config", str(REPO / "configs/strategies/cp.yaml"), "--trainer.devices", "2"]
+    for method in ("ring", "allgather"):
+        got = fit(method, *cp, "--trainer.strategy.init_args.cp_method", method)
+        for key, expected in single.items():
+            assert got[key] == pytest.approx(expected, rel=1e-5), (method, key)
+
+
 def test_pp_microbatches_that_do_not_divide_the_batch_are_reported(tmp_path):
     bad = run_cli("fit", *tiny_args(tmp_path), "--config", str(REPO / "configs/strategies/pp.yaml"),
                   "--model.init_args.config.n_layers", "2", "--trainer.devices", "2",

@@ -8,7 +8,9 @@ ZeRO-3 x tp case is `ZeroStrategy(stage=3, tensor_parallel_size=2)`, as `configs
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
+import lightning as L
 import pytest
 
 from parity import MOE, TINY, Case, assert_parity, run_parity
@@ -40,9 +42,23 @@ FOUR_RANKS = {
     "hsdp_zero3": Case(partial(ZeroStrategy, stage=3, data_parallel_replicate_size=2), label="HSDP 2 x 2 zero3"),
 }
 
+
+class StepLoss(L.Callback):
+    """The loss each rank's training_step returned, unsynchronised: under cp it must be the whole sequence's."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def __getstate__(self) -> dict[str, Any]:  # without the module's `log` Lightning attaches (its cp cores hold groups)
+        return {"losses": self.losses}
+
+
 # context parallelism: each case's sequences (16 tokens) split in 2 x cp zigzag chunks, both attention methods
 CP_TWO_RANKS = {
-    "cp2_ring": Case(partial(ComposedStrategy, context_parallel_size=2), label="cp2 ring"),
+    "cp2_ring": Case(partial(ComposedStrategy, context_parallel_size=2), callbacks=(StepLoss(),), label="cp2 ring"),
     "cp2_allgather": Case(partial(ComposedStrategy, context_parallel_size=2, cp_method="allgather"), optimizer="adamw",
                           label="cp2 allgather"),
 }
@@ -82,6 +98,8 @@ def test_four_rank_compositions_match_one_process(names: list[str]) -> None:
 def test_context_parallel_on_two_ranks_matches_one_process() -> None:
     for run in run_parity(list(CP_TWO_RANKS.values()), world_size=2):
         assert_parity(run)
+        for callback in run["ranks"][0]["callbacks"]:  # logged without a sync, rank 0 shows the whole loss
+            assert callback.losses == pytest.approx(run["single"]["callbacks"][0].losses, rel=1e-5)
 
 
 def test_context_parallel_compositions_on_four_ranks_match_one_process() -> None:
