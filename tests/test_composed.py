@@ -65,12 +65,13 @@ CP_TWO_RANKS = {
 CP_FOUR_RANKS = {
     "dp2_cp2": Case(partial(ComposedStrategy, context_parallel_size=2, cp_method="allgather"), optimizer="adamw",
                     trainer={"gradient_clip_val": 0.5}, label="dp2 x cp2 allgather, clipped"),
-    "cp2_tp2": Case(partial(ComposedStrategy, context_parallel_size=2, tensor_parallel_size=2),
-                    label="cp2 x tp2 ring (sequence parallel)"),
+    "cp2_tp2": Case(partial(ComposedStrategy, context_parallel_size=2, tensor_parallel_size=2,
+                            activation_checkpointing="full"), label="cp2 x tp2 ring (sequence parallel), full AC"),
     "zero3_cp2": Case(partial(ComposedStrategy, zero_stage=3, context_parallel_size=2), optimizer="adamw",
                       trainer={"gradient_clip_val": 0.5}, label="zero3 dp2 x cp2 ring, clipped"),
     "zero2_cp2_allgather": Case(partial(ComposedStrategy, zero_stage=2, context_parallel_size=2,
-                                        cp_method="allgather"), label="zero2 dp2 x cp2 allgather"),
+                                        cp_method="allgather", activation_checkpointing="selective"),
+                                label="zero2 dp2 x cp2 allgather, selective AC"),
 }
 
 EIGHT_RANKS = {  # dp2 x tp2 x pp2, every schedule once
