@@ -33,7 +33,7 @@ import copy
 import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Generator, Optional, Union
+from typing import Any, Callable, Generator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -469,7 +469,7 @@ class ComposedStrategy(BaseStrategy):
         if self._runner is None:
             yield
             return
-        model, runner, calls = self._stage_model, self._runner, []
+        runner, calls = self._runner, []
 
         def pipelined_loss(inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
             calls.append(inputs.shape)
@@ -485,14 +485,8 @@ class ComposedStrategy(BaseStrategy):
             with self._no_sync() if train else ExitStack():
                 return runner.run(inputs, targets, train, loss_scale=scale)
 
-        model.loss = pipelined_loss  # an instance attribute shadows the method
-        try:
+        with _loss_redirected(self._stage_model, pipelined_loss, "pipeline parallelism"):
             yield
-        finally:
-            del model.loss
-        if not calls:
-            raise RuntimeError("pipeline parallelism needs the LightningModule's step to compute its loss with "
-                               "`model.loss(inputs, targets)`; it never called it")
 
     # -- context parallelism: the LightningModule's step sees whole sequences, the model this rank's share -----------
     @contextmanager
@@ -504,11 +498,10 @@ class ComposedStrategy(BaseStrategy):
         if self._cp_model is None:
             yield
             return
-        model, group, calls = self._cp_model, self.layout.group("cp"), []
+        model, group = self._cp_model, self.layout.group("cp")
         local_loss = model.loss
 
         def context_loss(inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-            calls.append(inputs.shape)
             share, share_targets, positions, weight = context.zigzag_batch(inputs, targets, group)
             loss, ce = local_loss(share, share_targets, positions)
             loss, ce = loss * weight, ce * weight
@@ -517,14 +510,8 @@ class ComposedStrategy(BaseStrategy):
             mean /= self.cp_size
             return loss + (mean[0] - loss.detach()), mean[1]
 
-        model.loss = context_loss  # an instance attribute shadows the method
-        try:
+        with _loss_redirected(model, context_loss, "context parallelism"):
             yield
-        finally:
-            del model.loss
-        if not calls:
-            raise RuntimeError("context parallelism needs the LightningModule's step to compute its loss with "
-                               "`model.loss(inputs, targets)`; it never called it")
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -721,6 +708,27 @@ class ComposedStrategy(BaseStrategy):
             ckpt.load_optimizer_state_by_fqn(_unwrap(optimizer), saved, self.param_names())
         for engine in self._engines:
             engine.refresh_params()  # stages 1-2: the loaded master rows into the replicated parameters
+
+
+@contextmanager
+def _loss_redirected(model: nn.Module, loss: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], what: str
+                     ) -> Generator[None, None, None]:
+    """Inside, `model.loss` is `loss` (an instance attribute shadows the method), so the LightningModule's step stays
+    as it is; a step that never calls it would bypass `what`: refused."""
+    calls = []
+
+    def redirected(inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        calls.append(inputs.shape)
+        return loss(inputs, targets)
+
+    model.loss = redirected
+    try:
+        yield
+    finally:
+        del model.loss
+    if not calls:
+        raise RuntimeError(f"{what} needs the LightningModule's step to compute its loss with "
+                           "`model.loss(inputs, targets)`; it never called it")
 
 
 def _param_holder(params: list[nn.Parameter]) -> nn.Module:

@@ -4,6 +4,7 @@ import csv
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,12 @@ def _losses(run_dir: Path) -> dict[str, list[float]]:
     return {key: [float(r[key]) for r in rows if r.get(key)] for key in ("train_loss", "val_loss")}
 
 
+def _fit_losses(tmp_path: Path, base: list[str], name: str, *extra: str) -> dict[str, list[float]]:
+    done = run_cli("fit", *base, "--trainer.default_root_dir", str(tmp_path / name), *extra, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return _losses(tmp_path / name)
+
+
 def test_pp_yaml_trains_like_one_process_with_every_schedule(tmp_path):
     """The issue's command with each `schedule` (4 layers on 2 stages, 4 microbatches, accumulating 2 batches a
     step): the fp32 train and val losses equal one process's; bf16-mixed stays within bf16's rounding."""
@@ -100,10 +107,7 @@ def test_pp_yaml_trains_like_one_process_with_every_schedule(tmp_path):
                                   "--trainer.val_check_interval", "2", "--trainer.accumulate_grad_batches", "2"]
     pp = ["--config", str(REPO / "configs/strategies/pp.yaml"), "--trainer.devices", "2"]
 
-    def fit(name: str, *extra: str) -> dict[str, list[float]]:
-        done = run_cli("fit", *base, "--trainer.default_root_dir", str(tmp_path / name), *extra, cwd=tmp_path)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return _losses(tmp_path / name)
+    fit = partial(_fit_losses, tmp_path, base)
 
     single = fit("single")
     assert len(single["train_loss"]) == 3 and len(single["val_loss"]) == 3
@@ -125,10 +129,7 @@ def test_cp_yaml_trains_and_validates_like_one_process(tmp_path):
     the logged train and val losses, means over the whole sequences, equal one process's with either method."""
     base = tiny_args(tmp_path) + ["--trainer.max_steps", "4", "--trainer.val_check_interval", "2"]
 
-    def fit(name: str, *extra: str) -> dict[str, list[float]]:
-        done = run_cli("fit", *base, "--trainer.default_root_dir", str(tmp_path / name), *extra, cwd=tmp_path)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return _losses(tmp_path / name)
+    fit = partial(_fit_losses, tmp_path, base)
 
     single = fit("single")
     assert len(single["train_loss"]) == 4 and len(single["val_loss"]) == 2
