@@ -74,6 +74,8 @@ CP_FOUR_RANKS = {
                                 label="zero2 dp2 x cp2 allgather, selective AC"),
 }
 
+HSDP_CP = Case(partial(ComposedStrategy, zero_stage=3, data_parallel_replicate_size=2, context_parallel_size=2),
+               optimizer="adamw", label="HSDP 2 x 2 zero3 x cp2 ring")
 EIGHT_RANKS = {  # dp2 x tp2 x pp2, every schedule once
     "zero1_gpipe": Case(partial(ComposedStrategy, zero_stage=1, tensor_parallel_size=2, pipeline_parallel_size=2,
                                 microbatches=2, schedule="gpipe"), model=DEEP, label="3d zero1 gpipe"),
@@ -108,8 +110,8 @@ def test_context_parallel_compositions_on_four_ranks_match_one_process() -> None
         assert_parity(run)
 
 
-def test_dp2_tp2_pp2_on_eight_ranks_matches_one_process() -> None:
-    for run in run_parity(list(EIGHT_RANKS.values()), world_size=8):
+def test_eight_rank_compositions_match_one_process() -> None:
+    for run in run_parity([*EIGHT_RANKS.values(), HSDP_CP], world_size=8):
         assert_parity(run)
 
 
