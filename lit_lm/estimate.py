@@ -349,8 +349,10 @@ def check_layout(work: Workload, layout: Layout) -> None:
 def runnable_today(cfg: ModelConfig, layout: Layout) -> str:
     """"" when `strategies.composed.ComposedStrategy` runs `layout`, else what it lacks (the combinations it refuses
     at construction, docs/parallelism.md)."""
-    if layout.cp > 1:
-        return "context parallelism (#14)"
+    if layout.cp > 1 and layout.pp > 1:
+        return "context parallelism with pipeline parallelism (cp composes with dp, tp and ZeRO)"
+    if layout.cp > 1 and (layout.ep > 1 or cfg.moe_experts):
+        return "context parallelism of MoE layers (cp runs dense models)"
     if layout.zero_stage == 3 and (layout.pp > 1 or layout.ep > 1):
         return "ZeRO-3 with pp or ep (ZeRO-1/2 compose with them)"
     if layout.ep > 1 and layout.dp_replicate > 1:

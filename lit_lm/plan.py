@@ -213,8 +213,9 @@ def reason(r: Ranked, cluster: Cluster) -> str:
 def strategy_args(lay: Layout) -> dict:
     """`ComposedStrategy`'s arguments for `lay` (pipeline and sequence-parallel options only where they apply: the
     strategy refuses options it would not read)."""
-    args: dict = {"tensor_parallel_size": lay.tp, "pipeline_parallel_size": lay.pp, "expert_parallel_size": lay.ep,
-                  "data_parallel_replicate_size": lay.dp_replicate, "zero_stage": lay.zero_stage}
+    args: dict = {"tensor_parallel_size": lay.tp, "context_parallel_size": lay.cp, "pipeline_parallel_size": lay.pp,
+                  "expert_parallel_size": lay.ep, "data_parallel_replicate_size": lay.dp_replicate,
+                  "zero_stage": lay.zero_stage}
     if lay.tp > 1:
         args["sequence_parallel"] = lay.sequence_parallel
     if lay.pp > 1:

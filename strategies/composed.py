@@ -4,19 +4,22 @@ The model says WHAT can be split (its plans, `strategies/plan.py`); this strateg
 
     1. TP (+SP)      `tp_layers.parallelize_model`: the planned linears, embedding, head and loss keep their tp
                      slice (sequence parallel: norms and the residual stream see 1/tp of the positions)
-    2. EP            `ep.shard_experts`: each MoE layer keeps its E/ep experts and moves tokens by all-to-all
+    2. CP            `cp.parallelize_context`: each block's attention core becomes ring (or all-gather) attention
+                     over the cp group, on the heads TP left this rank; the step feeds the rank its zigzag share
+                     of every sequence (`_context_split`)
+    3. EP            `ep.shard_experts`: each MoE layer keeps its E/ep experts and moves tokens by all-to-all
                      over the ep group (carved from dp_shard x cp, see `strategies/layout.py`)
-    3. pipeline      `pipeline_split`: the stage keeps its blocks (and the embedding / norm + head); the
+    4. pipeline      `pipeline_split`: the stage keeps its blocks (and the embedding / norm + head); the
                      `PipelineRunner` runs the schedule in place of the model's `loss`
-    4. materialise   a model built on the meta device (pp, ZeRO-3) gets its values one parameter at a time, each
+    5. materialise   a model built on the meta device (pp, ZeRO-3) gets its values one parameter at a time, each
                      initialised whole from its global name and sliced to this rank's placement (`placement.py`)
-    5. activation checkpointing of every block the stage keeps (`strategies/ac.py`)
-    6. data parallel `GradSync` (all-reduce over dp) or the ZeRO engine (stage 1-3 over dp_shard, all-reduced
-                     over dp_replicate: HSDP); with experts, a second one for them over edp
+    6. activation checkpointing of every block the stage keeps (`strategies/ac.py`)
+    7. data parallel `GradSync` (all-reduce over dp, dp x cp under cp) or the ZeRO engine (stage 1-3 over
+                     dp_shard (x cp), all-reduced over dp_replicate: HSDP); with experts, a second one over edp
 
-so TP and EP see the whole model, the pipeline cuts a model whose pieces are already tp/ep-local, and ZeRO
+so TP, CP and EP see the whole model, the pipeline cuts a model whose pieces are already tp/ep-local, and ZeRO
 shards what this rank finally holds. After every backward window the gradients are finished in the reverse
-order: DP/ZeRO reduce (the dp mean), experts divided by ep (their all-to-all summed the ep peers' tokens), tp
+order: DP/ZeRO reduce (the dp (x cp) mean), experts divided by ep (their all-to-all summed the ep peers' tokens), tp
 partial gradients summed (norms under SP), the tied embedding/head summed over the first and last stage.
 
 The names of the first wave (`lm_ddp`, `zero1-3`, `tp`, `pp`, `ep`) are presets of this class
@@ -30,7 +33,7 @@ import copy
 import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Generator, Optional, Union
+from typing import Any, Callable, Generator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -42,6 +45,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from strategies import ac, comm
+from strategies import cp as context
 from strategies import checkpoint as ckpt
 from strategies.base import BaseStrategy, GradPart, WeightShard, _unwrap
 from strategies.clip import GradShards
@@ -50,7 +54,7 @@ from strategies.ep import ExpertShard, shard_experts
 from strategies.errors import ConfigError
 from strategies.layout import ParallelDims
 from strategies.placement import Placement, global_index, init_local, materialize
-from strategies.plan import ExpertModel, PipelineModel, TensorParallelModel, find_block_model
+from strategies.plan import ContextParallelModel, ExpertModel, PipelineModel, TensorParallelModel, find_block_model
 from strategies.pp_runner import PipelineRunner
 from strategies.pp_schedules import build_schedule
 from strategies.pp_split import split_layers
@@ -93,7 +97,7 @@ class _Param:
 
 
 class ComposedStrategy(BaseStrategy):
-    """dp x ZeRO x tp x pp x ep on one layout (see the module docstring).
+    """dp x ZeRO x tp x cp x pp x ep on one layout (see the module docstring).
 
     Args:
         tensor_parallel_size: tp ranks per model replica (neighbouring ranks).
@@ -101,6 +105,8 @@ class ComposedStrategy(BaseStrategy):
         pipeline_parallel_size: pipeline stages (outermost ranks).
         microbatches, schedule, virtual_stages, layers_per_stage, balance: the pipeline's (pp > 1 only; see
             `strategies/pp_schedules.py`): gpipe, 1f1b, interleaved_1f1b (virtual_stages chunks per rank), zb_h1.
+        context_parallel_size: ranks that split every sequence (zigzag, `strategies/cp.py`; between tp and dp).
+        cp_method: ring (default) or allgather, how the cp ranks attend over the whole sequence (cp > 1 only).
         expert_parallel_size: ranks that split each MoE layer's experts, carved from the data-parallel ranks.
         data_parallel_replicate_size: HSDP: whole replicas of the ZeRO shards (dp_shard = what is left).
         zero_stage: 0 (replicated, `GradSync` all-reduce), 1, 2 or 3 (see `strategies/zero_engine.py`).
@@ -111,13 +117,14 @@ class ComposedStrategy(BaseStrategy):
     def __init__(self, tensor_parallel_size: int = 1, sequence_parallel: Optional[bool] = None,
                  pipeline_parallel_size: int = 1, microbatches: Optional[int] = None, schedule: Optional[str] = None,
                  virtual_stages: Optional[int] = None, layers_per_stage: Optional[list[int]] = None,
-                 balance: Optional[str] = None, expert_parallel_size: int = 1, data_parallel_replicate_size: int = 1,
-                 zero_stage: int = 0, bucket_cap_mb: float = 25.0, activation_checkpointing: str = "none",
-                 **kwargs: Any) -> None:
+                 balance: Optional[str] = None, context_parallel_size: int = 1, cp_method: Optional[str] = None,
+                 expert_parallel_size: int = 1, data_parallel_replicate_size: int = 1, zero_stage: int = 0,
+                 bucket_cap_mb: float = 25.0, activation_checkpointing: str = "none", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.tp_size, self.pp_size, self.ep_size = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
-        self.replicate_size = data_parallel_replicate_size
+        self.cp_size, self.replicate_size = context_parallel_size, data_parallel_replicate_size
         for name, size in (("tensor_parallel_size", self.tp_size), ("pipeline_parallel_size", self.pp_size),
+                           ("context_parallel_size", self.cp_size),
                            ("expert_parallel_size", self.ep_size), ("data_parallel_replicate_size",
                                                                     self.replicate_size)):
             if not isinstance(size, int) or size < 1:
@@ -129,6 +136,11 @@ class ComposedStrategy(BaseStrategy):
             raise ConfigError("sequence_parallel is a tensor-parallel option: set tensor_parallel_size > 1 or "
                               "remove it")
         self.sequence_parallel = self.tp_size > 1 and sequence_parallel is not False
+        if cp_method is not None and self.cp_size == 1:
+            raise ConfigError("cp_method is a context-parallel option: set context_parallel_size > 1 or remove it")
+        self.cp_method = cp_method or "ring"
+        if self.cp_method not in context.METHODS:
+            raise ConfigError(f"cp_method: unknown {self.cp_method!r}; choose one of {', '.join(context.METHODS)}")
         pipeline = dict(microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
                         balance=balance, layers_per_stage=layers_per_stage)
         given = [k for k, v in pipeline.items() if v is not None]
@@ -154,6 +166,7 @@ class ComposedStrategy(BaseStrategy):
         self._canonical: dict[str, str] = {}  # global FQN -> the name of the parameter's first use
         self._tied: list[nn.Parameter] = []  # parameters whose other use lives on another pipeline stage
         self._stage_model: Optional[nn.Module] = None
+        self._cp_model: Optional[nn.Module] = None  # the block model whose `loss` gets zigzag shares under cp
         self._runner: Optional[PipelineRunner] = None
         self._syncs: list[GradSync] = []
         self._engines: list[ZeroEngine] = []
@@ -175,6 +188,12 @@ class ComposedStrategy(BaseStrategy):
         if self.ep_size > 1 and self.replicate_size > 1:
             raise ConfigError("expert_parallel_size > 1 with data_parallel_replicate_size > 1: ep is carved from "
                               "dp_shard only; set data_parallel_replicate_size to 1")
+        if self.cp_size > 1 and self.pp_size > 1:
+            raise ConfigError("context_parallel_size > 1 with pipeline_parallel_size > 1: the pipeline runner does "
+                              "not feed the stages zigzag shares; use cp with dp, tp and ZeRO, or pp without cp")
+        if self.cp_size > 1 and self.ep_size > 1:
+            raise ConfigError("context_parallel_size > 1 with expert_parallel_size > 1: MoE balancing losses would "
+                              "count one rank's tokens only; use ep without cp, or a dense model with cp")
         if self.replicate_size > 1 and self.zero_stage == 0:
             raise ConfigError("data_parallel_replicate_size > 1 without ZeRO: HSDP replicates ZeRO shards; set "
                               "zero_stage (1-3), or drop data_parallel_replicate_size (plain data parallel)")
@@ -188,8 +207,17 @@ class ComposedStrategy(BaseStrategy):
         super()._configure_launcher()
 
     def parallel_dims(self, world: int) -> ParallelDims:
-        return ParallelDims.of(world, pp=self.pp_size, dp_replicate=self.replicate_size, tp=self.tp_size,
-                               ep=self.ep_size)
+        return ParallelDims.of(world, pp=self.pp_size, dp_replicate=self.replicate_size, cp=self.cp_size,
+                               tp=self.tp_size, ep=self.ep_size)
+
+    @property
+    def _dense_group(self) -> str:
+        """The layout group dense gradients are reduced over: every rank that saw other tokens (dp, and cp: its
+        ranks hold the same parameters and each computes the mean over its equal share of the tokens), or under
+        ZeRO the part of it the rows are sharded over (HSDP all-reduces over dp_replicate on top)."""
+        if self.zero_stage:
+            return "dp_shard_cp" if self.cp_size > 1 else "dp_shard"
+        return "dp_cp" if self.cp_size > 1 else "dp"
 
     # -- building the model ------------------------------------------------------------------------------------
     @property
@@ -232,6 +260,12 @@ class ComposedStrategy(BaseStrategy):
                                   "a tensor_parallel_plan() (strategies.plan.TensorParallelModel)")
             group = TPGroup(layout.tp_group, layout.tp_size, layout.tp_rank, self.sequence_parallel)
             self._tp = parallelize_model(model, model.tensor_parallel_plan(), group)
+        if self.cp_size > 1:
+            if not isinstance(model, ContextParallelModel):
+                raise ConfigError(f"context_parallel_size={self.cp_size}: {type(module).__name__} holds no model "
+                                  "with a context_parallel_plan() (strategies.plan.ContextParallelModel)")
+            context.parallelize_context(model, layout.group("cp"), self.cp_method)
+            self._cp_model = model
         if self.ep_size > 1:
             self._experts = shard_experts(module, layout.group("ep"))
         self._placements = self._placements_of(module)
@@ -329,7 +363,7 @@ class ComposedStrategy(BaseStrategy):
         named = list(module.named_parameters())
         experts = [p for _, p in named if id(p) in expert_ids]
         dense = module if not experts else _param_holder([p for _, p in named if id(p) not in expert_ids])
-        parts = [(dense, layout.dp_group if self.zero_stage == 0 else layout.group("dp_shard"))]
+        parts = [(dense, layout.group(self._dense_group))]
         if experts:
             parts.append((_param_holder(experts), layout.group("edp")))
         self._engines, self._syncs = [], []
@@ -435,7 +469,7 @@ class ComposedStrategy(BaseStrategy):
         if self._runner is None:
             yield
             return
-        model, runner, calls = self._stage_model, self._runner, []
+        runner, calls = self._runner, []
 
         def pipelined_loss(inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
             calls.append(inputs.shape)
@@ -451,19 +485,39 @@ class ComposedStrategy(BaseStrategy):
             with self._no_sync() if train else ExitStack():
                 return runner.run(inputs, targets, train, loss_scale=scale)
 
-        model.loss = pipelined_loss  # an instance attribute shadows the method
-        try:
+        with _loss_redirected(self._stage_model, pipelined_loss, "pipeline parallelism"):
             yield
-        finally:
-            del model.loss
-        if not calls:
-            raise RuntimeError("pipeline parallelism needs the LightningModule's step to compute its loss with "
-                               "`model.loss(inputs, targets)`; it never called it")
+
+    # -- context parallelism: the LightningModule's step sees whole sequences, the model this rank's share -----------
+    @contextmanager
+    def _context_split(self) -> Generator[None, None, None]:
+        """Inside, the model's `loss(inputs, targets)` runs on this cp rank's zigzag share of the whole sequences
+        (with their positions, for RoPE). Autograd sees this rank's loss (times the share of valid targets it
+        holds, `cp.zigzag_batch`), whose gradients the dp x cp mean makes the whole batch's; the VALUE returned,
+        and the cross-entropy, are the cp group's mean, so what the step logs is the whole sequences' loss."""
+        if self._cp_model is None:
+            yield
+            return
+        model, group = self._cp_model, self.layout.group("cp")
+        local_loss = model.loss
+
+        def context_loss(inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+            share, share_targets, positions, weight = context.zigzag_batch(inputs, targets, group)
+            loss, ce = local_loss(share, share_targets, positions)
+            loss, ce = loss * weight, ce * weight
+            mean = torch.stack((loss.detach(), ce.detach()))
+            comm.all_reduce(mean, group, label="cp loss")
+            mean /= self.cp_size
+            return loss + (mean[0] - loss.detach()), mean[1]
+
+        with _loss_redirected(model, context_loss, "context parallelism"):
+            yield
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._runner is None:
-            return super().training_step(*args, **kwargs)
+            with self._context_split():
+                return super().training_step(*args, **kwargs)
         params = [q for q in self.lightning_module.parameters() if q.requires_grad]
         if not self._window_open:  # Lightning zeroes only after this step: clear the last window's gradients
             for q in params:
@@ -490,16 +544,20 @@ class ComposedStrategy(BaseStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._pipelined(train=False):
+        with self._pipelined(train=False), self._context_split():
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._pipelined(train=False):
+        with self._pipelined(train=False), self._context_split():
             return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._cp_model is not None:
+            raise ConfigError("context parallelism has no predict (generation decodes one token at a time, on "
+                              "the whole sequence): convert the checkpoint (scripts/ckpt.py convert) and predict "
+                              "on one device")
         if self._runner is not None:
             raise ConfigError("pipeline parallelism has no predict (generation needs the whole model on one rank): "
                               "convert the checkpoint (scripts/ckpt.py convert) and predict on one device")
@@ -511,8 +569,8 @@ class ComposedStrategy(BaseStrategy):
         pipeline stages, ZeRO rows, experts), never the pure replicas (each replica computes the same sum)."""
         layout = self.layout
         groups = [name for name, size in (("tp", self.tp_size), ("pp", self.pp_size)) if size > 1]
-        if self.zero_stage:  # rows over dp_shard; with experts, over dp (ep x edp)
-            groups.append("dp" if self.ep_size > 1 else "dp_shard")
+        if self.zero_stage:  # rows over dp_shard (x cp); with experts, over dp (ep x edp)
+            groups.append("dp" if self.ep_size > 1 else self._dense_group)
         elif self.ep_size > 1:
             groups.append("ep")
         return [layout.group(name) for name in groups if layout.size(name) > 1]
@@ -551,7 +609,7 @@ class ComposedStrategy(BaseStrategy):
                                   "compression callbacks")
             if rec.rows is not None:
                 rows = rec.index[0]
-                group = layout.dp_group if rec.expert else layout.group("dp_shard")
+                group = layout.dp_group if rec.expert else layout.group(self._dense_group)
                 out.append(WeightShard(rec.name, rec.optimized, rec.param, rec.global_shape, 0, rows.start, rows.stop,
                                        group))
             elif split is not None:
@@ -567,7 +625,7 @@ class ComposedStrategy(BaseStrategy):
         """`local` (the rank's placement slice, or under ZeRO its rows of a not-split parameter) as a DTensor."""
         shape = rec.global_shape
         if rows:
-            mesh = self.layout.device_mesh(self.root_device.type, "dp_replicate", "dp_shard")
+            mesh = self.layout.device_mesh(self.root_device.type, "dp_replicate", self._dense_group)
             placements = [Replicate(), Shard(0)]
         elif rec.placement.over == "tp":
             mesh, placements = self.layout.device_mesh(self.root_device.type, "tp"), [Shard(rec.placement.dim)]
@@ -650,6 +708,27 @@ class ComposedStrategy(BaseStrategy):
             ckpt.load_optimizer_state_by_fqn(_unwrap(optimizer), saved, self.param_names())
         for engine in self._engines:
             engine.refresh_params()  # stages 1-2: the loaded master rows into the replicated parameters
+
+
+@contextmanager
+def _loss_redirected(model: nn.Module, loss: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], what: str
+                     ) -> Generator[None, None, None]:
+    """Inside, `model.loss` is `loss` (an instance attribute shadows the method), so the LightningModule's step stays
+    as it is; a step that never calls it would bypass `what`: refused."""
+    calls = []
+
+    def redirected(inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        calls.append(inputs.shape)
+        return loss(inputs, targets)
+
+    model.loss = redirected
+    try:
+        yield
+    finally:
+        del model.loss
+    if not calls:
+        raise RuntimeError(f"{what} needs the LightningModule's step to compute its loss with "
+                           "`model.loss(inputs, targets)`; it never called it")
 
 
 def _param_holder(params: list[nn.Parameter]) -> nn.Module:

@@ -9,7 +9,7 @@
 Dimensions, innermost (neighbouring ranks, the fastest links) first:
 
     tp            tensor (+ sequence) parallel: talks every layer, so it stays inside a node
-    cp            context parallel: the sequence split over ranks (sized 1 until context parallelism is composed)
+    cp            context parallel: the sequence split over ranks (`strategies/cp.py`); cp peers read the same rows
     dp_shard      data parallel whose ranks shard the model state (ZeRO) or, at stage 0, replicate it
     dp_replicate  data parallel over whole replicas of the shards (HSDP: ZeRO inside, all-reduce across)
     pp            pipeline stages, outermost: one point-to-point activation per microbatch crosses it
@@ -18,7 +18,10 @@ Dimensions, innermost (neighbouring ranks, the fastest links) first:
 
 Derived groups (also named for the accounting layer):
 
-    dp            dp_replicate x dp_shard: the ranks that split the batch (the sampler, gradient averaging)
+    dp            dp_replicate x dp_shard: the ranks that split the batch (the sampler; gradient averaging without cp)
+    dp_cp         dp x cp: every rank that saw other tokens, so replicated gradients are averaged over it (each cp
+                  rank's loss is the mean over its equal share of the tokens: the mean of means is the global mean)
+    dp_shard_cp   dp_shard x cp: the ranks ZeRO shards over under cp (parameters are replicated over cp)
     ep            expert parallel, carved from dp_shard x cp (as torchtitan and Megatron): runs of `ep`
                   consecutive ranks of that product hold different experts and exchange tokens (all-to-all)
     edp           the ranks holding the same experts: dp_replicate x (dp_shard x cp / ep); expert gradients are
@@ -41,7 +44,7 @@ from strategies import comm
 from strategies.errors import ConfigError
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
-GROUPS = (*DIMS, "dp", "ep", "edp", "pp_embedding")
+GROUPS = (*DIMS, "dp", "dp_cp", "dp_shard_cp", "ep", "edp", "pp_embedding")
 FIELDS = {"pp": "pipeline_parallel_size", "dp_replicate": "data_parallel_replicate_size",
           "dp_shard": "data_parallel_shard_size", "cp": "context_parallel_size", "tp": "tensor_parallel_size",
           "ep": "expert_parallel_size"}  # the strategy's argument for each size, for messages
@@ -133,6 +136,8 @@ def rank_grid(dims: ParallelDims) -> dict[str, list[list[int]]]:
 
     grid = {d: varying(d) for d in DIMS}
     grid["dp"] = varying("dp_replicate", "dp_shard")
+    grid["dp_cp"] = varying("dp_replicate", "dp_shard", "cp")
+    grid["dp_shard_cp"] = varying("dp_shard", "cp")
     outer = ("pp", "dp_replicate", "tp")
     grid["ep"] = _partition(world, lambda r: (*(coords[r][d] for d in outer), flat_shard_cp(coords[r]) // dims.ep))
     grid["edp"] = _partition(world, lambda r: (coords[r]["pp"], coords[r]["tp"], flat_shard_cp(coords[r]) % dims.ep))

@@ -4,6 +4,7 @@ import csv
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,12 @@ def _losses(run_dir: Path) -> dict[str, list[float]]:
     return {key: [float(r[key]) for r in rows if r.get(key)] for key in ("train_loss", "val_loss")}
 
 
+def _fit_losses(tmp_path: Path, base: list[str], name: str, *extra: str) -> dict[str, list[float]]:
+    done = run_cli("fit", *base, "--trainer.default_root_dir", str(tmp_path / name), *extra, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return _losses(tmp_path / name)
+
+
 def test_pp_yaml_trains_like_one_process_with_every_schedule(tmp_path):
     """The issue's command with each `schedule` (4 layers on 2 stages, 4 microbatches, accumulating 2 batches a
     step): the fp32 train and val losses equal one process's; bf16-mixed stays within bf16's rounding."""
@@ -100,10 +107,7 @@ def test_pp_yaml_trains_like_one_process_with_every_schedule(tmp_path):
                                   "--trainer.val_check_interval", "2", "--trainer.accumulate_grad_batches", "2"]
     pp = ["--config", str(REPO / "configs/strategies/pp.yaml"), "--trainer.devices", "2"]
 
-    def fit(name: str, *extra: str) -> dict[str, list[float]]:
-        done = run_cli("fit", *base, "--trainer.default_root_dir", str(tmp_path / name), *extra, cwd=tmp_path)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return _losses(tmp_path / name)
+    fit = partial(_fit_losses, tmp_path, base)
 
     single = fit("single")
     assert len(single["train_loss"]) == 3 and len(single["val_loss"]) == 3
@@ -118,6 +122,22 @@ def test_pp_yaml_trains_like_one_process_with_every_schedule(tmp_path):
     pp_bf16 = fit("zb_h1_bf16", *bf16, *pp, "--trainer.strategy.init_args.schedule", "zb_h1")
     for key, expected in single_bf16.items():
         assert pp_bf16[key] == pytest.approx(expected, rel=1e-3), key
+
+
+def test_cp_yaml_trains_and_validates_like_one_process(tmp_path):
+    """configs/strategies/cp.yaml (2 ranks, each given the same rows and feeding the model its zigzag share):
+    the logged train and val losses, means over the whole sequences, equal one process's with either method."""
+    base = tiny_args(tmp_path) + ["--trainer.max_steps", "4", "--trainer.val_check_interval", "2"]
+
+    fit = partial(_fit_losses, tmp_path, base)
+
+    single = fit("single")
+    assert len(single["train_loss"]) == 4 and len(single["val_loss"]) == 2
+    cp = ["--config", str(REPO / "configs/strategies/cp.yaml"), "--trainer.devices", "2"]
+    for method in ("ring", "allgather"):
+        got = fit(method, *cp, "--trainer.strategy.init_args.cp_method", method)
+        for key, expected in single.items():
+            assert got[key] == pytest.approx(expected, rel=1e-5), (method, key)
 
 
 def test_pp_microbatches_that_do_not_divide_the_batch_are_reported(tmp_path):

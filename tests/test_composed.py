@@ -11,7 +11,9 @@ import subprocess
 import sys
 from functools import partial
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
 
 from parity import MOE, TINY, Case, assert_parity, run_parity
@@ -43,6 +45,40 @@ FOUR_RANKS = {
     "hsdp_zero3": Case(partial(ZeroStrategy, stage=3, data_parallel_replicate_size=2), label="HSDP 2 x 2 zero3"),
 }
 
+
+class StepLoss(L.Callback):
+    """The loss each rank's training_step returned, unsynchronised: under cp it must be the whole sequence's."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+    def __getstate__(self) -> dict[str, Any]:  # without the module's `log` Lightning attaches (its cp cores hold groups)
+        return {"losses": self.losses}
+
+
+# context parallelism: each case's sequences (16 tokens) split in 2 x cp zigzag chunks, both attention methods
+CP_TWO_RANKS = {
+    "cp2_ring": Case(partial(ComposedStrategy, context_parallel_size=2), callbacks=(StepLoss(),), label="cp2 ring"),
+    "cp2_allgather": Case(partial(ComposedStrategy, context_parallel_size=2, cp_method="allgather"), optimizer="adamw",
+                          label="cp2 allgather"),
+}
+CP_FOUR_RANKS = {
+    "dp2_cp2": Case(partial(ComposedStrategy, context_parallel_size=2, cp_method="allgather"), optimizer="adamw",
+                    trainer={"gradient_clip_val": 0.5}, label="dp2 x cp2 allgather, clipped"),
+    "cp2_tp2": Case(partial(ComposedStrategy, context_parallel_size=2, tensor_parallel_size=2,
+                            activation_checkpointing="full"), label="cp2 x tp2 ring (sequence parallel), full AC"),
+    "zero3_cp2": Case(partial(ComposedStrategy, zero_stage=3, context_parallel_size=2), optimizer="adamw",
+                      trainer={"gradient_clip_val": 0.5}, label="zero3 dp2 x cp2 ring, clipped"),
+    "zero2_cp2_allgather": Case(partial(ComposedStrategy, zero_stage=2, context_parallel_size=2,
+                                        cp_method="allgather", activation_checkpointing="selective"),
+                                label="zero2 dp2 x cp2 allgather, selective AC"),
+}
+
+HSDP_CP = Case(partial(ComposedStrategy, zero_stage=3, data_parallel_replicate_size=2, context_parallel_size=2),
+               optimizer="adamw", label="HSDP 2 x 2 zero3 x cp2 ring")
 EIGHT_RANKS = {  # dp2 x tp2 x pp2, every schedule once
     "zero1_gpipe": Case(partial(ComposedStrategy, zero_stage=1, tensor_parallel_size=2, pipeline_parallel_size=2,
                                 microbatches=2, schedule="gpipe"), model=DEEP, label="3d zero1 gpipe"),
@@ -65,8 +101,20 @@ def test_four_rank_compositions_match_one_process(names: list[str]) -> None:
         assert_parity(run)
 
 
-def test_dp2_tp2_pp2_on_eight_ranks_matches_one_process() -> None:
-    for run in run_parity(list(EIGHT_RANKS.values()), world_size=8):
+def test_context_parallel_on_two_ranks_matches_one_process() -> None:
+    for run in run_parity(list(CP_TWO_RANKS.values()), world_size=2):
+        assert_parity(run)
+        for callback in run["ranks"][0]["callbacks"]:  # logged without a sync, rank 0 shows the whole loss
+            assert callback.losses == pytest.approx(run["single"]["callbacks"][0].losses, rel=1e-5)
+
+
+def test_context_parallel_compositions_on_four_ranks_match_one_process() -> None:
+    for run in run_parity(list(CP_FOUR_RANKS.values()), world_size=4):
+        assert_parity(run)
+
+
+def test_eight_rank_compositions_match_one_process() -> None:
+    for run in run_parity([*EIGHT_RANKS.values(), HSDP_CP], world_size=8):
         assert_parity(run)
 
 
@@ -75,6 +123,11 @@ def test_dp2_tp2_pp2_on_eight_ranks_matches_one_process() -> None:
     (dict(zero_stage=3, expert_parallel_size=2), "use zero_stage 1 or 2 with expert parallelism"),
     (dict(zero_stage=2, expert_parallel_size=2, data_parallel_replicate_size=2), "set data_parallel_replicate_size to 1"),
     (dict(data_parallel_replicate_size=2), "set zero_stage"),
+    (dict(cp_method="ring"), "cp_method is a context-parallel option: set context_parallel_size > 1"),
+    (dict(context_parallel_size=2, cp_method="star"), "cp_method: unknown 'star'; choose one of ring, allgather"),
+    (dict(context_parallel_size=2, pipeline_parallel_size=2), "use cp with dp, tp and ZeRO, or pp without cp"),
+    (dict(context_parallel_size=2, expert_parallel_size=2), "use ep without cp, or a dense model with cp"),
+    (dict(context_parallel_size=0), "context_parallel_size=0: must be an integer >= 1"),
     (dict(microbatches=4), "pipeline options, but pipeline_parallel_size is 1"),
     (dict(sequence_parallel=True), "set tensor_parallel_size > 1"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size=0: must be an integer >= 1"),

@@ -210,7 +210,9 @@ def test_layouts_beyond_this_tree_are_estimated_and_marked() -> None:
     cfg = ModelConfig(d_model=64, n_layers=4, n_heads=4, vocab_size=256)
     work = Workload(cfg, 64, 16, "bf16-mixed", checkpointing="full")
     est = estimate(work, Layout(dp_replicate=2, dp_shard=2, zero_stage=3, tp=2, cp=2))
-    assert not est.runs_today and "context parallelism" in est.why_not
+    assert est.runs_today, est.why_not  # HSDP ZeRO-3 x tp x cp composes (tests/test_composed.py)
+    piped = estimate(work, Layout(dp_shard=2, zero_stage=1, tp=2, cp=2, pp=2, microbatches=2))
+    assert not piped.runs_today and "context parallelism with pipeline parallelism" in piped.why_not
     none = estimate(Workload(cfg, 64, 16, "bf16-mixed"), Layout(dp_replicate=2, dp_shard=2, zero_stage=3, tp=2, cp=2))
     assert est.ranks[0].activations < none.ranks[0].activations
     assert est.ranks[0].recompute_flops == pytest.approx(est.flops / 3)

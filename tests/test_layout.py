@@ -44,6 +44,15 @@ def test_ep_is_carved_from_dp_shard_x_cp() -> None:
     assert grid["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]  # the ranks holding the same experts
 
 
+def test_cp_groups_average_over_dp_x_cp() -> None:
+    grid = rank_grid(ParallelDims.of(8, cp=2, tp=2))  # dp_shard 2
+    assert grid["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]  # between tp and dp_shard
+    assert grid["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]  # the sampler: cp peers read the same rows
+    assert grid["dp_cp"] == grid["dp_shard_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]  # every rank with other tokens
+    hsdp = rank_grid(ParallelDims.of(8, dp_replicate=2, cp=2))  # dp_shard 2
+    assert hsdp["dp_shard_cp"] == [[0, 1, 2, 3], [4, 5, 6, 7]] and hsdp["dp_cp"] == [list(range(8))]
+
+
 def test_bad_sizes_name_every_size_and_the_world() -> None:
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=4, expert_parallel_size=1 on a world of 6 ranks"):
         ParallelDims.of(6, tp=4)

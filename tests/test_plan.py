@@ -86,15 +86,15 @@ def test_the_3d_rule_comes_out_of_the_estimates() -> None:
     best = best_runnable(ranked)
     if best is not None:
         assert strategy_yaml(best, cluster)["trainer"]["strategy"]["class_path"] in STRATEGIES
-    needs = estimate(big, Layout(dp_shard=8, tp=8, cp=8, zero_stage=3))  # context parallelism: not composed yet
+    needs = estimate(big, Layout(dp_shard=4, tp=8, cp=8, pp=2, microbatches=4, zero_stage=1))  # cp x pp: not composed
     assert not needs.runs_today
-    with pytest.raises(ConfigError, match="needs context parallelism.*no strategy of this tree runs it"):
+    with pytest.raises(ConfigError, match="needs context parallelism with pipeline.*no strategy of this tree runs it"):
         strategy_yaml(Ranked(needs, 1.0, {}), cluster)
 
 
 @pytest.mark.parametrize("layout", [Layout(), Layout(dp_shard=4, zero_stage=2), Layout(dp_shard=2, tp=2, zero_stage=1),
                                     Layout(dp_shard=2, pp=2, microbatches=4, schedule="zb_h1"),
-                                    Layout(dp_shard=4, ep=2, zero_stage=1)])
+                                    Layout(dp_shard=4, ep=2, zero_stage=1), Layout(dp_shard=2, cp=2, zero_stage=3)])
 def test_emitted_strategy_arguments_are_the_strategies_own(layout: Layout) -> None:
     """Every runnable kind's yaml names a strategy class and arguments its constructor takes."""
     moe = dict(moe_experts=4, moe_d_ff=64) if layout.ep > 1 else {}

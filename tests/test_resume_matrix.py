@@ -1,6 +1,6 @@
 """Resume anywhere: a checkpoint saved under one topology resumes under others and continues the same run.
 
-Every topology trains TinyLM on one fixed global batch of 8 rows (each dp replica reads its rows; tp and pp
+Every topology trains TinyLM on one fixed global batch of 8 rows (each dp replica reads its rows; tp, pp and cp
 peers of a replica read the same ones), fp32, and all of them match one process within 1e-5 (the strategies'
 parity tests), so a resumed run's losses must equal the single-process run's losses from the saved step on, and
 its final parameters and AdamW state (m, v, step), gathered under global names, the single-process run's.
@@ -31,16 +31,18 @@ class Topology(NamedTuple):
     tp: int = 1
     pp: int = 1
     zero: int = 0
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
 
 TOPOLOGIES = {
     "single": Topology(1), "lm_ddp": Topology(2), "zero3": Topology(2, zero=3), "tp": Topology(1, tp=2),
     "pp": Topology(1, pp=2), "dp2_tp2": Topology(2, tp=2), "tp2_pp2": Topology(1, tp=2, pp=2),
-    "zero3_dp4": Topology(4, zero=3), "dp2_tp2_pp2": Topology(2, tp=2, pp=2, zero=1),
+    "zero3_dp4": Topology(4, zero=3), "dp2_tp2_pp2": Topology(2, tp=2, pp=2, zero=1), "cp2": Topology(1, cp=2),
+    "zero3_dp2_cp2": Topology(2, zero=3, cp=2),
 }
 
 
@@ -48,7 +50,7 @@ def _strategy(name: str) -> ComposedStrategy:
     topo = TOPOLOGIES[name]
     pipeline = dict(microbatches=2, schedule="1f1b") if topo.pp > 1 else {}
     return ComposedStrategy(tensor_parallel_size=topo.tp, pipeline_parallel_size=topo.pp, zero_stage=topo.zero,
-                            **pipeline)
+                            context_parallel_size=topo.cp, **pipeline)
 
 
 def _whole(value: Any) -> Any:
@@ -58,7 +60,8 @@ def _whole(value: Any) -> Any:
 def _fit(name: str, max_steps: int, ckpt_dir: Optional[str] = None, resume: Optional[str] = None) -> dict[str, Any]:
     """The losses, and this rank's final parameters and optimizer state under global names (whole tensors)."""
     topo = TOPOLOGIES[name]
-    dp_rank = int(os.environ.get("LOCAL_RANK", 0)) // topo.tp % topo.dp  # rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    # rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank; cp peers read the same rows
+    dp_rank = int(os.environ.get("LOCAL_RANK", 0)) // (topo.tp * topo.cp) % topo.dp
     rows = token_data(GLOBAL_BATCH).view(topo.dp, -1, TINY["max_seq_len"] + 1)[dp_rank]
     loader = DataLoader(TensorDataset(rows.repeat(K + MORE, 1)), batch_size=len(rows))
     L.seed_everything(0, verbose=False)
@@ -148,8 +151,10 @@ def test_resume_matrix_subset(tmp_path: Path) -> None:
     _check(tmp_path, SUBSET)
 
 
-# the composed layouts: 3D (zero1 x tp2 x pp2 on 8 ranks) to and from one process, tp x pp to ZeRO-3 on 4
-COMPOSED = [("dp2_tp2_pp2", "single"), ("single", "dp2_tp2_pp2"), ("tp2_pp2", "zero3_dp4")]
+# the composed layouts: 3D (zero1 x tp2 x pp2 on 8 ranks) to and from one process, tp x pp to ZeRO-3 on 4 (and to
+# ZeRO-3 sharded over dp x cp); cp2 to and from one process (cp is not in the checkpoint)
+COMPOSED = [("dp2_tp2_pp2", "single"), ("single", "dp2_tp2_pp2"), ("tp2_pp2", "zero3_dp4"), ("tp2_pp2", "zero3_dp2_cp2"),
+            ("cp2", "single"), ("single", "cp2")]
 
 
 def test_resume_matrix_composed(tmp_path: Path) -> None:
