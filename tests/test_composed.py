@@ -72,9 +72,6 @@ CP_FOUR_RANKS = {
                             activation_checkpointing="full"), label="cp2 x tp2 ring (sequence parallel), full AC"),
     "zero3_cp2": Case(partial(ComposedStrategy, zero_stage=3, context_parallel_size=2), optimizer="adamw",
                       trainer={"gradient_clip_val": 0.5}, label="zero3 dp2 x cp2 ring, clipped"),
-    "zero2_cp2_allgather": Case(partial(ComposedStrategy, zero_stage=2, context_parallel_size=2,
-                                        cp_method="allgather", activation_checkpointing="selective"),
-                                label="zero2 dp2 x cp2 allgather, selective AC"),
 }
 
 HSDP_CP = Case(partial(ComposedStrategy, zero_stage=3, data_parallel_replicate_size=2, context_parallel_size=2),
