@@ -680,6 +680,11 @@ class ComposedStrategy(BaseStrategy):
         # new dicts: torch's optimizer state_dict() hands out its live per-parameter dicts
         state["state"] = {fqn: {k: self._saved(by_name[fqn], v) for k, v in s.items()}
                           for fqn, s in state["state"].items()}
+        if self.pp_size > 1:  # a stage names only its parameters, and one rank's groups are written: name them all
+            stages = comm.all_gather_object([g["params"] for g in state["param_groups"]], self.layout.pp_group,
+                                            label="optimizer groups of every stage")
+            for i, group in enumerate(state["param_groups"]):  # in stage order: the one-process order
+                group["params"] = list(dict.fromkeys(fqn for names in stages for fqn in names[i]))
         return state
 
     def load_sharded_state(self, state: dict[str, Any]) -> None:

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from dist_utils import TINY, Recorder, TinyLM, run_distributed, token_data
+from strategies.checkpoint import read_whole
 from strategies.composed import ComposedStrategy
 
 K, MORE, GLOBAL_BATCH = 2, 2, 8  # save at step K, resume for MORE steps
@@ -159,6 +160,13 @@ COMPOSED = [("dp2_tp2_pp2", "single"), ("single", "dp2_tp2_pp2"), ("tp2_pp2", "z
 
 def test_resume_matrix_composed(tmp_path: Path) -> None:
     _check(tmp_path, COMPOSED)
+    # Lightning's own single-device strategy reads the 3D directory whole (`lit-lm fit --ckpt_path` on 1 device):
+    # its optimizer groups must name every stage's parameters in the one-process order, or torch refuses the load
+    whole = read_whole(_checkpoint(str(tmp_path), "dp2_tp2_pp2"))
+    model = TinyLM()
+    model.configure_model()
+    groups = whole["optimizer_states"][0]["param_groups"]
+    assert [i for g in groups for i in g["params"]] == list(range(len(list(model.parameters()))))
 
 
 @pytest.mark.slow
