@@ -25,7 +25,7 @@ lint: $(STAMP)
 
 # pytest exits 5 when it collects no tests: that is not a failure of the suite.
 test: lint
-	$(PY) -m pytest -n $(WORKERS) --dist worksteal tests; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+	$(PY) -m pytest -n $(WORKERS) --dist worksteal --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
 
 clean:
 	rm -rf $(VENV) runs data/cache .pytest_cache

@@ -41,6 +41,7 @@ import torch
 
 from lit_lm.config import ConfigError, ModelConfig
 from strategies.comm import wire_factor
+from strategies.layout import ParallelDims
 from strategies.pp_schedules import SCHEDULES, bubble_theory, build_schedule
 from strategies.pp_split import split_layers
 
@@ -80,12 +81,12 @@ class Layout:
     accumulate: int = 1  # Lightning's accumulate_grad_batches: micro-steps per optimizer step
 
     @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+    def dims(self) -> ParallelDims:
+        """The sizes as the strategies' layout holds them (unvalidated: `ParallelDims.of` checks a real world)."""
+        return ParallelDims(self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp, self.ep)
 
-    @property
-    def world(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
+    dp = property(lambda self: self.dims.dp)
+    world = property(lambda self: self.dims.world)
 
     def describe(self) -> str:
         parts = [f"{k}{v}" for k, v in (("pp", self.pp), ("tp", self.tp), ("cp", self.cp), ("ep", self.ep)) if v > 1]

@@ -4,7 +4,7 @@ each relative to the dense run; optionally a loss-vs-size scatter (`--plot`) and
 
     python scripts/compress_report.py --steps 400          # the configs' own schedules (written for 400 steps)
     python scripts/compress_report.py --steps 40 --val-batches 5   # a short run: the schedules are scaled
-    python scripts/compress_report.py --base configs/compress/report_small.yaml --steps 200 --plot docs/img/x.png
+    python scripts/compress_report.py --base configs/compress/report_fast.yaml --steps 20 --plot docs/img/x.png
 
 Exported bytes: float weights of the unstructured/N:M layers as stored sparse (non-zeros + a 1-bit mask, or
 + 2-bit indices for N:M), structured pruning physically shrunk (`make_permanent`), QAT converted to packed integer
@@ -134,8 +134,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--val-batches", type=int, default=25)
     parser.add_argument("--configs", nargs="*", default=CONFIGS)
-    parser.add_argument("--base", nargs="*", default=[], help="config fragments applied to every run (e.g. a "
-                        "smaller model: configs/compress/report_small.yaml)")
+    parser.add_argument("--base", nargs="*", default=[], help="config fragments applied to every run (e.g. "
+                        "smaller batches: configs/compress/report_fast.yaml)")
     parser.add_argument("--rounds", type=int, default=MIN_ROUNDS, help="alternated rounds of forward timings, each "
                         "model in its own process (>= 5)")
     parser.add_argument("--reps", type=int, default=5, help="timed forwards per model and round (their median)")

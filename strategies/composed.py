@@ -165,6 +165,7 @@ class ComposedStrategy(BaseStrategy):
         self._placements: dict[str, Placement] = {}  # global FQN (every alias) -> this rank's slice
         self._canonical: dict[str, str] = {}  # global FQN -> the name of the parameter's first use
         self._tied: list[nn.Parameter] = []  # parameters whose other use lives on another pipeline stage
+        self._init_fn: Optional[Callable[[str, Tensor], None]] = None  # fills a materialised tensor by global name
         self._stage_model: Optional[nn.Module] = None
         self._cp_model: Optional[nn.Module] = None  # the block model whose `loss` gets zigzag shares under cp
         self._runner: Optional[PipelineRunner] = None
@@ -581,7 +582,7 @@ class ComposedStrategy(BaseStrategy):
         layout = self.layout
         if (rec.placement is None or rec.placement.over != "tp") and self.tp_size > 1 and layout.tp_rank != 0:
             return False
-        if any(rec.param is t for t in self._tied) and layout.pp_rank != 0:
+        if layout.pp_rank != 0 and any(rec.param is t for t in self._tied):
             return False
         if self.ep_size > 1 and not self.zero_stage and not rec.expert:
             return layout.rank("ep") == 0
