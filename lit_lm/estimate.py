@@ -21,8 +21,9 @@ Where the figures come from, so that they match what the strategies allocate and
   2btd + bt in fp32; tensor parallelism splits the regions' insides, sequence parallelism also the norms;
   a pipeline rank holds as many microbatches as its schedule keeps in flight (`Schedule.peak_in_flight`);
   under bf16 autocast also each projection's own cast of its input and the cast weights; measured in fp32 and
-  bf16 autocast (dense within 1%, MoE within 10%); checkpointing (not in this tree yet) keeps each checkpointed
-  block's input plus one block, unmeasured;
+  bf16 autocast (dense within 1%, MoE within 10%); activation checkpointing (`strategies.ac`) keeps per block
+  its input (full) or also its matmul and attention outputs (selective), plus one block recomputed in backward:
+  the per-block figures are `tests/test_ac.py`'s expected bytes (fp32, dense and MoE, exact);
 - communication: the collectives the strategies issue, in the accounting layer's terms (`strategies.comm`: the
   full logical tensor per call; on the wire times `wire_factor`): all-reduce 2(N-1)/N Φ, ZeRO-3 3(N-1)/N Φ,
   tensor parallelism 4 collectives per block per step each way, pipelines their activations, experts 4 all-to-alls
@@ -40,13 +41,13 @@ from typing import Optional
 import torch
 
 from lit_lm.config import ConfigError, ModelConfig
+from strategies.ac import MODES as CHECKPOINTING
 from strategies.comm import wire_factor
 from strategies.layout import ParallelDims
 from strategies.pp_schedules import SCHEDULES, bubble_theory, build_schedule
 from strategies.pp_split import split_layers
 
 PRECISIONS = {"32-true": (4, 4), "bf16-mixed": (4, 2), "bf16-true": (2, 2)}  # (parameter, activation) bytes
-CHECKPOINTING = ("none", "full", "selective")
 
 
 def flops_per_token(num_params: int, n_layers: int, d_model: int, seq_len: int) -> int:
@@ -108,7 +109,7 @@ class Workload:
     seq_len: int
     global_batch: int  # sequences per optimizer step, over all replicas
     precision: str = "bf16-mixed"
-    checkpointing: str = "none"  # none | full (every block) | selective (every second block, torchtitan's)
+    checkpointing: str = "none"  # none | full | selective, as `strategies.ac` runs them
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -294,23 +295,41 @@ def _block_activations(cfg: ModelConfig, layer: int, b: int, t: int, layout: Lay
     return 2 * norm + attn + mlp
 
 
-def checkpointed(checkpointing: str, n_blocks: int) -> list[bool]:
-    """Which of a stage's blocks are recomputed in backward: full = all, selective = every second one."""
-    every = {"none": 0, "full": 1, "selective": 2}[checkpointing]
-    return [bool(every) and i % every == 0 for i in range(n_blocks)]
+def block_kept(cfg: ModelConfig, layer: int, b: int, t: int, layout: Layout, pbytes: int, abytes: int,
+               checkpointing: str) -> int:
+    """Bytes one checkpointed block keeps from its forward to its backward (`strategies.ac`'s modes; `none` is
+    `_block_activations`). full: its input, the residual stream in the weights' dtype (split by sequence
+    parallelism). selective: also the outputs of its matmuls and attention kernel (`strategies.ac.SAVED_OPS`),
+    in the activation dtype: q, k, v, the attention output and its fp32 log-sum-exp per head (not under cp: the
+    ring/all-gather attention is an autograd function that saves its own), gate and up split by tp, while the row-parallel wo and w_down outputs are whole (partial sums, before their reduction); an MoE layer
+    (fp32 rows) keeps its router logits and each routed pair's gate, up and down outputs and the shared
+    experts'."""
+    sp = layout.tp if layout.sequence_parallel else 1
+    bt, d = b * t, cfg.d_model
+    kept = bt * d * pbytes // sp
+    if checkpointing == "full":
+        return kept
+    tp, h, hd, kv = layout.tp, cfg.n_heads, cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    attention = (h * hd * bt * abytes + bt * h * 4) // tp if layout.cp == 1 else 0  # cp's is recomputed whole
+    kept += ((h * hd + 2 * kv) * bt * abytes) // tp + attention + bt * d * abytes  # q k v, out and lse, wo
+    if cfg.is_moe_layer(layer):
+        k, f, s = cfg.moe_top_k, cfg.moe_d_ff, cfg.moe_shared_experts
+        return kept + bt * (cfg.moe_experts + k * (2 * f + d) + (2 * s * f + d if s else 0)) * 4
+    return kept + 2 * bt * cfg.d_ff * abytes // tp + bt * d * abytes  # gate, up; w_down
 
 
 def _stage_activations(cfg: ModelConfig, layers: list[int], first: bool, last: bool, b: int, t: int,
                        layout: Layout, pbytes: int, abytes: int, checkpointing: str) -> tuple[int, int]:
     """(bytes one microbatch keeps through a stage between its forward and backward, the extra bytes of the
-    block recomputed during backward under checkpointing)."""
+    block recomputed during backward under checkpointing: what it keeps without, less what it keeps with)."""
     autocast = pbytes != abytes  # bf16-mixed
-    blocks = [_block_activations(cfg, i, b, t, layout, abytes, autocast) for i in layers]
     sp = layout.tp if layout.sequence_parallel else 1
-    block_input = b * t * cfg.d_model * pbytes  # the residual stream, in the weights' dtype
-    ckpt = checkpointed(checkpointing, len(blocks))
-    kept = sum(block_input // sp if c else a for a, c in zip(blocks, ckpt))
-    recompute = max((a for a, c in zip(blocks, ckpt) if c), default=0)
+    blocks = [_block_activations(cfg, i, b, t, layout, abytes, autocast) for i in layers]
+    if checkpointing == "none":
+        kept, recompute = sum(blocks), 0
+    else:
+        ckpt = [block_kept(cfg, i, b, t, layout, pbytes, abytes, checkpointing) for i in layers]
+        kept, recompute = sum(ckpt), max(a - c for a, c in zip(blocks, ckpt))
     if first:
         kept += b * t * 8  # the token ids the embedding saves
     if last:
@@ -416,8 +435,8 @@ def estimate(work: Workload, layout: Layout) -> Estimate:
         share = sum(len(c) for c in chunks) / cfg.n_layers
         rank.flops = flops_per_token(n_active, cfg.n_layers, cfg.d_model, work.seq_len) * share * tokens_per_rank
         rank.flops /= layout.tp
-        recomputed = sum(checkpointed(work.checkpointing, len(c)).count(True) for c in chunks)
-        rank.recompute_flops = rank.flops / 3 * recomputed / max(1, sum(len(c) for c in chunks))  # a forward: 2N
+        if work.checkpointing == "full":  # every block's forward again (2N of 6N); selective recomputes no matmul
+            rank.recompute_flops = rank.flops / 3
         _activation_comm(rank, r, cfg, layout, chunks, first, last, mb, t, local_batch, abytes, pbytes)
         ranks.append(rank)
     bubble = bubble_theory(layout.schedule, p, m, v) if p > 1 else 0.0

@@ -198,8 +198,10 @@ def reason(r: Ranked, cluster: Cluster) -> str:
         why.append(f"ZeRO-{lay.zero_stage} shards {shard} over {lay.dp_shard * lay.cp} ranks")
     if lay.dp_replicate > 1:
         why.append(f"replicated over {lay.dp_replicate} groups: the gradient all-reduce crosses nodes once")
-    if est.workload.checkpointing != "none":
-        why.append(f"{est.workload.checkpointing} activation checkpointing trades a forward for memory")
+    if est.workload.checkpointing == "full":
+        why.append("full activation checkpointing keeps each block's input and runs its forward again")
+    elif est.workload.checkpointing == "selective":
+        why.append("selective activation checkpointing keeps the matmul and attention outputs, recomputes the rest")
     if lay.accumulate > 1:
         why.append(f"{lay.accumulate} accumulation micro-steps keep the activations in memory")
     comm = sum(v for k, v in r.parts.items() if k not in ("compute", "bubble"))
@@ -229,7 +231,10 @@ def strategy_yaml(r: Ranked, cluster: Cluster, precision: Optional[str] = None) 
     lay = r.layout
     if not r.estimate.runs_today:
         raise ConfigError(f"layout {lay.describe()} needs {r.estimate.why_not}: no strategy of this tree runs it")
-    strategy = {"class_path": "strategies.composed.ComposedStrategy", "init_args": strategy_args(lay)}
+    args = strategy_args(lay)
+    if r.estimate.workload.checkpointing != "none":
+        args["activation_checkpointing"] = r.estimate.workload.checkpointing
+    strategy = {"class_path": "strategies.composed.ComposedStrategy", "init_args": args}
     trainer = {"num_nodes": cluster.nodes, "devices": cluster.gpus_per_node,
                "accumulate_grad_batches": lay.accumulate, "strategy": strategy}
     if precision is not None:

@@ -94,7 +94,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step")
     p.add_argument("--precision", default=None, help=f"override trainer.precision ({', '.join(PRECISIONS)})")
     p.add_argument("--checkpointing", default="auto", choices=("auto", *CHECKPOINTING),
-                   help="activation checkpointing to consider (auto: all; only none runs in this tree today)")
+                   help="activation checkpointing to consider (auto: all three)")
     p.add_argument("--top", type=int, default=8, help="rows of the table")
     p.add_argument("--out", default=None, help="write the fastest runnable layout here as yaml")
     p.add_argument("--answer", action="store_true", help="the largest model that fits; days to train --tokens")
@@ -168,7 +168,7 @@ def answer(console: Console, work: Workload, cluster: Cluster, ranked: list[Rank
         _, d, n_layers, heads, kv, ff = shape
         cfg = dataclasses.replace(work.config, d_model=d, n_layers=n_layers, n_heads=heads, n_kv_heads=kv, d_ff=ff,
                                   moe_experts=0)
-        w = dataclasses.replace(work, config=cfg, checkpointing="none" if runnable else "full")
+        w = dataclasses.replace(work, config=cfg, checkpointing="full")
         budget = cluster.gpu_memory * USABLE_MEMORY
         return any((e := fitting(w, lay, budget)) is not None and (e.runs_today or not runnable)
                    for lay in layouts(w, cluster))
@@ -182,7 +182,7 @@ def answer(console: Console, work: Workload, cluster: Cluster, ranked: list[Rank
                 best, lo = LADDER[mid][0], mid + 1
             else:
                 hi = mid - 1
-        what = "with the strategies of this tree (no checkpointing)" if runnable else \
+        what = "with full activation checkpointing and the strategies of this tree" if runnable else \
             "with full activation checkpointing and any layout"
         console.print(f"largest Llama-shaped model that fits {cluster.world} GPUs {what}: {best or 'none'} "
                       f"(sequence {work.seq_len}, global batch {work.global_batch}, AdamW, {work.precision})")

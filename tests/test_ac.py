@@ -1,5 +1,6 @@
 """Activation checkpointing (strategies.ac): the same losses, gradients and MoE state as without it, and the
-activation memory each mode leaves for the backward, measured and checked against figures from the shapes."""
+activation memory each mode leaves for the backward, measured and checked against the planner's per-block figures
+(`lit_lm.estimate.block_kept`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from dist_utils import TINY, run_distributed, token_data
 from lit_lm.config import ModelConfig
+from lit_lm.estimate import Layout, block_kept
 from lit_lm.model import Transformer
 from lit_lm.moe import moe_aux_loss, moe_layers, update_router_bias
 from parity import MOE, Case, assert_parity, run_parity
@@ -100,26 +102,10 @@ def measure(model: Transformer, blocks: list[str]) -> tuple[int, int]:
     return kept, mem.peak - out
 
 
-def dense_selective_bytes(cfg: ModelConfig) -> int:
-    """What `selective` keeps of one dense block: its input, the outputs of q, k, v, wo, w_gate, w_up, w_down
-    (mm) and of the attention kernel (output and fp32 log-sum-exp per head and position)."""
-    tokens = BATCH * SEQ
-    features = (cfg.d_model  # the input
-                + cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim  # q, k, v
-                + cfg.n_heads * cfg.head_dim + cfg.n_heads  # attention output, log-sum-exp
-                + cfg.d_model  # wo
-                + 2 * cfg.d_ff + cfg.d_model)  # w_gate, w_up, w_down
-    return 4 * tokens * features
-
-
-def moe_selective_bytes(cfg: ModelConfig) -> int:
-    """`selective` of an MoE block (dropless): the dense block's attention part, the router logits, each routed
-    (token, expert) pair's gate, up and down outputs and the shared expert's."""
-    tokens = BATCH * SEQ
-    mlp = 2 * cfg.d_ff + cfg.d_model
-    routed = cfg.moe_top_k * (2 * cfg.moe_d_ff + cfg.d_model)
-    shared = 2 * cfg.moe_shared_experts * cfg.moe_d_ff + cfg.d_model
-    return dense_selective_bytes(cfg) + 4 * tokens * (cfg.moe_experts + routed + shared - mlp)
+def kept_bytes(cfg: ModelConfig, layer: int, mode: str, layout: Layout = Layout()) -> int:
+    """What the planner's estimate says one checkpointed block keeps (fp32, one rank): the figure held to
+    measurement here."""
+    return block_kept(cfg, layer, BATCH, SEQ, layout, 4, 4, mode)
 
 
 def moe_state_bytes(model: Transformer) -> int:
@@ -142,14 +128,13 @@ def test_activation_memory_per_mode(cfg: dict) -> None:
     full = build(cfg, "full")
     kept_full, peak_full = measure(full, layers)
     state = moe_state_bytes(full)  # 0 for a dense model
-    assert kept_full == len(layers) * block_input + state  # the inputs, nothing else
+    assert kept_full == sum(kept_bytes(config, int(i), "full") for i in layers) + state  # the inputs, nothing else
+    assert kept_bytes(config, 0, "full") == block_input
     # the issue's bound: through the backward, one input per layer plus one block's activations recomputed
     assert peak_full <= len(layers) * block_input + max(kept_block)
 
     kept_selective, _ = measure(build(cfg, "selective"), layers)
-    per_block = [moe_selective_bytes(config) if config.is_moe_layer(int(i)) else dense_selective_bytes(config)
-                 for i in layers]
-    assert kept_selective == sum(per_block) + state
+    assert kept_selective == sum(kept_bytes(config, int(i), "selective") for i in layers) + state
     assert kept_full < kept_selective < kept_none
     print(f"\nd_model={config.d_model}{', MoE' if config.moe_experts else ''}: none {kept_none}, full {kept_full} (peak {peak_full}), "
           f"selective {kept_selective}, block input {block_input}, blocks {kept_block}")
@@ -170,8 +155,9 @@ def test_selective_keeps_nothing_inside_a_custom_autograd_function() -> None:
     the attention kernel's outputs, and the function is recomputed whole."""
     config = ModelConfig(**TINY)
     attention = 4 * BATCH * SEQ * (config.n_heads * config.head_dim + config.n_heads)
-    assert run_distributed(_context_parallel_kept, 1) == \
-        [config.n_layers * (dense_selective_bytes(config) - attention)]
+    kept = sum(kept_bytes(config, i, "selective", Layout(cp=2)) for i in range(config.n_layers))
+    assert kept == sum(kept_bytes(config, i, "selective") for i in range(config.n_layers)) - config.n_layers * attention
+    assert run_distributed(_context_parallel_kept, 1) == [kept]
 
 
 # -- the wrapping ---------------------------------------------------------------------------------------------

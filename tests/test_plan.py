@@ -95,16 +95,19 @@ def test_the_3d_rule_comes_out_of_the_estimates() -> None:
 @pytest.mark.parametrize("layout", [Layout(), Layout(dp_shard=4, zero_stage=2), Layout(dp_shard=2, tp=2, zero_stage=1),
                                     Layout(dp_shard=2, pp=2, microbatches=4, schedule="zb_h1"),
                                     Layout(dp_shard=4, ep=2, zero_stage=1), Layout(dp_shard=2, cp=2, zero_stage=3)])
-def test_emitted_strategy_arguments_are_the_strategies_own(layout: Layout) -> None:
-    """Every runnable kind's yaml names a strategy class and arguments its constructor takes."""
+@pytest.mark.parametrize("checkpointing", ["none", "selective"])
+def test_emitted_strategy_arguments_are_the_strategies_own(layout: Layout, checkpointing: str) -> None:
+    """Every runnable kind's yaml names a strategy class and arguments its constructor takes, the activation
+    checkpointing the estimate assumed included."""
     moe = dict(moe_experts=4, moe_d_ff=64) if layout.ep > 1 else {}
-    work = Workload(ModelConfig(d_model=64, n_layers=4, n_heads=4, vocab_size=256, **moe), 32, 16, "32-true")
+    work = Workload(ModelConfig(d_model=64, n_layers=4, n_heads=4, vocab_size=256, **moe), 32, 16, "32-true",
+                    checkpointing)
     est = estimate(work, layout)
     emitted = strategy_yaml(Ranked(est, 1.0, {}), Cluster(1, 4, 80e9))
     strategy = emitted["trainer"]["strategy"]
     module, _, name = strategy["class_path"].rpartition(".")
     cls = getattr(importlib.import_module(module), name)
-    cls(**strategy["init_args"])
+    assert cls(**strategy["init_args"]).activation_checkpointing == checkpointing
     assert emitted["data"]["init_args"]["batch_size"] == 16 // layout.dp
 
 
