@@ -74,7 +74,7 @@ class KMeansQuantization(L.Callback):
             stats = torch.zeros(2, k, device=ws.local.device)
             stats[0].index_add_(0, assign, ws.local.detach().float().reshape(-1))
             stats[1].index_add_(0, assign, torch.ones_like(assign, dtype=torch.float32))
-            all_reduce_(stats, ws.group)
+            all_reduce_(stats, ws.groups)
             old = self.codebooks[ws.name]
             sums, counts = stats.cpu()
             self.codebooks[ws.name] = torch.where(counts > 0, sums / counts.clamp(min=1), old)
