@@ -20,11 +20,12 @@ parts are all-reduced, and every rank takes the same Adam step (`scale_lr`) befo
 No module is swapped while training: each selected linear's `forward` is overridden on the instance, so parameter
 names, checkpoints and every strategy's hooks stay as they are. Under tensor parallelism a row-parallel weight's
 output channel is split over tp: its per-channel absmax is all-reduced (MAX) over the group the strategy names
-(`owned_weights()`); observers are reduced over every rank that runs the layer (all ranks; one pipeline stage's
-under pp, where each microbatch updates them), so those ranks (and a single-process run over the same global
-batch) hold the same range. The checkpoint keeps every stage's observers. `convert` replaces the linears by
-`IntLinear`: packed integer weights (2 bits a ternary weight, 1 a binary one), fp32 scales, an integer-matmul
-reference forward that matches the fake-quant model, and on CPU PyTorch's fbgemm int8 kernel for every width.
+(`owned_weights()`: the splits of the tensor the forward reads, so ZeRO's rows never enter); observers are reduced
+over every rank that runs the layer (all ranks; one pipeline stage's under pp, where each microbatch updates them),
+so those ranks (and a single-process run over the same global batch) hold the same range. The checkpoint keeps
+every stage's observers. `convert` replaces the linears by `IntLinear`: packed integer weights (2 bits a ternary
+weight, 1 a binary one), fp32 scales, an integer-matmul reference forward that matches the fake-quant model, and on
+CPU PyTorch's fbgemm int8 kernel for every width.
 
 Logged every step: `bits/<layer>`, the weight bits the layer trains with (32 before `start_step`). A `start_step`
 the run never reaches is warned about at the start.
