@@ -50,8 +50,9 @@ Hooks for subclasses (all optional)
 
 Service for callbacks (pruning, QAT: they never touch strategy internals)
     owned_weights() -> list[WeightShard]  every parameter as this rank holds it: the part the optimizer updates,
-                                    the tensor the forward reads, its global shape, where the part sits in the
-                                    global tensor and the group its parts are spread over (default: whole).
+                                    the tensor the forward reads, its global shape, and the levels (`Split`:
+                                    dim, range, group; outer to inner) that cut the part from the global tensor
+                                    (default: whole).
     named_grads() -> list[GradPart]  every gradient as this rank holds it, under its global name and where it
                                     sits in the global gradient (ZeRO-2/3 leave `param.grad` None: this is how
                                     to read them); the parity harness (tests/parity.py) compares these parts.
@@ -98,45 +99,72 @@ from strategies import checkpoint as ckpt
 from strategies import comm
 from strategies.clip import GradShards, clip_grad_norm_, local_grad_shards, with_global_norm_clip
 from strategies.layout import ParallelDims, ParallelLayout
+from strategies.placement import nested_index
 from strategies.watchdog import failure_report, is_collective_failure
 
 LOST_RANK_GRACE_S = 5.0  # how long survivors of a failed collective wait for each other to check in
 
 
 @dataclass(frozen=True)
+class Split:
+    """One level of how a parameter is cut: this rank keeps [start, end) along `dim` of the tensor the level above
+    left it (the global tensor, for the first level), one of the `torch.chunk` parts spread over `group`."""
+
+    dim: int
+    start: int
+    end: int
+    group: dist.ProcessGroup
+
+
+@dataclass(frozen=True)
 class WeightShard:
     """One parameter as this rank holds it, so a callback can compute over the *global* tensor (a pruning
-    threshold, an N:M group, a channel's scale) whether the weight is whole, ZeRO- or TP-sharded.
+    threshold, an N:M group, a channel's scale) whether the weight is whole, ZeRO-, TP- or TP-then-ZeRO-sharded.
 
-    `local` is `global[start:end]` along `dim` and is what the optimizer updates (its state is keyed by it);
-    `param` is what the forward reads: `local` itself (whole or TP), or the whole replicated weight under ZeRO
-    (`param` then has the global shape, and storage only between steps at stages 1-2). The parts are spread over
-    `group` (None: the weight is whole on this rank, `local` is all of it).
+    `local` is what the optimizer updates (its state is keyed by it): the global tensor cut by every level of
+    `splits`, outer to inner (a model split, tp or ep, then ZeRO's rows of what that left; none: whole). A list, not
+    one range, because tp then ZeRO cuts a weight twice, over two groups, and the rows of a column slice are no
+    slice of the global tensor's rows. `param` is what the forward reads: `local` itself, or under ZeRO the tensor
+    the innermost split (its rows) is cut from (storage only between steps at stages 1-2).
     """
 
     name: str  # global FQN, relative to the LightningModule
     local: Tensor
     param: nn.Parameter
     global_shape: torch.Size
-    dim: int = 0
-    start: int = 0
-    end: int = 0
-    group: Optional[dist.ProcessGroup] = None
+    splits: tuple[Split, ...] = ()
+
+    @property
+    def param_splits(self) -> tuple[Split, ...]:
+        """How `param` is cut from the global tensor: every split but ZeRO's rows, which the forward never sees."""
+        return self.splits if self.param is self.local else self.splits[:-1]
+
+    @property
+    def groups(self) -> list[dist.ProcessGroup]:
+        """The groups `local`'s parts are spread over, outer to inner: reducing over each covers the tensor."""
+        return [split.group for split in self.splits]
 
     @property
     def replica(self) -> Optional[Tensor]:
-        """The whole weight the forward reads when it is a separate tensor with storage (ZeRO-1/2), else None:
-        a callback that edits `local` must edit this too, or the next forward sees the old values."""
-        if self.param is self.local or self.param.shape != self.global_shape:
+        """The tensor the forward reads when it is a separate tensor with storage (ZeRO-1/2), else None: a callback
+        that edits `local` must edit this too, or the next forward sees the old values."""
+        if self.param is self.local:
             return None
         return self.param.data if self.param.untyped_storage().nbytes() else None
 
     @property
     def index(self) -> tuple[slice, ...]:
         """Where `local` sits in the global tensor (() when it is all of it)."""
-        if self.local.shape == self.global_shape:
-            return ()
-        return (slice(None),) * self.dim + (slice(self.start, self.end),)
+        return _index(self.splits)
+
+    @property
+    def param_index(self) -> tuple[slice, ...]:
+        """Where `param` sits in the global tensor (() when it is all of it)."""
+        return _index(self.param_splits)
+
+
+def _index(splits: tuple[Split, ...]) -> tuple[slice, ...]:
+    return nested_index((split.dim, split.start, split.end) for split in splits)
 
 
 @dataclass(frozen=True)
@@ -153,8 +181,7 @@ class GradPart:
 
 def whole_weights(module: nn.Module) -> list[WeightShard]:
     """Every parameter of `module` as a whole `WeightShard` (no strategy, or a strategy that does not shard)."""
-    return [WeightShard(name, p, p, p.shape, 0, 0, p.shape[0] if p.dim() else 1)
-            for name, p in module.named_parameters()]
+    return [WeightShard(name, p, p, p.shape) for name, p in module.named_parameters()]
 
 
 class BaseStrategy(ParallelStrategy):

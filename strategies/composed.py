@@ -47,7 +47,7 @@ from typing_extensions import override
 from strategies import ac, comm
 from strategies import cp as context
 from strategies import checkpoint as ckpt
-from strategies.base import BaseStrategy, GradPart, WeightShard, _unwrap
+from strategies.base import BaseStrategy, GradPart, Split, WeightShard, _unwrap
 from strategies.clip import GradShards
 from strategies.ddp import GradSync, broadcast_parameters
 from strategies.ep import ExpertShard, shard_experts
@@ -598,27 +598,17 @@ class ComposedStrategy(BaseStrategy):
         return [GradPart(rec.name, rec.global_shape, rec.index, rec.grad) for rec in self._params]
 
     def owned_weights(self) -> list[WeightShard]:
-        """A parameter split one way: tp or ep (its slice), ZeRO (its rows), or experts under ZeRO (rows of this
-        rank's experts, contiguous along dim 0 over dp). tp with ZeRO splits twice: refused."""
-        layout = self.layout
+        """Each parameter cut as the engines cut it: its tp or ep slice (`placement`), then under ZeRO the rows of
+        that slice the optimizer updates, over the engine's group."""
         out = []
         for rec in self._params:
-            split = rec.placement
-            if split is not None and split.over == "tp" and rec.rows is not None:
-                raise ConfigError("owned_weights() under tp with ZeRO: the optimizer updates 2-D shards (tp split, "
-                                  "then dp rows), which a WeightShard cannot describe; use zero_stage=0 with "
-                                  "compression callbacks")
+            splits = []
+            if rec.placement is not None:
+                split = rec.placement
+                splits.append(Split(split.dim, split.start, split.end, self.layout.group(split.over)))
             if rec.rows is not None:
-                rows = rec.index[0]
-                group = layout.dp_group if rec.expert else layout.group(self._dense_group)
-                out.append(WeightShard(rec.name, rec.optimized, rec.param, rec.global_shape, 0, rows.start, rows.stop,
-                                       group))
-            elif split is not None:
-                out.append(WeightShard(rec.name, rec.param, rec.param, split.global_shape, split.dim, split.start,
-                                       split.end, layout.group(split.over)))
-            else:
-                out.append(WeightShard(rec.name, rec.param, rec.param, rec.param.shape, 0, 0,
-                                       rec.param.shape[0] if rec.param.dim() else 1))
+                splits.append(Split(0, rec.rows.start, rec.rows.end, rec.engine.group))
+            out.append(WeightShard(rec.name, rec.optimized, rec.param, rec.global_shape, tuple(splits)))
         return out
 
     # -- checkpoints: one format, global names and shapes ---------------------------------------------------------

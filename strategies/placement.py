@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -36,15 +36,22 @@ class Placement:
         return (slice(None),) * self.dim + (slice(self.start, self.end),)
 
 
+def nested_index(levels: Iterable[tuple[int, int, int]]) -> tuple[slice, ...]:
+    """The part of the global tensor nested cuts leave: each level (dim, start, end), outer to inner, keeps
+    [start, end) along `dim` of what the levels before it left, so the starts add up per dim (() for no cut)."""
+    index: list[slice] = []
+    for dim, start, end in levels:
+        index += [slice(None)] * (dim + 1 - len(index))
+        offset = index[dim].start or 0
+        index[dim] = slice(offset + start, offset + end)
+    return tuple(index)
+
+
 def global_index(placement: Optional[Placement], rows: Optional[tuple[int, int]] = None) -> tuple[slice, ...]:
     """The index of this rank's elements in the global tensor: its placement's slice, narrowed to ZeRO's `rows`
     (dim 0 of the local tensor) when given."""
-    index = list(placement.index) if placement is not None else []
-    if rows is not None:
-        offset = placement.start if placement is not None and placement.dim == 0 else 0
-        first = slice(offset + rows[0], offset + rows[1])
-        index = [first, *index[1:]] if index else [first]
-    return tuple(index)
+    levels = [(placement.dim, placement.start, placement.end)] if placement is not None else []
+    return nested_index(levels + ([(0, *rows)] if rows is not None else []))
 
 
 def init_local(init: Callable[[str, Tensor], None], name: str, tensor: Tensor,

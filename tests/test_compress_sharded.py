@@ -1,6 +1,8 @@
-"""Compression on sharded weights: masks, observers and TTQ's learned scales computed under zero2, zero3 and tp=2
-(2 gloo ranks) are the single-process ones, as are the losses of int8, ternary (TWN, TTQ) and binary fake-quant
-layers; weights and optimizer state stay zero on every shard, and a shard-local mask would differ."""
+"""Compression on sharded weights: masks, observers, TTQ's learned scales and k-means codebooks computed under
+zero2, zero3 and tp=2 (2 gloo ranks) and under tp=2 x ZeRO-2 and tp=2 x ZeRO-3 (4 ranks: each weight cut twice)
+are the single-process ones, as are the losses of int8, ternary (TWN, TTQ), binary and k-means layers; weights,
+the replicas the forward reads and optimizer state stay masked (or on their centroids) on every shard, and a
+shard-local mask would differ."""
 
 from __future__ import annotations
 
@@ -8,40 +10,56 @@ import os
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from callbacks.compress import QAT, Pruning
+from callbacks.compress import QAT, KMeansQuantization, Pruning
 from callbacks.compress.core import local_part, owned_weights
 from dist_utils import TinyLM, rank_share, run_distributed, token_data
 from lit_lm.config import ConfigError
+from strategies.base import WeightShard
 from strategies.pp import PipelineStrategy
 from strategies.tp import TensorParallelStrategy
 from strategies.zero import ZeroStrategy
 
 
 class FrozenLM(TinyLM):
-    """lr = 0: every strategy keeps the deterministic initial weights, so masks must agree exactly (with
-    training, last-bit differences between strategies could flip a weight sitting on the threshold)."""
+    """lr = 0 but for the LM head: the pruned and quantized blocks keep the deterministic initial weights, so masks
+    must agree exactly (with training, last-bit differences between strategies could flip a weight sitting on the
+    threshold); the head, which k-means clusters, trains, so its centroids follow updated weights."""
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=0.0)
+        head = [p for name, p in self.named_parameters() if "lm_head" in name]
+        rest = [p for name, p in self.named_parameters() if "lm_head" not in name]
+        groups = [{"params": rest, "lr": 0.0}] + ([{"params": head, "lr": 1e-2}] if head else [])
+        return torch.optim.AdamW(groups)
 
 
-class ZerosKept(L.Callback):
-    """At the end: on every rank, each pruned weight part and its Adam moments are zero outside the mask."""
+class PartsKept(L.Callback):
+    """At the end: on every rank, each pruned weight part, the replica the forward reads and the part's Adam
+    moments are zero outside the mask; each k-means weight part and replica hold its centroids."""
 
-    def __init__(self, prunings: list[Pruning]) -> None:
-        self.prunings, self.ok = prunings, []
+    def __init__(self, prunings: list[Pruning], kmeans: KMeansQuantization) -> None:
+        self.prunings, self.kmeans, self.ok = prunings, kmeans, []
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         optimizer = trainer.optimizers[0]
         for ws in owned_weights(trainer, pl_module):
             for p in self.prunings:
                 if ws.name in p.masks:
-                    dropped = ~local_part(p.masks[ws.name], ws)
-                    moments = [optimizer.state[ws.local][k] for k in ("exp_avg", "exp_avg_sq")]
-                    self.ok.append(all(float(t.detach()[dropped].abs().sum()) == 0 for t in [ws.local, *moments]))
+                    moments = [(optimizer.state[ws.local][k], local_part(p.masks[ws.name], ws))
+                               for k in ("exp_avg", "exp_avg_sq")]
+                    self.ok.extend(float(t.detach()[~mask].abs().sum()) == 0
+                                   for t, mask in _held(ws, p.masks[ws.name]) + moments)
+            if ws.name in self.kmeans.codebooks:
+                snapped = self.kmeans.codebooks[ws.name][self.kmeans.assignments[ws.name]]
+                self.ok.extend(torch.equal(t.detach(), value) for t, value in _held(ws, snapped))
+
+
+def _held(ws: WeightShard, full: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tensor, its part of the global-shaped `full`): the optimizer's part and, under ZeRO-1/2, the replica."""
+    return [(ws.local, local_part(full, ws))] + ([(ws.replica, full[ws.param_index])] if ws.replica is not None else [])
 
 
 class Losses(L.Callback):
@@ -62,24 +80,27 @@ class SavedState(L.Callback):
         self.saved = [c.state_dict() for c in self.callbacks]
 
 
-def _fit(strategy: Any, devices: int, dp: int, scope: str = "global") -> dict[str, Any]:
+def _fit(strategy: Any, devices: int, dp: int, scope: str = "global", tp: int = 1) -> dict[str, Any]:
     prunings = [Pruning("unstructured", 0.6, start_step=1, scope=scope, include=["*.attn.*"]),
                 Pruning("nm", start_step=1, include=["*.blocks.0.mlp.*"]),
                 Pruning("structured", 0.5, start_step=1, importance="l2", include=["*.blocks.1.mlp.*"])]
     # int8, TWN, TTQ and binary, on layers that TP splits by rows (wo, w_down) and by columns
     qats = [QAT(8, include=["*.blocks.0.attn.*"]), QAT(2, include=["*.blocks.0.mlp.*"]),
             QAT(2, ternary="ttq", scale_lr=0.01, include=["*.blocks.1.attn.*"]), QAT(1, include=["*.blocks.1.mlp.*"])]
-    check, losses = ZerosKept(prunings), Losses()
+    kmeans = KMeansQuantization(bits=3, include=["*lm_head"], exclude=())  # split by rows under tp (vocab)
+    check, losses = PartsKept(prunings, kmeans), Losses()
     saved = SavedState([*prunings, *qats])
-    data = rank_share(token_data(16), 8, int(os.environ.get("LOCAL_RANK", 0)) % dp, dp)  # tp peers: one batch
+    dp_rank = int(os.environ.get("LOCAL_RANK", 0)) // tp % dp  # tp innermost; tp peers (and pp stages): one batch
+    data = rank_share(token_data(16), 8, dp_rank, dp)
     L.seed_everything(0, verbose=False)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, logger=False,
-                        callbacks=[*prunings, *qats, check, saved, losses], enable_progress_bar=False,
+                        callbacks=[*prunings, *qats, kmeans, check, saved, losses], enable_progress_bar=False,
                         enable_model_summary=False,
                         enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0)
     trainer.fit(FrozenLM(), DataLoader(TensorDataset(data), batch_size=8 // dp))
     return {"masks": [p.masks for p in prunings], "observers": {k: v for q in qats for k, v in q.observers.items()},
             "ttq": qats[2].ttq_scales, "ok": check.ok, "losses": losses.losses,
+            "codebooks": kmeans.codebooks, "assignments": kmeans.assignments,
             "saved_masks": [state["masks"] for state in saved.saved[: len(prunings)]],
             "saved_observers": {k: v for state in saved.saved[len(prunings):] for k, v in state["observers"].items()},
             "saved_ttq": saved.saved[-2]["ttq_scales"]}
@@ -87,29 +108,55 @@ def _fit(strategy: Any, devices: int, dp: int, scope: str = "global") -> dict[st
 
 def _sharded_runs() -> list[dict[str, Any]]:
     return [_fit(ZeroStrategy(stage=2), 2, 2), _fit(ZeroStrategy(stage=3), 2, 2),
-            _fit(TensorParallelStrategy(tensor_parallel_size=2), 2, 1)]
+            _fit(TensorParallelStrategy(tensor_parallel_size=2), 2, 1, tp=2)]
 
 
-def test_masks_and_observers_match_single_process_under_zero_and_tp() -> None:
-    single = _fit("auto", 1, 1)
-    assert single["ok"] and all(single["ok"])
+def _tp_zero_runs() -> list[dict[str, Any]]:
+    """dp=2 x tp=2: ZeRO shards the rows of each tp slice (of a row-parallel weight: rows of a column slice)."""
+    return [_fit(ZeroStrategy(stage=stage, tensor_parallel_size=2), 4, 2, tp=2) for stage in (2, 3)]
+
+
+@pytest.fixture(scope="module")
+def single() -> dict[str, Any]:
+    run = _fit("auto", 1, 1)
+    assert run["ok"] and all(run["ok"]) and run["codebooks"]
+    return run
+
+
+def _assert_like_single(run: dict[str, Any], single: dict[str, Any], tag: str) -> None:
+    assert run["ok"] and all(run["ok"]), tag
+    for got, want in zip(run["masks"], single["masks"]):
+        assert got.keys() == want.keys(), tag
+        for name in want:
+            assert torch.equal(got[name], want[name]), (tag, name)
+    for name, observer in single["observers"].items():  # a range over the same global batch
+        torch.testing.assert_close(run["observers"][name], observer, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, t=tag, n=name: f"{t} {n}: {m}")
+    assert run["ttq"].keys() == single["ttq"].keys() and len(single["ttq"]) == 4
+    for name, scales in single["ttq"].items():  # the same gradient, summed from the shards
+        assert not scales.isnan().any() and scales[3, 0] == 2  # two Adam steps
+        torch.testing.assert_close(run["ttq"][name], scales, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, t=tag, n=name: f"{t} {n}: {m}")
+    assert run["codebooks"].keys() == single["codebooks"].keys(), tag
+    for name, codebook in single["codebooks"].items():  # clustered on the gathered head, then means of the parts
+        assert torch.equal(run["assignments"][name], single["assignments"][name]), (tag, name)
+        torch.testing.assert_close(run["codebooks"][name], codebook, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, t=tag, n=name: f"{t} {n}: {m}")
+    torch.testing.assert_close(run["losses"], single["losses"], rtol=1e-5, atol=1e-6)
+
+
+def test_masks_and_observers_match_single_process_under_zero_and_tp(single: dict[str, Any]) -> None:
     per_rank = run_distributed(_sharded_runs, 2, init_process_group=False)
     for rank_runs in per_rank:
         for tag, run in zip(("zero2", "zero3", "tp"), rank_runs):
-            assert run["ok"] and all(run["ok"]), tag
-            for got, want in zip(run["masks"], single["masks"]):
-                assert got.keys() == want.keys(), tag
-                for name in want:
-                    assert torch.equal(got[name], want[name]), (tag, name)
-            for name, observer in single["observers"].items():  # a range over the same global batch
-                torch.testing.assert_close(run["observers"][name], observer, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m, t=tag, n=name: f"{t} {n}: {m}")
-            assert run["ttq"].keys() == single["ttq"].keys() and len(single["ttq"]) == 4
-            for name, scales in single["ttq"].items():  # the same gradient, summed from the shards
-                assert not scales.isnan().any() and scales[3, 0] == 2  # two Adam steps
-                torch.testing.assert_close(run["ttq"][name], scales, rtol=1e-5, atol=1e-7,
-                                           msg=lambda m, t=tag, n=name: f"{t} {n}: {m}")
-            torch.testing.assert_close(run["losses"], single["losses"], rtol=1e-5, atol=1e-6)
+            _assert_like_single(run, single, tag)
+
+
+def test_compression_matches_single_process_under_tp_with_zero(single: dict[str, Any]) -> None:
+    per_rank = run_distributed(_tp_zero_runs, 4, init_process_group=False)
+    for rank_runs in per_rank:
+        for tag, run in zip(("tp2_zero2", "tp2_zero3"), rank_runs):
+            _assert_like_single(run, single, tag)
 
 
 def _pipeline_runs() -> list[dict[str, Any]]:

@@ -3,7 +3,8 @@ from the part this rank holds (the strategy's `owned_weights()` service, see `st
 
 Every compression decision (a threshold, an N:M group, a channel's scale, a cluster's mean) is taken on the
 global tensor, identically on every rank, then applied to the local part: so the result does not depend on
-whether the weight is whole, ZeRO-sharded (dim 0 over dp) or TP-sharded (dim 0 or 1 over tp).
+whether the weight is whole, ZeRO-sharded (dim 0 over dp), TP-sharded (dim 0 or 1 over tp) or both (the tp slice's
+rows over dp): the helpers here walk the `WeightShard`'s levels, the callbacks never look at the topology.
 """
 
 from __future__ import annotations
@@ -98,29 +99,38 @@ def select(weights: Iterable[WeightShard], include: Optional[Sequence[str]], exc
 
 
 def gather_global(ws: WeightShard) -> Tensor:
-    """The whole weight on every rank of `ws.group` (all-gather of the `torch.chunk` parts; a collective)."""
-    local = ws.local.detach()
-    if ws.group is None:
-        return local.clone()
-    world = dist.get_world_size(ws.group)
-    rows = ws.global_shape[ws.dim]
-    chunk = -(-rows // world)
-    part = local.movedim(ws.dim, 0)
-    padded = part.new_zeros((chunk, *part.shape[1:]))
-    padded[: part.shape[0]] = part
-    out = padded.new_empty((world * chunk, *part.shape[1:]))
-    comm.all_gather(out, padded.contiguous(), ws.group)
-    return out[:rows].movedim(0, ws.dim).contiguous()
+    """The whole weight on every rank that holds a part of it: the parts are all-gathered level by level, inner to
+    outer (ZeRO's rows into the tp slice, then the slices into the weight; a collective)."""
+    shapes = [ws.global_shape]
+    for split in ws.splits:  # the shape each level cuts from
+        shapes.append(shapes[-1][: split.dim] + torch.Size([split.end - split.start]) + shapes[-1][split.dim + 1:])
+    out = ws.local.detach().clone()
+    for split, shape in zip(reversed(ws.splits), reversed(shapes[:-1])):
+        out = _gather_chunks(out, split.dim, shape[split.dim], split.group)
+    return out
+
+
+def _gather_chunks(part: Tensor, dim: int, size: int, group: dist.ProcessGroup) -> Tensor:
+    """The tensor of `size` along `dim` whose `torch.chunk` parts the ranks of `group` hold (padded on the wire)."""
+    world = dist.get_world_size(group)
+    chunk = -(-size // world)
+    rows = part.movedim(dim, 0)
+    padded = rows.new_zeros((chunk, *rows.shape[1:]))
+    padded[: rows.shape[0]] = rows
+    out = padded.new_empty((world * chunk, *rows.shape[1:]))
+    comm.all_gather(out, padded.contiguous(), group)
+    return out[:size].movedim(0, dim).contiguous()
 
 
 def local_part(full: Tensor, ws: WeightShard) -> Tensor:
     """This rank's part of a global-shaped tensor (a mask, an assignment)."""
-    return full.narrow(ws.dim, ws.start, ws.end - ws.start) if ws.group is not None else full
+    return full[ws.index]
 
 
-def all_reduce_(t: Tensor, group: Optional[dist.ProcessGroup], op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
-    """In place over `group` when the parts are spread (a no-op for whole weights)."""
-    if group is not None:
+def all_reduce_(t: Tensor, groups: Sequence[dist.ProcessGroup], op: dist.ReduceOp = dist.ReduceOp.SUM) -> Tensor:
+    """In place over each of `groups` in turn (a no-op for none): a statistic of a weight cut at several levels
+    (tp, then ZeRO rows: `WeightShard.groups`) covers the whole weight after each level's group has reduced it."""
+    for group in groups:
         comm.all_reduce(t, group, op)
     return t
 
@@ -128,12 +138,13 @@ def all_reduce_(t: Tensor, group: Optional[dist.ProcessGroup], op: dist.ReduceOp
 @torch.no_grad()
 def write(ws: WeightShard, full: Tensor, optimizers: Sequence[torch.optim.Optimizer] = (),
           multiply: bool = False) -> None:
-    """Set (or, with `multiply`, scale) the weight to the global-shaped `full`: the optimizer's part, the whole
-    replica the forward reads (ZeRO-1/2), and with `multiply` also the optimizer state of the part (a pruned
+    """Set (or, with `multiply`, scale) the weight to the global-shaped `full`: the optimizer's part, the
+    replica the forward reads (ZeRO-1/2: the whole weight, or under tp its tp slice), and with `multiply` also the optimizer state of the part (a pruned
     weight's Adam moments stay zero, so it does not regrow)."""
     full = full.to(ws.local.device)
     local = local_part(full, ws).to(ws.local.dtype)
-    targets = [(ws.local, local)] + ([(ws.replica, full.to(ws.replica.dtype))] if ws.replica is not None else [])
+    replica = ws.replica
+    targets = [(ws.local, local)] + ([(replica, full[ws.param_index].to(replica.dtype))] if replica is not None else [])
     for tensor, value in targets:  # under ZeRO-1/2 fp32 the part is a view of the replica: idempotent
         if multiply:
             tensor.mul_(value)

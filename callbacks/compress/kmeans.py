@@ -5,7 +5,8 @@ At `start_step` each selected weight is clustered (1-D k-means on the global ten
 [min, max], so every rank gets the same codebook); from then on every weight holds its centroid, and after each
 optimizer step a centroid becomes the mean of its cluster's updated weights (the gradient of a shared weight is
 the sum of its members'). Assignments are fixed. The means are sums and counts over each rank's part, all-reduced
-over the group the strategy names: exact for whole, ZeRO- and TP-sharded weights alike, without a gather.
+over the groups the strategy names (tp, then ZeRO's dp rows of the tp slice): exact for whole, ZeRO-, TP- and
+TP-then-ZeRO-sharded weights alike, without a gather.
 Exported: bits per weight (packed) plus 2^bits fp32 centroids per layer.
 """
 
@@ -74,7 +75,7 @@ class KMeansQuantization(L.Callback):
             stats = torch.zeros(2, k, device=ws.local.device)
             stats[0].index_add_(0, assign, ws.local.detach().float().reshape(-1))
             stats[1].index_add_(0, assign, torch.ones_like(assign, dtype=torch.float32))
-            all_reduce_(stats, ws.group)
+            all_reduce_(stats, ws.groups)
             old = self.codebooks[ws.name]
             sums, counts = stats.cpu()
             self.codebooks[ws.name] = torch.where(counts > 0, sums / counts.clamp(min=1), old)

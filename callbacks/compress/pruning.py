@@ -1,4 +1,4 @@
-"""`Pruning`: magnitude pruning during training on a step schedule, on whole, ZeRO- or TP-sharded weights.
+"""`Pruning`: magnitude pruning during training on a step schedule, on whole, ZeRO-, TP- or TP x ZeRO-sharded weights.
 
 Methods (Zhu & Gupta 2017 for the gradual schedule; Mishra et al. 2021 for N:M):
     unstructured  the |w| below the k-th smallest are zeroed: per layer, or one threshold over all selected layers

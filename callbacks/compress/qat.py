@@ -20,11 +20,12 @@ parts are all-reduced, and every rank takes the same Adam step (`scale_lr`) befo
 No module is swapped while training: each selected linear's `forward` is overridden on the instance, so parameter
 names, checkpoints and every strategy's hooks stay as they are. Under tensor parallelism a row-parallel weight's
 output channel is split over tp: its per-channel absmax is all-reduced (MAX) over the group the strategy names
-(`owned_weights()`); observers are reduced over every rank that runs the layer (all ranks; one pipeline stage's
-under pp, where each microbatch updates them), so those ranks (and a single-process run over the same global
-batch) hold the same range. The checkpoint keeps every stage's observers. `convert` replaces the linears by
-`IntLinear`: packed integer weights (2 bits a ternary weight, 1 a binary one), fp32 scales, an integer-matmul
-reference forward that matches the fake-quant model, and on CPU PyTorch's fbgemm int8 kernel for every width.
+(`owned_weights()`: the splits of the tensor the forward reads, so ZeRO's rows never enter); observers are reduced
+over every rank that runs the layer (all ranks; one pipeline stage's under pp, where each microbatch updates them),
+so those ranks (and a single-process run over the same global batch) hold the same range. The checkpoint keeps
+every stage's observers. `convert` replaces the linears by `IntLinear`: packed integer weights (2 bits a ternary
+weight, 1 a binary one), fp32 scales, an integer-matmul reference forward that matches the fake-quant model, and on
+CPU PyTorch's fbgemm int8 kernel for every width.
 
 Logged every step: `bits/<layer>`, the weight bits the layer trains with (32 before `start_step`). A `start_step`
 the run never reaches is warned about at the start.
@@ -47,7 +48,7 @@ from callbacks.compress.core import DEFAULT_EXCLUDE, all_reduce_, layer_groups, 
     owned_weights, pack_bits, select, unpack_bits, warn_if_never_reached
 from lit_lm.config import ConfigError
 from strategies import comm
-from strategies.base import WeightShard
+from strategies.base import Split, WeightShard
 
 TWN_DELTA = 0.7  # TWN's threshold, in units of mean |w| (optimal for Gaussian or uniform weights, the paper shows)
 
@@ -57,12 +58,12 @@ def qmax(bits: int) -> int:
 
 
 def weight_scale(w: Tensor, bits: int, group_size: Optional[int] = None,
-                 group: Optional[dist.ProcessGroup] = None) -> Tensor:
+                 groups: Sequence[dist.ProcessGroup] = ()) -> Tensor:
     """(out, n_groups) symmetric scales: absmax / qmax per output channel (group_size None) or input group;
-    with `group`, the absmax is the MAX over that group's parts of the row (a TP row-parallel split)."""
+    with `groups`, the absmax is the MAX over their parts of the row (a TP row-parallel split)."""
     size = w.shape[1] if group_size is None else group_size
     amax = w.detach().float().abs().reshape(w.shape[0], -1, size).amax(-1)
-    all_reduce_(amax, group, dist.ReduceOp.MAX)
+    all_reduce_(amax, groups, dist.ReduceOp.MAX)
     return amax.clamp(min=1e-8) / qmax(bits)
 
 
@@ -86,38 +87,38 @@ def check_qat_bits(bits: int, owner: str) -> int:
     return bits
 
 
-def _row_stats(values: Tensor, counted: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
-    """(2, out, groups): sum of `values` and count of `counted` per row group, summed over `group`'s parts."""
+def _row_stats(values: Tensor, counted: Tensor, groups: Sequence[dist.ProcessGroup]) -> Tensor:
+    """(2, out, groups): sum of `values` and count of `counted` per row group, summed over `groups`' parts."""
     stats = torch.stack([values.sum(-1), counted.sum(-1).to(values.dtype)])
-    return all_reduce_(stats, group)
+    return all_reduce_(stats, groups)
 
 
 def twn_codes(w: Tensor, group_size: Optional[int] = None,
-              group: Optional[dist.ProcessGroup] = None) -> tuple[Tensor, Tensor]:
+              groups: Sequence[dist.ProcessGroup] = ()) -> tuple[Tensor, Tensor]:
     """TWN: (codes in {-1, 0, 1} like w, scales (out, n_groups)); threshold 0.7 * mean|w| per channel (or group),
-    scale = mean |w| over the weights above it. With `group`, the row's parts are spread over it (sums reduced)."""
+    scale = mean |w| over the weights above it. With `groups`, the row's parts are spread over them (sums reduced)."""
     size = w.shape[1] if group_size is None else group_size
     rows = w.detach().float().reshape(w.shape[0], -1, size)
-    total, count = _row_stats(rows.abs(), torch.ones_like(rows), group)
+    total, count = _row_stats(rows.abs(), torch.ones_like(rows), groups)
     keep = rows.abs() > (TWN_DELTA * total / count)[..., None]
-    kept_sum, kept = _row_stats(rows.abs() * keep, keep, group)
+    kept_sum, kept = _row_stats(rows.abs() * keep, keep, groups)
     return (torch.sign(rows) * keep).view(w.shape), kept_sum / kept.clamp(min=1)
 
 
 def binary_codes(w: Tensor, group_size: Optional[int] = None,
-                 group: Optional[dist.ProcessGroup] = None) -> tuple[Tensor, Tensor]:
+                 groups: Sequence[dist.ProcessGroup] = ()) -> tuple[Tensor, Tensor]:
     """(codes in {-1, 1} like w (0 -> +1), scales (out, n_groups) = mean |w| per channel or group)."""
     size = w.shape[1] if group_size is None else group_size
     rows = w.detach().float().reshape(w.shape[0], -1, size)
-    total, count = _row_stats(rows.abs(), torch.ones_like(rows), group)
+    total, count = _row_stats(rows.abs(), torch.ones_like(rows), groups)
     return torch.where(rows >= 0, 1.0, -1.0).view(w.shape), total / count
 
 
-def ttq_codes(w: Tensor, threshold: float, group: Optional[dist.ProcessGroup] = None) -> tuple[Tensor, float]:
-    """TTQ: (codes in {-1, 0, 1} like w, the layer's threshold `threshold` * max|w|); with `group`, the layer's
-    parts are spread over it (max reduced)."""
+def ttq_codes(w: Tensor, threshold: float, groups: Sequence[dist.ProcessGroup] = ()) -> tuple[Tensor, float]:
+    """TTQ: (codes in {-1, 0, 1} like w, the layer's threshold `threshold` * max|w|); with `groups`, the layer's
+    parts are spread over them (max reduced)."""
     wd = w.detach().float()
-    delta = threshold * float(all_reduce_(wd.abs().max().reshape(1), group, dist.ReduceOp.MAX))
+    delta = threshold * float(all_reduce_(wd.abs().max().reshape(1), groups, dist.ReduceOp.MAX))
     return torch.sign(wd) * (wd.abs() > delta), delta
 
 
@@ -334,43 +335,42 @@ class QAT(L.Callback):
             if self.group_size is not None and (ws.global_shape[1] % self.group_size or local_in % self.group_size):
                 raise ConfigError(f"QAT.group_size={self.group_size} must divide the input dimension of {name} "
                                   f"({ws.global_shape[1]}, {local_in} on this rank)")
-            # the forward reads a TP shard: layer statistics (TTQ), and a row-parallel shard's per-channel ones,
-            # are reduced over the group the strategy names
-            layer_group = ws.group if ws.param is ws.local and ws.group is not None else None
             self.observers.setdefault(name, torch.full((2,), float("nan")))
             if self.ttq:
                 self.ttq_scales.setdefault(name, torch.full((4, 2), float("nan")))
             self._weights[name] = ws
             module = root.get_submodule(name)
-            module.forward = types.MethodType(self._forward_fn(name, layer_group, ws.dim), module)
+            module.forward = types.MethodType(self._forward_fn(name, ws.param_splits), module)
 
-    def _forward_fn(self, name: str, layer_group: Optional[dist.ProcessGroup], dim: int):  # noqa: ANN202
+    def _forward_fn(self, name: str, splits: Sequence[Split]):  # noqa: ANN202
         def forward(module: nn.Module, x: Tensor) -> Tensor:
             bias = getattr(module, "bias", None)
             if self._step < self.start_step:
                 return F.linear(x, module.weight, bias)
             if self.activations:
                 x = self._quantize_input(name, x, module.training)
-            return F.linear(x, self.fake_weight(name, module.weight, layer_group, dim), bias)
+            return F.linear(x, self.fake_weight(name, module.weight, splits), bias)
         return forward
 
-    def fake_weight(self, name: str, w: Tensor, layer_group: Optional[dist.ProcessGroup] = None,
-                    dim: int = 0) -> Tensor:
-        """The weight as the integer model will hold it, with the straight-through gradient."""
-        row_group = layer_group if dim == 1 and self.group_size is None else None
+    def fake_weight(self, name: str, w: Tensor, splits: Sequence[Split] = ()) -> Tensor:
+        """The weight as the integer model will hold it, with the straight-through gradient. `splits`: how the
+        forward's `w` is cut from the layer (a TP shard): layer statistics (TTQ) are reduced over all their groups,
+        a channel's (or a row-parallel shard's) over those that split the inputs (dim 1)."""
+        layer_groups = [split.group for split in splits]
+        row_groups = [split.group for split in splits if split.dim == 1] if self.group_size is None else []
         if self.bits >= 3:
-            return fake_quant_weight(w, weight_scale(w, self.bits, self.group_size, row_group), self.bits)
+            return fake_quant_weight(w, weight_scale(w, self.bits, self.group_size, row_groups), self.bits)
         if self.bits == 1:
-            return straight_through(w, dequantize(*binary_codes(w, self.group_size, row_group)))
+            return straight_through(w, dequantize(*binary_codes(w, self.group_size, row_groups)))
         if not self.ttq:
-            return straight_through(w, dequantize(*twn_codes(w, self.group_size, row_group)))
-        codes, self._delta[name] = ttq_codes(w, self.ttq_threshold, layer_group)
+            return straight_through(w, dequantize(*twn_codes(w, self.group_size, row_groups)))
+        codes, self._delta[name] = ttq_codes(w, self.ttq_threshold, layer_groups)
         state = self.ttq_scales[name]
         if state.isnan().any():  # first use: the L2-optimal scales for this mask, then learnt
             wd = w.detach().float().abs()
             sums = torch.stack([(wd * (codes > 0)).sum(), (wd * (codes < 0)).sum(), (codes > 0).sum(),
                                 (codes < 0).sum()]).float()
-            sums = all_reduce_(sums, layer_group)
+            sums = all_reduce_(sums, layer_groups)
             state.zero_()
             state[0] = sums[:2] / sums[2:].clamp(min=1)
         w_p, w_n = state[0].to(w.device)
@@ -388,7 +388,7 @@ class QAT(L.Callback):
             w = ws.local.detach().float()
             g = grad.detach().float()
             sums = torch.stack([(g * (w > self._delta[name])).sum(), -(g * (w < -self._delta[name])).sum()])
-            g_scales = all_reduce_(sums, ws.group).cpu() / state[0]
+            g_scales = all_reduce_(sums, ws.groups).cpu() / state[0]
             beta1, beta2 = 0.9, 0.999
             state[3] += 1
             state[1].mul_(beta1).add_(g_scales, alpha=1 - beta1)
