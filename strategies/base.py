@@ -359,6 +359,15 @@ class BaseStrategy(ParallelStrategy):
         """Every parameter as this rank holds it (same order on all ranks; see `WeightShard`). Default: whole."""
         return whole_weights(self.lightning_module)
 
+    def layer_groups(self) -> list[Optional[dist.ProcessGroup]]:
+        """The groups that together reach every rank running this rank's layers, to reduce a layer's statistic over:
+        the world (None), except under pipeline parallelism, where a layer lives on one stage: there, the stage's
+        own groups (a reduce over the world would pair different stages' layers, and hang)."""
+        layout = self.layout
+        if layout.pp_size == 1:
+            return [None]
+        return [layout.group(name) for name in ("dp", "cp", "tp") if layout.size(name) > 1]
+
     def named_grads(self) -> list[GradPart]:
         """Every parameter's gradient as this rank holds it, under its global name (see `GradPart`): what the
         optimizer steps with, read between the gradient collectives and the update (`on_before_optimizer_step`,

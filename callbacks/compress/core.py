@@ -34,16 +34,12 @@ def owned_weights(trainer: L.Trainer, pl_module: L.LightningModule) -> list[Weig
 
 
 def layer_groups(trainer: L.Trainer) -> list[Optional[dist.ProcessGroup]]:
-    """The groups to reduce a statistic of one layer over, so that it covers every rank that runs the layer: the
-    world (None), except under pipeline parallelism, where a layer lives on one stage: there, that stage's data-
-    and tensor-parallel groups (reducing over the world would pair different stages' layers, and hang)."""
+    """The groups to reduce a statistic of one layer over (`BaseStrategy.layer_groups`: the world but under
+    pipeline parallelism); none in one process."""
     if not (dist.is_available() and dist.is_initialized()) or trainer.world_size == 1:
         return []
     strategy = trainer.strategy
-    if isinstance(strategy, BaseStrategy) and strategy.layout.pp_size > 1:
-        layout = strategy.layout
-        return [g for g, n in ((layout.dp_group, layout.dp_size), (layout.tp_group, layout.tp_size)) if n > 1]
-    return [None]
+    return strategy.layer_groups() if isinstance(strategy, BaseStrategy) else [None]
 
 
 def warn_if_never_reached(trainer: L.Trainer, owner: str, start_step: int, last_step: int) -> None:
