@@ -1,5 +1,6 @@
 """Context parallelism measured beside theory, on CPU processes (gloo): activation memory per rank and the bytes
-each rank sends, for ring and all-gather attention, over sequence lengths and cp sizes.
+each rank sends, for ring and all-gather attention, over sequence lengths and cp sizes; and (`--overlap`) how much
+of the attention's communication hides behind its compute.
 
     python scripts/bench_cp.py --seq-lens 512 1024 2048 4096 --cps 1 2 4 --cap-mib 256 --json runs/bench_cp.json
 
@@ -13,7 +14,23 @@ For each cp size, `cp` processes run one Transformer block of a small model (`--
   layer and step, beside `strategies.cp.comm_theory`. A model of L layers sends L times that per step.
 - with `--cap-mib`: the longest sequence (doubling from the first of `--seq-lens`) whose training step of a 2-layer
   model stays under the cap per rank, measured as the rise of each process's peak RSS (own processes per cp).
-No timing: on a shared 2-core machine the ring's compute/communication overlap cannot be measured honestly.
+
+    python scripts/bench_cp.py --overlap --cps 2 4 --rounds 5 --out runs/bench_cp_overlap.json
+
+`--overlap`: how much of the attention's communication hides behind its compute. One contender per (method, cp),
+each in its own fresh processes, alternated over >= 5 rounds in an order shuffled per round
+(`scripts/bench_runner.py`; median with min-max, load average recorded). A contender times forward + backward of
+the attention op alone (`--overlap-seq-len` tokens, `--overlap-heads` / `--overlap-kv-heads` of `--overlap-head-dim`)
+in three variants, interleaved step by step in a seeded shuffled order so that all three see the same load:
+- `overlap`: the engine as it is (the ring issues the next block's send/receive, attends, then waits);
+- `serial`: every ring pass waits right after it is issued (nothing to overlap). The all-gather's collectives
+  block already, so for it `serial` is the same code as `overlap`: their difference is the noise floor;
+- `nocomm`: the ring passes and the collectives are no-ops that zero-fill their outputs (same shapes; the result
+  is wrong, only the time matters).
+A step's time is the slowest rank's; per variant the median over the `--steps` cycles. Hidden fraction of the
+communication: (serial - overlap) / (serial - nocomm), each difference the median over the cycles of the difference
+within a cycle: 1 fully hidden, 0 fully exposed. The swaps are made here, on `strategies.cp`'s `_ring_pass` and
+`comm` (`variant`): the engine has no benchmark switch.
 """
 
 from __future__ import annotations
@@ -22,22 +39,31 @@ import argparse
 import itertools
 import json
 import os
+import random
 import resource
+import statistics
 import sys
 import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_runner import MARK, run_rounds, summarize, write_json  # noqa: E402
 from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
+from strategies import comm  # noqa: E402
+from strategies import cp as context  # noqa: E402
 from strategies.comm import COMM_LOG  # noqa: E402
-from strategies.cp import (METHODS, comm_theory, parallelize_context, saved_bytes_theory,  # noqa: E402
-                          zigzag_batch, zigzag_positions)
+from strategies.cp import (METHODS, check_seq_len, comm_theory, context_attention,  # noqa: E402
+                          parallelize_context, saved_bytes_theory, zigzag_batch, zigzag_positions)
 from strategies.tp_layers import SavedActivations  # noqa: E402
 
 
@@ -111,6 +137,118 @@ def _worker(rank: int, args: argparse.Namespace, cp: int, port: int, out: str, l
         Path(out).write_text(json.dumps(rows))
 
 
+# -- overlap: the attention step with its communication, serialised, and without --------------------------------
+VARIANTS = ("overlap", "serial", "nocomm")
+_RING_PASS = context._ring_pass
+
+
+def _serial_pass(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, list]:
+    """A ring pass that waits right after it is issued: the attention of the block in hand cannot hide it."""
+    received, works = _RING_PASS(t, group)
+    for work in works:
+        work.wait()
+    return received, []
+
+
+def _no_pass(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, list]:
+    return torch.zeros_like(t), []
+
+
+def _no_collective(output: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    output.zero_()
+
+
+NO_COLLECTIVES = SimpleNamespace(**{**vars(comm), "all_gather": _no_collective, "reduce_scatter": _no_collective})
+
+
+@contextmanager
+def variant(name: str) -> Iterator[None]:
+    """`strategies.cp` with its communication as it is, serialised, or replaced by no-ops (module docstring)."""
+    saved = context._ring_pass, context.comm
+    if name == "serial":
+        context._ring_pass = _serial_pass
+    elif name == "nocomm":
+        context._ring_pass, context.comm = _no_pass, NO_COLLECTIVES
+    try:
+        yield
+    finally:
+        context._ring_pass, context.comm = saved
+
+
+def _time_variants(args: argparse.Namespace, method: str) -> dict[str, float]:
+    """Median step time (forward + backward of the attention op, slowest rank) of each variant, and the hidden
+    fraction. The variants alternate step by step, in an order shuffled per cycle (the same on every rank)."""
+    cp = dist.get_world_size()
+    torch.manual_seed(dist.get_rank())
+    local, d = args.overlap_seq_len // cp, args.overlap_head_dim
+    q = torch.randn(1, args.overlap_heads, local, d, requires_grad=True)
+    k, v = (torch.randn(1, args.overlap_kv_heads, local, d, requires_grad=True) for _ in range(2))
+    grad = torch.randn_like(q)
+    order, times = random.Random(0), {name: [] for name in VARIANTS}
+    for cycle in range(args.warmup + args.steps):
+        names = list(VARIANTS)
+        order.shuffle(names)
+        for name in names:
+            with variant(name):
+                dist.barrier()
+                start = time.perf_counter()
+                context_attention(q, k, v, None, method).backward(grad)
+                elapsed = torch.tensor(time.perf_counter() - start)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            q.grad = k.grad = v.grad = None
+            if cycle >= args.warmup:
+                times[name].append(float(elapsed))
+    step = {name: statistics.median(t) for name, t in times.items()}
+    # differences paired within a cycle (its variants ran back to back, so a drift of the load cancels)
+    comm_s = statistics.median(s - n for s, n in zip(times["serial"], times["nocomm"]))
+    saved_s = statistics.median(s - o for s, o in zip(times["serial"], times["overlap"]))
+    return {"overlap_s": step["overlap"], "serial_s": step["serial"], "nocomm_s": step["nocomm"], "comm_s": comm_s,
+            "saved_s": saved_s, "hidden": saved_s / comm_s if comm_s else 0.0}
+
+
+def _overlap_worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=args.cp)
+    try:
+        metrics = _time_variants(args, args.one)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        print(MARK + json.dumps(metrics), flush=True)
+
+
+def overlap_contenders(args: argparse.Namespace) -> dict[str, list[str]]:
+    """{"METHOD cpN": command} for every method and every cp > 1 of `--cps`."""
+    shape = ["--overlap-seq-len", str(args.overlap_seq_len), "--overlap-heads", str(args.overlap_heads),
+             "--overlap-kv-heads", str(args.overlap_kv_heads), "--overlap-head-dim", str(args.overlap_head_dim),
+             "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    return {f"{method} cp{cp}": [sys.executable, __file__, "--one", method, "--cp", str(cp), *shape]
+            for method in METHODS for cp in args.cps if cp > 1}
+
+
+def _spread(t: dict[str, float], scale: float = 1e3, fmt: str = ".1f") -> str:
+    return f"{t['median'] * scale:{fmt}} ({t['min'] * scale:{fmt}}–{t['max'] * scale:{fmt}})"
+
+
+def overlap_table(run: dict[str, Any]) -> str:
+    """The overlap run (its `--out` JSON) as Markdown: step times in ms and the hidden fraction, median (min–max)."""
+    a, load = run["args"], run["load_1min"]
+    out = [f"Attention op alone, forward + backward: T = {a['overlap_seq_len']}, {a['overlap_heads']} query / "
+           f"{a['overlap_kv_heads']} kv heads of {a['overlap_head_dim']}, batch 1, fp32, gloo; ms per step, median "
+           f"(min–max) over {a['rounds']} rounds", "",
+           "| method | cp | with communication | serialised | communication a no-op | serial − no-op "
+           "| serial − with | hidden |", "|---|---|---|---|---|---|---|---|"]
+    for name, t in sorted(run["summary"].items()):
+        method, cp = name.split(" cp")
+        out.append(f"| {method} | {cp} | {_spread(t['overlap_s'])} | {_spread(t['serial_s'])} | "
+                   f"{_spread(t['nocomm_s'])} | {_spread(t['comm_s'])} | {_spread(t['saved_s'])} | "
+                   f"{_spread(t['hidden'], 100, '.0f')} % |")
+    out.append(f"\nLoad average (1 min) before the runs: {load['min']:.1f}–{load['max']:.1f} (median "
+               f"{load['median']:.1f}) on {run['cpus']} CPUs.")
+    return "\n".join(out)
+
+
 def _free_port() -> int:
     import socket
 
@@ -173,7 +311,34 @@ def main() -> None:
                              "stays under this many MiB per rank; 0: skip")
     parser.add_argument("--max-seq", type=int, default=32768)
     parser.add_argument("--json", type=str, default=None)
+    overlap = parser.add_argument_group("overlap (see the module docstring)")
+    overlap.add_argument("--overlap", action="store_true", help="measure the hidden communication instead, for each "
+                         "method and each cp > 1 of --cps, over --rounds alternated rounds")
+    overlap.add_argument("--overlap-seq-len", type=int, default=512)
+    overlap.add_argument("--overlap-heads", type=int, default=4)
+    overlap.add_argument("--overlap-kv-heads", type=int, default=4)
+    overlap.add_argument("--overlap-head-dim", type=int, default=128)
+    overlap.add_argument("--steps", type=int, default=30, help="timed steps per variant")
+    overlap.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
+    overlap.add_argument("--rounds", type=int, default=5)
+    overlap.add_argument("--seed", type=int, default=0)
+    overlap.add_argument("--out", default="runs/bench_cp_overlap.json")
+    overlap.add_argument("--one", choices=METHODS, help="one contender (what the rounds run): time it at --cp ranks")
+    overlap.add_argument("--cp", type=int, default=2)
+    overlap.add_argument("--table", help="print a saved overlap run (its --out JSON) as Markdown, and exit")
     args = parser.parse_args()
+    if args.table:
+        print(overlap_table(json.loads(Path(args.table).read_text())))
+        return
+    if args.one:
+        check_seq_len(args.overlap_seq_len, args.cp)
+        mp.spawn(_overlap_worker, args=(args, _free_port()), nprocs=args.cp, join=True)
+        return
+    if args.overlap:
+        rounds = run_rounds(overlap_contenders(args), args.rounds, args.seed)
+        write_json(args.out, rounds, summarize(rounds), args=vars(args))
+        print(overlap_table(json.loads(Path(args.out).read_text())))
+        return
     rows: list[dict[str, Any]] = []
     longest: list[dict[str, Any]] = []
     for cp, search in itertools.product(args.cps, (False, True) if args.cap_mib else (False,)):

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,9 +18,9 @@ from kernels.attention import attention_reference
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.model import RotaryEmbedding, Transformer
 from strategies.comm import COMM_LOG
-from strategies.cp import (METHODS, ContextParallelAttention, block_plan, comm_theory, parallelize_context,
-                           saved_bytes_theory, zigzag_batch, zigzag_gather, zigzag_merge, zigzag_positions,
-                           zigzag_split)
+from strategies.cp import (METHODS, ContextParallelAttention, block_plan, comm_theory, context_attention,
+                           parallelize_context, saved_bytes_theory, zigzag_batch, zigzag_gather, zigzag_merge,
+                           zigzag_positions, zigzag_split)
 from strategies.tp_layers import SavedActivations, TPGroup, parallelize_model
 from strategies.zero_engine import ZeroEngine
 
@@ -127,6 +130,36 @@ def test_comm_theory_ring_and_allgather() -> None:
     assert ring["forward"] == gather["forward"] == 3 * 2000
     assert ring["backward"] - gather["backward"] == 4000
     assert comm_theory("ring", 1, 1000, 2) == {"forward": 0.0, "backward": 0.0}
+
+
+def _bench_variants_worker() -> dict[tuple[str, str], Any]:
+    """Each method under each variant of `scripts/bench_cp.py --overlap`: the output and input gradients of one
+    forward + backward, and how many transfers the accounting layer saw."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    bench = importlib.import_module("bench_cp")
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    q, k, v, grad = (torch.randn(1, h, 4, 8, generator=gen) for h in (4, 2, 2, 4))
+    out = {}
+    for method, name in itertools.product(METHODS, bench.VARIANTS):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        COMM_LOG.reset()
+        with bench.variant(name):
+            y = context_attention(*leaves, method=method)
+            y.backward(grad)
+        out[method, name] = ([y.detach(), *(t.grad for t in leaves)], len(COMM_LOG.records))
+    return out
+
+
+def test_bench_overlap_variants_reach_the_engine() -> None:
+    """The overlap benchmark's swaps act on the engine: serialised is the same computation with the same transfers;
+    with communication a no-op nothing is sent and the result is wrong (the other rank's keys never arrive)."""
+    for rank in run_distributed(_bench_variants_worker, 2):
+        for method in METHODS:
+            (real, sent), (serial, serial_sent), (none, none_sent) = (rank[method, name]
+                                                                      for name in ("overlap", "serial", "nocomm"))
+            assert sent > 0 and serial_sent == sent and none_sent == 0, method
+            assert all(torch.equal(a, b) for a, b in zip(real, serial)), method
+            assert not torch.allclose(real[0], none[0]), method
 
 
 def _groups(dp: int, cp: int, tp: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup, dist.ProcessGroup]:

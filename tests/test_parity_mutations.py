@@ -1,9 +1,14 @@
 """The parity harness can fail: engines broken on purpose (inside the worker processes) must be reported.
 
-Each mutation is a classic scale bug that AdamW (invariant to a constant gradient factor) and clipping every step
-would hide from a loss-and-parameters comparison: the harness compares the gradients themselves under plain SGD,
-so the report names step 0, the parameter, and the factor (2 on 2 ranks). The un-mutated twins of these cases
-pass in test_ddp, test_zero and test_ep.
+The first mutations are classic scale bugs that AdamW (invariant to a constant gradient factor) and clipping every
+step would hide from a loss-and-parameters comparison: the harness compares the gradients themselves under plain
+SGD, so the report names step 0, the parameter, and the factor (2 on 2 ranks). The context-parallel ones (cp2 ring)
+are the bugs of a sequence split: gradients reduced without the cp ranks, ring attention's backward with each
+tile's own log-sum-exp, and RoPE positions that do not follow the zigzag tokens are reported at step 0 by the
+gradient of a named parameter (the RoPE bug moves the first loss by less than 1e-5: at initialisation attention
+hardly shapes the logits, its gradients do); a merge that loses the running log-sum-exp by the first batch's loss
+(or, were that within 1e-5, by the gradients).
+The un-mutated twins of these cases pass in test_ddp, test_zero, test_ep and test_composed.
 """
 
 from __future__ import annotations
@@ -13,9 +18,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import Tensor
 
 from parity import MOE, TINY, Case, assert_parity, run_parity
 from strategies import comm, composed, ddp, zero_engine
+from strategies import cp as context
 from strategies.composed import ComposedStrategy
 from strategies.ddp import DataParallelStrategy
 from strategies.ep import ExpertParallelStrategy
@@ -61,19 +69,79 @@ def ep_forgets_division(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ComposedStrategy, "finish_grad_sync", without_division)
 
 
-MUTANTS = {  # case, the parameter the report must name
+def cp_grads_over_dp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dense gradients averaged over dp only, as without cp: each cp rank keeps the gradient of its own tokens."""
+    monkeypatch.setattr(ComposedStrategy, "_dense_group", property(lambda self: "dp"))
+
+
+def ring_backward_tile_lse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ring attention's backward recomputes each tile's probabilities with that tile's own log-sum-exp instead of
+    the merged one (every tile's P then sums to 1); the forward is untouched."""
+    backward = context.block_backward
+
+    def with_tile_lse(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, offset: int,
+                      window: int, backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+        _, tile_lse = context.block_forward(q, k, v, offset, window, backend)
+        return backward(q, k, v, do, tile_lse, delta, offset, window, backend)
+
+    monkeypatch.setattr(context, "block_backward", with_tile_lse)
+
+
+def rope_positions_contiguous(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The zigzag tokens, rotated by RoPE at the positions of a contiguous split (rank r: r·L ... r·L + L − 1)."""
+    split = context.zigzag_batch
+
+    def contiguous(inputs: Tensor, targets: Tensor, group: object = None) -> tuple[Tensor, Tensor, Tensor, float]:
+        x, y, positions, weight = split(inputs, targets, group)
+        return x, y, torch.arange(len(positions)) + dist.get_rank(group) * len(positions), weight
+
+    monkeypatch.setattr(context, "zigzag_batch", contiguous)
+
+
+def merge_keeps_lse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The online-softmax merge rescales the output but does not write back the merged log-sum-exp."""
+    merge = context.merge_into
+
+    def stale(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
+        before = lse.clone()
+        merge(out, lse, block_out, block_lse)
+        lse.copy_(before)
+
+    monkeypatch.setattr(context, "merge_into", stale)
+
+
+def _doubled(parameter: str) -> str:
+    """The report of a gradient scaled by 2 on 2 ranks."""
+    return rf"step 0 rank \d: gradient of {parameter}.*ratio of norms 2\.0000"
+
+
+def _cp2(mutation: object, label: str) -> Case:
+    return Case(partial(ComposedStrategy, context_parallel_size=2), mutation=mutation, label=f"cp2 ring, {label}")
+
+
+GRADIENT = r"step 0 rank \d: gradient of model\.\S+ differs"
+MUTANTS = {  # case, the report it must raise
     "grad_sync_sums": (Case(partial(DataParallelStrategy, bucket_cap_mb=0.01), mutation=grad_sync_sums,
-                            label="lm_ddp, GradSync sums"), r"model\.\w+"),
+                            label="lm_ddp, GradSync sums"), _doubled(r"model\.\w+")),
     "zero2_doubled": (Case(partial(ZeroStrategy, stage=2), mutation=zero_reduce_scatter_doubled,
-                           label="zero2, reduce-scatter doubled"), r"model\.\w+"),
+                           label="zero2, reduce-scatter doubled"), _doubled(r"model\.\w+")),
     "zero3_doubled_adamw": (Case(partial(ZeroStrategy, stage=3), optimizer="adamw",
                                  mutation=zero_reduce_scatter_doubled, label="zero3 AdamW, reduce-scatter doubled"),
-                            r"model\.\w+"),
+                            _doubled(r"model\.\w+")),
     "ep_no_division": (Case(partial(ExpertParallelStrategy, expert_parallel_size=2), model=MOE,
-                            mutation=ep_forgets_division, label="ep2, no / ep"), r"model\.blocks\.1\.mlp\.experts\.w_"),
+                            mutation=ep_forgets_division, label="ep2, no / ep"),
+                       _doubled(r"model\.blocks\.1\.mlp\.experts\.w_")),
     "pp_tied_doubled": (Case(partial(PipelineStrategy, microbatches=2), model=dict(TINY, tie_embeddings=True),
-                             mutation=pp_tied_doubled,
-                             label="pp2, tied embedding reduced twice over"), r"model\.tok_embeddings\.weight"),
+                             mutation=pp_tied_doubled, label="pp2, tied embedding reduced twice over"),
+                        _doubled(r"model\.tok_embeddings\.weight")),
+    "cp_grads_over_dp": (_cp2(cp_grads_over_dp, "gradients averaged over dp, not dp x cp"),
+                         GRADIENT),
+    "cp_ring_backward_tile_lse": (_cp2(ring_backward_tile_lse, "backward with each tile's own lse"),
+                                  GRADIENT),
+    "cp_rope_contiguous": (_cp2(rope_positions_contiguous, "RoPE positions of a contiguous split"),
+                           GRADIENT),
+    # the loss moves by 1.6e-5 (relative) at step 0, barely past 1e-5; were it not, the gradients (non-finite) would
+    "cp_merge_keeps_lse": (_cp2(merge_keeps_lse, "merge without the new lse"), rf"batch 0 rank \d: loss|{GRADIENT}"),
 }
 
 
@@ -84,6 +152,5 @@ def mutant_runs() -> dict[str, dict]:
 
 @pytest.mark.parametrize("name", list(MUTANTS))
 def test_harness_reports_the_mutant(mutant_runs: dict[str, dict], name: str) -> None:
-    parameter = MUTANTS[name][1]
-    with pytest.raises(AssertionError, match=rf"step 0 rank \d: gradient of {parameter}.*ratio of norms 2\.0000"):
+    with pytest.raises(AssertionError, match=MUTANTS[name][1]):
         assert_parity(mutant_runs[name])
