@@ -272,6 +272,11 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
 
 
 # -- activations -----------------------------------------------------------------------------------------------
+def rope_table_bytes(cfg: ModelConfig, t: int) -> int:
+    """The RoPE cos and sin tables one block saves, fp32: whole on every tp rank (positions are not split)."""
+    return t * cfg.head_dim * 4
+
+
 def _block_activations(cfg: ModelConfig, layer: int, b: int, t: int, layout: Layout, abytes: int,
                        autocast: bool) -> int:
     """Bytes one block saves for backward on one rank for b sequences of t positions (t already split by cp).
@@ -281,7 +286,7 @@ def _block_activations(cfg: ModelConfig, layer: int, b: int, t: int, layout: Lay
     d, kv, h = cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg.n_heads
     bt = b * t
     norm = (2 * bt * d * 4 + bt * 4) // sp  # RMSNorm: its input and normalised value, 1/rms: fp32
-    rope = t * cfg.head_dim * 4  # cos and sin tables, each block its own
+    rope = rope_table_bytes(cfg, t)
     attn = (3 if autocast else 1) * bt * d * abytes + ((2 * bt * d + 2 * bt * kv) * abytes + b * h * t * 4) // tp + rope
     if cfg.is_moe_layer(layer):
         k, f, e = cfg.moe_top_k, cfg.moe_d_ff, cfg.moe_experts

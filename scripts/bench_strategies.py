@@ -54,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runner import MARK, run_rounds, summarize, write_json  # noqa: E402
 from lit_lm.config import ModelConfig  # noqa: E402
-from lit_lm.estimate import Layout, Workload, estimate  # noqa: E402
+from lit_lm.estimate import Layout, Workload, estimate, rope_table_bytes  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
 from lit_lm.plan import strategy_args  # noqa: E402
 from strategies.comm import COMM_LOG, wire_factor  # noqa: E402
@@ -242,10 +242,10 @@ def block_activations(config: ModelConfig, args: argparse.Namespace, rank: int) 
 
 def print_activations(acts: dict[str, dict[str, int]], config: ModelConfig, args: argparse.Namespace) -> None:
     """Theory from the tp=1 measurement: the regions' inner activations split by heads / hidden features (1/N);
-    their inputs, saved after the entry collective, stay whole (2 x B T d per block); the norms (and the
-    residual stream they save) shrink by 1/N only under SP."""
+    their inputs, saved after the entry collective, stay whole (2 x B T d per block), as do the RoPE tables; the
+    norms (and the residual stream they save) shrink by 1/N only under SP."""
     n, base = args.devices, acts["tp=1"]
-    inputs = 2 * args.global_batch * args.seq_len * config.d_model * 4
+    inputs = 2 * args.global_batch * args.seq_len * config.d_model * 4 + rope_table_bytes(config, args.seq_len)
     theory = {"tp=1": base, f"tp={n}": {"norms": base["norms"], "regions": (base["regions"] - inputs) / n + inputs},
               f"tp={n}+SP": {"norms": base["norms"] / n, "regions": (base["regions"] - inputs) / n + inputs}}
     print(f"\nsaved activations of one block per rank (fp32), B={args.global_batch} T={args.seq_len} "
