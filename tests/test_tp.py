@@ -290,9 +290,8 @@ def _phi_local(run: str) -> int:
 def test_strategy_matches_single_process_and_reshards_checkpoints(tmp_path: Path) -> None:
     runs = ["tp2_sp", "tp2"]
     step_k = f"epoch=0-step={K}.ckpt"
-    tp_runs = run_distributed(_fit_all, 2, [dict(run=runs[0], devices=2, tp=2, ckpt_dir=str(tmp_path)),
-                                            *(dict(run=run, devices=2, tp=2) for run in runs[1:]),
-                                            dict(run="dp2_tp2_sp_clip", devices=2, ckpt_dir=str(tmp_path / "tp1"))],
+    tp_runs = run_distributed(_fit_all, 2, [*(dict(run=run, devices=2, tp=2) for run in runs),
+                                            dict(run="dp2_tp2_sp_clip", devices=2)],
                               init_process_group=False)[0]
     for name, run in zip(runs, tp_runs):
         ref = _fit(name)
@@ -307,21 +306,18 @@ def test_strategy_matches_single_process_and_reshards_checkpoints(tmp_path: Path
     _assert_same(tp_runs[-1], ref_clip)  # dp=2 x tp=1
     single_file = tmp_path / "single" / step_k
     assert single_file.is_file()
-    full, from_tp2, from_single, zero2, zero1_from_tp1, from_zero = run_distributed(_fit_all, 4, [
+    # (the resume matrix crosses every other pair of layouts: test_resume_matrix.py)
+    full, from_single, zero2, from_zero = run_distributed(_fit_all, 4, [
         dict(run="dp2_tp2_sp", devices=4, tp=2),
-        dict(run="tp2_sp", devices=4, resume=str(tmp_path / step_k)),  # a tp=2 checkpoint on dp=4 x tp=1
         dict(run="dp2_tp2_sp", devices=4, tp=2, resume=str(single_file)),  # single-process on dp=2 x tp=2
         dict(run="dp2_tp2_sp_clip", devices=4, tp=2, zero_stage=2, ckpt_dir=str(tmp_path / "zero2")),
-        dict(run="dp2_tp2_sp_clip", devices=4, tp=2, zero_stage=1, resume=str(tmp_path / "tp1" / step_k)),
         dict(run="dp2_tp2_sp_clip", devices=4, resume=str(tmp_path / "zero2" / step_k)),  # to dp=4 x tp=1
     ], init_process_group=False)[0]
     _assert_same(full, ref)
-    _assert_same(from_tp2, tp_runs[0], first=K)
     _assert_same(from_single, ref, first=K)
     _assert_same(zero2, ref_clip)
     torch.testing.assert_close(torch.tensor(zero2["grad_norms"]), torch.tensor(ref_clip["grad_norms"]), rtol=1e-5,
                                atol=0)
-    _assert_same(zero1_from_tp1, ref_clip, first=K)
     _assert_same(from_zero, ref_clip, first=K)
     # over tp: the SP collectives of half the global batch; over dp: one average of this rank's gradient shards
     for step in full["comm"]:
