@@ -152,13 +152,20 @@ class FlatStep:
         self._saved, self._live = [], []
 
     def _install_views(self, fs: FlatShard) -> None:
-        """Per-member state entries as views of the flat state (what checkpoints and callbacks read); scalars such
-        as Adam's `step` are shared."""
+        """Per-member state entries as views of the flat state (what checkpoints and callbacks read). Scalars such
+        as Adam's `step` stay one tensor per member, as torch keeps them, brought up to date by one copy."""
+        state = self.optimizer.state
+        if fs.installed[0] is not None and all(state.get(m) is i for m, i in zip(fs.members, fs.installed)):
+            for key, value in fs.state.items():
+                if isinstance(value, Tensor) and value.dim() == 0:
+                    torch._foreach_copy_([i[key] for i in fs.installed], [value] * len(fs.members))
+            return
         split = {k: fs.views(v) for k, v in fs.state.items() if isinstance(v, Tensor) and v.numel() == fs.numel
                  and v.dim() == 1}
         for i, m in enumerate(fs.members):
-            entry = {k: split[k][i] if k in split else v for k, v in fs.state.items()}
-            self.optimizer.state[m] = entry
+            entry = {k: split[k][i] if k in split else v.clone() if isinstance(v, Tensor) else v
+                     for k, v in fs.state.items()}
+            state[m] = entry
             fs.installed[i] = entry
 
 
