@@ -29,7 +29,10 @@ result into the gradient shard (as DeepSpeed's ZeRO-2 does): the gradients never
 during a backward, so the memory above holds for any `accumulate_grad_batches`, at the cost of one reduce-scatter
 per micro-step instead of one per step (see docs/zero.md). Stage 1 keeps full gradients anyway and reduces once,
 at the end of the window. Frozen parameters (requires_grad=False) get no gradient shard, so an optimizer that
-holds them leaves them alone, as torch's optimizers leave a parameter whose grad is None. Stage 3 gathers a unit
+holds them leaves them alone, as torch's optimizers leave a parameter whose grad is None. Once the optimizer is
+sharded, an elementwise optimizer steps one flat tensor per param group (`strategies/zero_flat.py`): stages 2-3
+write the reduced shards into one flat fp32 gradient buffer, and separate master shards are views of one flat
+master buffer (`flatten`). Stage 3 gathers a unit
 in a forward pre-hook and, through an identity autograd function on its output, again just before its backward,
 prefetching the next unit, and frees it right after.
 """
