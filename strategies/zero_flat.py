@@ -46,7 +46,7 @@ class FlatShard:
     master: Optional[Tensor]  # persistent flat (members are views of it), or None: a transient one per step
     grad: Optional[Tensor]  # persistent flat gradient (stages 2-3), or None: copied in per step
     state: dict[str, Any] = field(default_factory=dict)  # the optimizer's state for the flat tensor
-    installed: list[Optional[dict]] = field(default_factory=list)  # the per-member state dicts made views of it
+    installed: list[Optional[dict]] = field(init=False)  # the per-member state dicts made views of it
 
     def __post_init__(self) -> None:
         self.numel = sum(m.numel() for m in self.members)
@@ -64,11 +64,8 @@ class FlatStep:
         self.flats = flats
         self._saved: list[list[Tensor]] = []
         self._live: list[tuple[FlatShard, Tensor]] = []
-        self._hooks = [optimizer.register_step_pre_hook(self._before), optimizer.register_step_post_hook(self._after)]
-
-    def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
+        optimizer.register_step_pre_hook(self._before)
+        optimizer.register_step_post_hook(self._after)
 
     def _before(self, optimizer: Optimizer, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         """Swap in the flats. A closure (Lightning passes its forward and backward as one) runs first: the
