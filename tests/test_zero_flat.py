@@ -1,7 +1,8 @@
 """ZeRO's flat optimizer step (`strategies/zero_flat.py`) against the per-parameter step it replaces, engine only.
 
 Per stage, on 2 gloo ranks: the same training (two param groups with different lr and weight decay, a frozen
-weight inside the decay group, gradient accumulation, zero_grad to None and to zeros) with the flat step and with
+weight inside the decay group, gradient accumulation, zero_grad to None and to zeros; fp32, and bf16 parameters
+with fp32 master shards under stages 1-2) with the flat step and with
 torch's per-parameter step must give the same master shards; the optimizer must really have stepped flat tensors
 (one per group), the gradients (stages 2-3) and the optimizer state must be views of one flat buffer each, with
 the gradient bytes exactly Φ_trainable/N·4, and a state saved and loaded mid-run (torch's per-parameter
@@ -27,9 +28,9 @@ FROZEN = "blocks.0.attn.wq.weight"
 STEPS, ACCUMULATE = 4, 2
 
 
-def _build(stage: int, optimizer: str) -> tuple[Transformer, ZeroEngine, torch.optim.Optimizer]:
+def _build(stage: int, optimizer: str, dtype: torch.dtype) -> tuple[Transformer, ZeroEngine, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(**TINY))
+    model = Transformer(ModelConfig(**TINY)).to(dtype)
     model.get_parameter(FROZEN).requires_grad_(False)
     engine = ZeroEngine(model, stage)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -62,8 +63,8 @@ def _masters(engine: ZeroEngine) -> dict[str, torch.Tensor]:
     return {sp.fqn: sp.master.detach().clone() for sp in engine.sharded_params()}
 
 
-def _train(stage: int, optimizer: str) -> dict[str, Any]:
-    model, engine, opt = _build(stage, optimizer)
+def _train(stage: int, optimizer: str, dtype: torch.dtype) -> dict[str, Any]:
+    model, engine, opt = _build(stage, optimizer, dtype)
     frozen = next(sp for sp in engine.sharded_params() if sp.fqn == FROZEN)
     frozen_before = frozen.master.detach().clone()
     seen: list[list[int]] = []
@@ -78,7 +79,7 @@ def _train(stage: int, optimizer: str) -> dict[str, Any]:
                       for key in opt.state[sp.master] if opt.state[sp.master][key] is not None
                       and opt.state[sp.master][key].dim() > 0}
     # a fresh run loads the state of step 2 (per-parameter, as a checkpoint holds it) and does steps 2-3
-    model2, engine2, opt2 = _build(stage, optimizer)
+    model2, engine2, opt2 = _build(stage, optimizer, dtype)
     with torch.no_grad():
         for sp in engine2.sharded_params():
             sp.master.copy_(saved[1][sp.fqn])
@@ -93,12 +94,15 @@ def _train(stage: int, optimizer: str) -> dict[str, Any]:
 
 
 def _both(stage: int) -> dict[str, tuple[dict, dict]]:
+    """AdamW and SGD on fp32 parameters; under stages 1-2 also AdamW on bf16 ones (separate fp32 master shards:
+    views of the flat master buffer)."""
     out = {}
-    for optimizer in ("adamw", "sgd"):
-        flat = _train(stage, optimizer)
+    runs = [("adamw", torch.float32), ("sgd", torch.float32)] + [("adamw", torch.bfloat16)] * (stage < 3)
+    for optimizer, dtype in runs:
+        flat = _train(stage, optimizer, dtype)
         elementwise, zero_flat.ELEMENTWISE = zero_flat.ELEMENTWISE, ()  # the per-parameter step, as before
         try:
-            out[optimizer] = (flat, _train(stage, optimizer))
+            out[f"{optimizer} {dtype}"] = (flat, _train(stage, optimizer, dtype))
         finally:
             zero_flat.ELEMENTWISE = elementwise
     return out
@@ -119,7 +123,7 @@ def test_flat_step_equals_per_parameter_step(stage: int) -> None:
             assert per_param["seen"][0][0] > 10, where
             assert flat["frozen_unchanged"] and not flat["frozen_state"], where
             # optimizer state: one flat tensor per key and group (AdamW m, v; SGD momentum)
-            assert flat["state_storages"] == 2 * (flat["state_keys"] - (optimizer == "adamw")), where
+            assert flat["state_storages"] == 2 * (flat["state_keys"] - optimizer.startswith("adamw")), where
             if stage >= 2:  # the gradients live in one flat buffer of exactly Φ_trainable / N
                 assert len(flat["grad_storages"]) == 1, where
                 assert flat["grad_bytes"] == 4 * flat["phi_trainable"], where
