@@ -14,8 +14,8 @@ Where the figures come from, so that they match what the strategies allocate and
 - shapes: the model built on the meta device (the same `Transformer`), its `tensor_parallel_plan()` and
   `expert_plan()`; shards use `torch.chunk` rows (the largest shard, rank 0 of each group, is reported);
 - model state: the ZeRO engine's layout (`strategies.zero_engine`): fp32 master rows, Adam m and v at shard size
-  (plus one 4-byte `step` per tensor, as torch keeps it), stage >= 2 gradients in one padded buffer per unit
-  (the root or one block); without ZeRO, gradients and optimizer state of the whole local model;
+  (plus one 4-byte `step` per tensor, as torch keeps it), stage >= 2 gradients in one flat fp32 buffer of the
+  owned rows (the flat optimizer step's); without ZeRO, gradients and optimizer state of the whole local model;
 - activations: the tensors this model's autograd saves, counted from the code (`model.py`): per block
   attention 3btd + 2b t kv (activation dtype) + the fp32 softmax statistics b h t, MLP btd + 4btf, each RMSNorm
   2btd + bt in fp32; tensor parallelism splits the regions' insides, sequence parallelism also the norms;
@@ -259,8 +259,9 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
         local = sum(mine * row for _, mine, row in rows)
         full = sum(math.prod(s) for s in shapes)
         rank.params += full * pbytes * (stage < 3) + local * 4 * (stage == 3 or master_copy)
-        rank.grads += full * pbytes if stage == 1 else segment * pbytes
-        rank.grads += local * 4 if master_copy else 0
+        # stage 1: the full gradient (and an fp32 copy of the owned rows below fp32); stages 2-3: the reduced rows
+        # in the flat fp32 gradient buffer of the optimizer step (strategies/zero_flat.py)
+        rank.grads += full * pbytes + local * 4 * master_copy if stage == 1 else local * 4
         rank.optimizer += 2 * local * 4 + 4 * len(shapes)
         gathers = 2 * accumulate if stage == 3 else 1
         reduces = accumulate if stage >= 2 else 1

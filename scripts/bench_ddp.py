@@ -29,6 +29,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -58,44 +59,74 @@ class _Done:
         return True
 
 
-def _no_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> _Done:
+def _no_op(output: torch.Tensor, *args: Any, fill: bool = False, **kwargs: Any) -> _Done:
+    """A collective that does not communicate: its output is left as it is (the all-reduce's local gradient) or,
+    with `fill`, zero-filled (a reduce-scatter's fresh shard: uninitialised memory may hold NaNs or denormals,
+    which would slow the arithmetic that follows)."""
+    if fill:
+        output.zero_()
     return _Done()
 
 
-NO_COMM = SimpleNamespace(**{**vars(comm), "all_reduce": _no_all_reduce})
-
-
 class AlternateComm(L.Callback):
-    """Odd steps run with GradSync's all-reduce a no-op (the replicas drift apart: only the time matters)."""
+    """Odd steps run with `op` of the engine module `engine` (its `comm`) a no-op (the replicas drift apart: only the
+    time matters). Default: GradSync's all-reduce."""
+
+    def __init__(self, engine: Any = ddp, op: str = "all_reduce") -> None:
+        no_op = partial(_no_op, fill=op == "reduce_scatter")
+        self.engine, self.no_comm = engine, SimpleNamespace(**{**vars(comm), op: no_op})
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        ddp.comm = NO_COMM if batch_idx % 2 else comm
+        self.engine.comm = self.no_comm if batch_idx % 2 else comm
+
+
+def _time_alone(op: str, numel: int, device: torch.device) -> Any:
+    """A closure running `op` (as `strategies.comm` records it: `numel` elements of the full tensor) once."""
+    world = dist.get_world_size()
+    if op == "all_reduce":
+        buffer = torch.zeros(numel, device=device)
+        return lambda: dist.all_reduce(buffer)
+    full, shard = torch.zeros(numel, device=device), torch.zeros(numel // world, device=device)
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(shard, full)
+    return lambda: dist.all_gather_into_tensor(full, shard)
 
 
 class CommAlone(L.Callback):
-    """The last step's gradient all-reduces (sizes as recorded by `strategies.comm`), timed on their own at the end
-    of training: serial, synchronous, nothing to overlap. The median of `reps`."""
+    """The last step's collectives `op` whose label starts with `label` (sizes as recorded by `strategies.comm`),
+    timed on their own at the end of training: serial, synchronous, nothing to overlap. The median of `reps`."""
 
-    def __init__(self, reps: int = 10) -> None:
-        self.reps, self.sizes, self.seconds = reps, [], None
+    def __init__(self, reps: int = 10, op: str = "all_reduce", label: str = LABEL) -> None:
+        self.reps, self.op, self.label, self.sizes, self.seconds = reps, op, label, [], None
 
     @override
     def on_train_batch_end(self, *args: Any) -> None:
-        self.sizes = [r.numel for r in COMM_LOG.records if r.label == LABEL] or self.sizes  # not the no-op steps
+        self.sizes = [r.numel for r in COMM_LOG.records if r.op == self.op and r.label.startswith(self.label)
+                      ] or self.sizes  # not the no-op steps
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        buffers = [torch.zeros(n, device=pl_module.device) for n in self.sizes]
+        runs = [_time_alone(self.op, n, pl_module.device) for n in self.sizes]
         times = []
         for _ in range(self.reps):
             dist.barrier()
             start = time.perf_counter()
-            for b in buffers:
-                dist.all_reduce(b)
+            for run in runs:
+                run()
             times.append(time.perf_counter() - start)
         self.seconds = statistics.median(times)
+
+
+def overlap_metrics(steady: list[float], warmup: int, alone: CommAlone) -> dict[str, Any]:
+    """The steady steps of an `AlternateComm` run (step i is batch warmup + i: even batches communicated) against
+    the collectives alone: the fraction hidden, 1 - (step - step without them) / them alone."""
+    steps = [t for i, t in enumerate(steady, warmup) if i % 2 == 0]
+    without = [t for i, t in enumerate(steady, warmup) if i % 2 == 1]
+    step, nocomm = statistics.median(steps), statistics.median(without)
+    return {"step_s": step, "nocomm_s": nocomm, "comm_s": alone.seconds, "buckets": len(alone.sizes),
+            "hidden": 1 - (step - nocomm) / alone.seconds}
 
 
 def strategy(kind: str, bucket_cap_mb: float) -> Any:
@@ -114,12 +145,8 @@ def worker_one(rank: int, args: argparse.Namespace, port: int, accelerator: str)
         return
     metrics = {"tokens_per_s": args.global_batch * args.seq_len / r["step_s"], "step_s": r["step_s"],
                "grad_bytes": r["memory"].get("grads")}
-    if overlap:  # steady step i is batch args.warmup + i: even batches communicated
-        steps = [t for i, t in enumerate(r["steady_s"], args.warmup) if i % 2 == 0]
-        without = [t for i, t in enumerate(r["steady_s"], args.warmup) if i % 2 == 1]
-        step, nocomm = statistics.median(steps), statistics.median(without)
-        metrics = {"step_s": step, "nocomm_s": nocomm, "comm_s": alone.seconds, "buckets": len(alone.sizes),
-                   "hidden": 1 - (step - nocomm) / alone.seconds}
+    if overlap:
+        metrics = overlap_metrics(r["steady_s"], args.warmup, alone)
     print(MARK + json.dumps(metrics), flush=True)
 
 

@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -102,9 +103,13 @@ def theory(name: str, config: ModelConfig, n: int, tokens: int) -> tuple[float, 
 
 
 class BenchLM(L.LightningModule):
-    def __init__(self, config: ModelConfig, fsdp2: bool, adamw: Optional[dict[str, Any]] = None) -> None:
+    """`zero_redundancy`: AdamW inside torch's `ZeroRedundancyOptimizer` (optimizer state sharded over the ranks;
+    with Lightning's `ddp`, the reference for ZeRO-1/2)."""
+
+    def __init__(self, config: ModelConfig, fsdp2: bool, adamw: Optional[dict[str, Any]] = None,
+                 zero_redundancy: bool = False) -> None:
         super().__init__()
-        self.config, self.fsdp2, self.adamw = config, fsdp2, adamw or {}
+        self.config, self.fsdp2, self.adamw, self.zero_redundancy = config, fsdp2, adamw or {}, zero_redundancy
         self.model: Transformer | None = None
 
     def configure_model(self) -> None:
@@ -122,6 +127,8 @@ class BenchLM(L.LightningModule):
         return self.model.loss(tokens[:, :-1], tokens[:, 1:])[0]
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.zero_redundancy:
+            return ZeroRedundancyOptimizer(self.parameters(), torch.optim.AdamW, lr=1e-4, **self.adamw)
         return torch.optim.AdamW(self.parameters(), lr=1e-4, **self.adamw)
 
 
@@ -196,7 +203,8 @@ def make_strategy(name: str, n: int) -> Any:
 
 
 def run_one(name: str, args: argparse.Namespace, config: ModelConfig, accelerator: str, strategy: Any = None,
-            adamw: Optional[dict[str, Any]] = None, callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
+            adamw: Optional[dict[str, Any]] = None, callbacks: Sequence[L.Callback] = (),
+            zero_redundancy: bool = False) -> dict[str, Any]:
     """Fit `args.steps` steps under `strategy` (default: the contender `name`'s); median steady step and more."""
     rank, n = int(os.environ["LOCAL_RANK"]), args.devices
     strategy = strategy or make_strategy(name, n)
@@ -206,7 +214,7 @@ def run_one(name: str, args: argparse.Namespace, config: ModelConfig, accelerato
     tokens = torch.randint(0, config.vocab_size, (local * args.steps, args.seq_len + 1), generator=gen)
     loader = DataLoader(TensorDataset(tokens), batch_size=local)
     L.seed_everything(0, verbose=False)
-    module = BenchLM(config, fsdp2=name == "fsdp2", adamw=adamw)
+    module = BenchLM(config, fsdp2=name == "fsdp2", adamw=adamw, zero_redundancy=zero_redundancy)
     device = torch.device("cuda", rank) if accelerator == "gpu" else torch.device("cpu")
     probe = LayoutProbe(device) if name in COMPOSED else Probe(device)
     trainer = L.Trainer(accelerator=accelerator, devices=n, strategy=strategy, max_steps=args.steps,

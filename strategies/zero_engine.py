@@ -29,7 +29,10 @@ result into the gradient shard (as DeepSpeed's ZeRO-2 does): the gradients never
 during a backward, so the memory above holds for any `accumulate_grad_batches`, at the cost of one reduce-scatter
 per micro-step instead of one per step (see docs/zero.md). Stage 1 keeps full gradients anyway and reduces once,
 at the end of the window. Frozen parameters (requires_grad=False) get no gradient shard, so an optimizer that
-holds them leaves them alone, as torch's optimizers leave a parameter whose grad is None. Stage 3 gathers a unit
+holds them leaves them alone, as torch's optimizers leave a parameter whose grad is None. Once the optimizer is
+sharded, an elementwise optimizer steps one flat tensor per param group (`strategies/zero_flat.py`): stages 2-3
+write the reduced shards into one flat fp32 gradient buffer, and separate master shards are views of one flat
+master buffer (`flatten`). Stage 3 gathers a unit
 in a forward pre-hook and, through an identity autograd function on its output, again just before its backward,
 prefetching the next unit, and frees it right after.
 """
@@ -47,6 +50,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from strategies import comm
 from strategies.plan import find_block_model
+from strategies.zero_flat import FlatStep, flat_groups
 
 STAGES = {1: "optimizer state", 2: "optimizer state + gradients", 3: "optimizer state + gradients + parameters"}
 
@@ -70,6 +74,7 @@ class ShardedParam:
     world: int
     offset: int  # start of this parameter's slot inside one rank's segment of the unit buffer
     master: Tensor = field(init=False)
+    grad_view: Optional[Tensor] = field(init=False, default=None)  # stages 2-3, once flat: where its grad lives
 
     def __post_init__(self) -> None:
         if self.param.dim() == 0:
@@ -358,17 +363,37 @@ class ZeroEngine:
         if self.replicate_group is not None:  # HSDP: the same shard of every replica, summed
             comm.all_reduce(recv, self.replicate_group, label=f"zero replicate {unit.name}")
         recv.div_(self.world * self.replicas)  # the mean over ranks of per-rank mean losses = the global-batch mean
+        first: tuple[list[Tensor], list[Tensor]] = ([], [])  # (flat gradient slices, reduced shards) to copy
+        more: tuple[list[Tensor], list[Tensor]] = ([], [])  # ... to add (accumulation)
         for sp in unit.params:
             if not sp.param.requires_grad:
                 continue  # frozen: no gradient, so the optimizer skips it (no weight decay either)
             shard = recv[sp.offset: sp.offset + sp.local_numel].view(sp.master.shape)
             if self.stage == 1 and sp.param.grad is not None:  # the owned rows of the full gradient
                 shard = sp.param.grad[sp.start: sp.end].copy_(shard)
+            if sp.grad_view is not None:  # stages 2-3, flat: the gradient lives in the flat buffer
+                if sp.master.grad is not sp.grad_view:  # the first micro-step since zero_grad(set_to_none=True)
+                    if sp.master.grad is not None:  # a gradient someone replaced: carried over
+                        sp.grad_view.copy_(sp.master.grad)
+                        more[0].append(sp.grad_view)
+                        more[1].append(shard)
+                    else:
+                        first[0].append(sp.grad_view)
+                        first[1].append(shard)
+                    sp.master.grad = sp.grad_view
+                else:  # accumulation (or zero_grad(set_to_none=False), which zeroed the view)
+                    more[0].append(sp.grad_view)
+                    more[1].append(shard)
+                continue
             shard = shard if shard.dtype == sp.master.dtype else shard.to(sp.master.dtype)
             if sp.master.grad is None or self.stage == 1:
                 sp.master.grad = shard
             else:  # stages 2-3 under accumulation: this micro-step's part of the window's gradient
                 sp.master.grad.add_(shard)
+        if first[0]:
+            torch._foreach_copy_(*first)
+        if more[0]:
+            torch._foreach_add_(*more)
 
     def _on_grad_ready(self, unit: Unit, sp: ShardedParam) -> None:
         if not self._in_backward:  # the first gradient of this backward
@@ -430,6 +455,34 @@ class ZeroEngine:
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         shard_optimizer(optimizer, [self])
 
+    @torch.no_grad()
+    def flatten(self, groups: list[list[ShardedParam]]) -> list[tuple[Optional[Tensor], Optional[Tensor]]]:
+        """Lay `groups` (trainable shards of this engine, one list per flat) out back to back: stages 2-3 write
+        their reduced gradients into one flat fp32 buffer (`grad_view`), and master shards that are not views of
+        their parameter (stage 3, or parameters below fp32) become views of one flat fp32 master buffer. Returns
+        each group's (flat master or None, flat gradient or None); None: the step copies through a transient
+        flat (`strategies/zero_flat.py`)."""
+        sizes = [sum(sp.local_numel for sp in g) for g in groups]
+        members = [sp for g in groups for sp in g]
+        device = members[0].master.device if members else self.device
+        grad = torch.zeros(sum(sizes), device=device) if self.stage >= 2 and members else None
+        own = bool(members) and all(self.stage == 3 or sp.param.dtype != torch.float32 for sp in members)
+        master = torch.empty(sum(sizes), device=device) if own else None
+        offset = 0
+        for sp in members:
+            span = slice(offset, offset + sp.local_numel)
+            offset += sp.local_numel
+            if grad is not None:
+                sp.grad_view = grad[span].view(sp.master.shape)
+            if master is not None:
+                old, view = sp.master, master[span].view(sp.master.shape)
+                view.copy_(old)
+                sp.master = view.detach().requires_grad_(old.requires_grad)
+                sp.master.grad = old.grad
+        master_of = master.split(sizes) if master is not None else [None] * len(groups)
+        grad_of = grad.split(sizes) if grad is not None else [None] * len(groups)
+        return list(zip(master_of, grad_of))
+
     def finish_grad_sync(self) -> None:
         """After the last backward of an accumulation window: every unit's gradient shard is in `master.grad`.
         Stage 1 (and any stage without `reduce_in_backward`) reduces the accumulated full gradients here; stages 2-3
@@ -477,13 +530,18 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engines: list[ZeroEngine])
     stay attached to the same optimizer object, and its state (m, v) is created at shard size."""
     if optimizer.state:
         raise ValueError("shard the optimizer before its first step: it already holds state")
-    masters = {sp.param: sp.master for engine in engines for sp in engine.sharded_params()}
+    known = {sp.param for engine in engines for sp in engine.sharded_params()}
     for group in optimizer.param_groups:
-        unknown = [p for p in group["params"] if p not in masters]
+        unknown = [p for p in group["params"] if p not in known]
         if unknown:
             raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not parameters of the "
                              "sharded module: build param groups from the model's parameters")
+    flats = flat_groups(optimizer, engines)  # masters may become views of a flat buffer: before reading them
+    masters = {sp.param: sp.master for engine in engines for sp in engine.sharded_params()}
+    for group in optimizer.param_groups:
         group["params"] = [masters[p] for p in group["params"]]
+    if flats is not None:
+        FlatStep(optimizer, flats)
 
 
 def model_state_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
