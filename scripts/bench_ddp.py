@@ -32,7 +32,7 @@ import time
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
@@ -188,14 +188,15 @@ def markdown(run: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def bench_main(p: argparse.ArgumentParser, argv: Optional[list[str]], kinds: list[str], out: str,
+               markdown: Callable[[dict[str, Any]], str], contenders: Callable[[argparse.Namespace], dict[str, list[str]]],
+               worker_one: Callable[..., None]) -> None:
+    """The command line bench_ddp and bench_zero share: `--table` prints a saved run, `--one` runs one contender
+    (what the alternating runner calls), otherwise every contender over the rounds, then the table and the JSON."""
     add_run_args(p)
-    p.add_argument("--one", choices=KINDS, help="run this contender once and print its metrics")
+    p.add_argument("--one", choices=kinds, help="run this contender once and print its metrics")
     p.add_argument("--fused", action="store_true", help="fused AdamW (with --one)")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    p.add_argument("--sweep", type=float, nargs="*", default=[0.25, 1.0], help="more lm_ddp bucket caps (MB)")
-    p.add_argument("--out", default="runs/bench_ddp.json")
+    p.add_argument("--out", default=out)
     p.add_argument("--table", help="print a saved run (its --out JSON) as Markdown, and exit")
     args = p.parse_args(argv)
     if args.table:
@@ -209,6 +210,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     write_json(args.out, rounds, summarize(rounds), **run)
     print(markdown(json.loads(Path(args.out).read_text())))
     print(f"wrote {args.out} ({os.cpu_count()} CPUs)")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    p.add_argument("--sweep", type=float, nargs="*", default=[0.25, 1.0], help="more lm_ddp bucket caps (MB)")
+    bench_main(p, argv, KINDS, "runs/bench_ddp.json", markdown, contenders, worker_one)
 
 
 if __name__ == "__main__":

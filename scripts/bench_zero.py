@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -37,9 +36,9 @@ from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ddp import AlternateComm, CommAlone, _spread, overlap_metrics  # noqa: E402
-from bench_runner import MARK, run_rounds, summarize, write_json  # noqa: E402
-from bench_strategies import _env, _spawn, add_run_args, footer, forwarded, model_config, run_one  # noqa: E402
+from bench_ddp import AlternateComm, CommAlone, _spread, bench_main, overlap_metrics  # noqa: E402
+from bench_runner import MARK  # noqa: E402
+from bench_strategies import _env, footer, forwarded, run_one  # noqa: E402
 from strategies import zero_engine  # noqa: E402
 from strategies.zero import ZeroStrategy  # noqa: E402
 
@@ -109,23 +108,7 @@ def markdown(run: dict[str, Any]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_args(p)
-    p.add_argument("--one", choices=KINDS, help="run this contender once and print its metrics")
-    p.add_argument("--fused", action="store_true", help="fused AdamW (with --one)")
-    p.add_argument("--out", default="runs/bench_zero.json")
-    p.add_argument("--table", help="print a saved run (its --out JSON) as Markdown, and exit")
-    args = p.parse_args(argv)
-    if args.table:
-        print(markdown(json.loads(Path(args.table).read_text())))
-        return
-    if args.one:
-        _spawn(worker_one, args)
-        return
-    rounds = run_rounds(contenders(args), args.rounds, args.seed)
-    run = {"args": vars(args), "phi": model_config(args).num_params()}
-    write_json(args.out, rounds, summarize(rounds), **run)
-    print(markdown(json.loads(Path(args.out).read_text())))
-    print(f"wrote {args.out} ({os.cpu_count()} CPUs)")
+    bench_main(p, argv, KINDS, "runs/bench_zero.json", markdown, contenders, worker_one)
 
 
 if __name__ == "__main__":
