@@ -84,9 +84,11 @@ class FlatStep:
         self._saved, self._live = [], []
         for group, flats in zip(optimizer.param_groups, self.flats):
             self._saved.append(group["params"])
-            in_flat: set[Tensor] = set()
+            present, in_flat = set(group["params"]), set()
             flat_params = []
             for fs in flats:
+                if not all(m in present for m in fs.members):  # hidden from this step (NanGuard's skip)
+                    continue
                 flat = self._prepare(fs)
                 if flat is not None:
                     in_flat.update(fs.members)
