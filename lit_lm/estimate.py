@@ -260,7 +260,7 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
         full = sum(math.prod(s) for s in shapes)
         rank.params += full * pbytes * (stage < 3) + local * 4 * (stage == 3 or master_copy)
         # stage 1: the full gradient (and an fp32 copy of the owned rows below fp32); stages 2-3: the reduced rows
-        # in the flat fp32 gradient buffer of the optimizer step (strategies/zero_flat.py)
+        # in the flat fp32 gradient buffer of the optimizer step (strategies/flat_step.py)
         rank.grads += full * pbytes + local * 4 * master_copy if stage == 1 else local * 4
         rank.optimizer += 2 * local * 4 + 4 * len(shapes)
         gathers = 2 * accumulate if stage == 3 else 1

@@ -13,7 +13,7 @@ Contenders (each in its own fresh processes, alternated over >= 5 rounds in an o
 - `fsdp2`: torch FSDP2 (`fully_shard` per block and on the model, through Lightning's ModelParallelStrategy): the
   reference for ZeRO-3;
 - `zero1`, `zero2`, `zero3`: ours (`strategies/zero_engine.py`, the flat optimizer step of
-  `strategies/zero_flat.py`);
+  `strategies/flat_step.py`);
 - first all with the same AdamW (torch's default: on CPU a per-tensor loop), then each with its best setting
   (`--fused`: fused AdamW; torch DDP with `gradient_as_bucket_view` under ZeroRedundancyOptimizer);
 - `zero2_overlap`, `zero3_overlap`: the overlap measurement of `scripts/bench_ddp.py` (`AlternateComm`,

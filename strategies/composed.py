@@ -49,7 +49,7 @@ from strategies import cp as context
 from strategies import checkpoint as ckpt
 from strategies.base import BaseStrategy, GradPart, Split, WeightShard, _unwrap
 from strategies.clip import GradShards
-from strategies.ddp import GradSync, broadcast_parameters
+from strategies.ddp import GradSync, broadcast_parameters, flat_step
 from strategies.ep import ExpertShard, shard_experts
 from strategies.errors import ConfigError
 from strategies.layout import ParallelDims
@@ -405,9 +405,11 @@ class ComposedStrategy(BaseStrategy):
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
-        if self._engines:
-            for optimizer in self.optimizers:
+        for optimizer in self.optimizers:
+            if self._engines:
                 shard_optimizer(_unwrap(optimizer), self._engines)
+            elif self._syncs:
+                flat_step(_unwrap(optimizer), self._syncs)
 
     @override
     def teardown(self) -> None:
@@ -427,7 +429,7 @@ class ComposedStrategy(BaseStrategy):
     @contextmanager
     def _no_sync(self) -> Generator[None, None, None]:
         with ExitStack() as stack:
-            for sync in self._syncs:
+            for sync in [*self._syncs, *self._engines]:
                 stack.enter_context(sync.no_sync())
             yield
 

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from strategies import comm
+from strategies.flat_step import FlatShard, FlatStep, elementwise
 
 
 def broadcast_parameters(module: nn.Module, group: Optional[dist.ProcessGroup] = None) -> None:
@@ -172,10 +173,48 @@ class GradSync(nn.Module):
             bucket.work = None
         self._next = 0
 
+    @torch.no_grad()
+    def flatten(self, groups: list[set[nn.Parameter]]) -> list[list[FlatShard]]:
+        """For a flat optimizer step (`strategies/flat_step.py`): order each bucket's parameters by the optimizer
+        param group that holds them (a bucket launches once all its gradients are ready, whatever their order
+        inside it) and make them views of one flat buffer per bucket, laid out as its gradient buffer. Returns, per
+        group, one `FlatShard` per bucket holding any of its parameters. Call before the first backward."""
+        which = {p: i for i, g in enumerate(groups) for p in g}
+        out: list[list[FlatShard]] = [[] for _ in groups]
+        for k, bucket in enumerate(self.buckets):
+            params = sorted(bucket.params, key=lambda p: which.get(p, len(groups)))  # stable: backward order kept
+            bucket = self.buckets[k] = _Bucket.of(params)
+            values = torch.empty_like(bucket.flat)
+            starts = [v.storage_offset() for v in bucket.views]
+            for p, start in zip(params, starts):
+                value = values[start: start + p.numel()].view_as(p)
+                value.copy_(p.data)
+                p.data = value
+            for i in range(len(groups)):
+                members = [j for j, p in enumerate(params) if which.get(p) == i]
+                if members:  # consecutive after the sort
+                    span = slice(starts[members[0]], starts[members[-1]] + params[members[-1]].numel())
+                    out[i].append(FlatShard([params[j] for j in members], values[span], bucket.flat[span]))
+        self._slot = {p: (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
+        return out
+
     def remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+def flat_step(optimizer: torch.optim.Optimizer, syncs: list[GradSync]) -> None:
+    """Give `optimizer` a flat step over the parameters `syncs` reduce (`GradSync.flatten`), where it is
+    elementwise; other optimizers (and parameters outside every sync: frozen ones) keep their per-tensor step."""
+    if not elementwise(optimizer):
+        return
+    groups = [set(g["params"]) for g in optimizer.param_groups]
+    flats: list[list[FlatShard]] = [[] for _ in groups]
+    for sync in syncs:
+        for mine, theirs in zip(flats, sync.flatten(groups)):
+            mine.extend(theirs)
+    FlatStep(optimizer, flats)
 
 
 def __getattr__(name: str) -> Any:

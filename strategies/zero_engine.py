@@ -27,10 +27,10 @@ this rank (unused there) is launched with zeros at the end of the backward, so e
 collectives in the same order. Under gradient accumulation they reduce-scatter after *every* backward and add the
 result into the gradient shard (as DeepSpeed's ZeRO-2 does): the gradients never exist in full beyond one unit
 during a backward, so the memory above holds for any `accumulate_grad_batches`, at the cost of one reduce-scatter
-per micro-step instead of one per step (see docs/zero.md). Stage 1 keeps full gradients anyway and reduces once,
-at the end of the window. Frozen parameters (requires_grad=False) get no gradient shard, so an optimizer that
+per micro-step instead of one per step (see docs/zero.md). Stage 1 keeps full gradients anyway: it accumulates
+them locally (`no_sync()`) and reduces once, the same way, during the window's last backward. Frozen parameters (requires_grad=False) get no gradient shard, so an optimizer that
 holds them leaves them alone, as torch's optimizers leave a parameter whose grad is None. Once the optimizer is
-sharded, an elementwise optimizer steps one flat tensor per param group (`strategies/zero_flat.py`): stages 2-3
+sharded, an elementwise optimizer steps one flat tensor per param group (`strategies/flat_step.py`): stages 2-3
 write the reduced shards into one flat fp32 gradient buffer, and separate master shards are views of one flat
 master buffer (`flatten`). Stage 3 gathers a unit
 in a forward pre-hook and, through an identity autograd function on its output, again just before its backward,
@@ -40,8 +40,9 @@ prefetching the next unit, and frees it right after.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Generator, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from strategies import comm
 from strategies.plan import find_block_model
-from strategies.zero_flat import FlatStep, flat_groups
+from strategies.flat_step import FlatShard, FlatStep, elementwise
 
 STAGES = {1: "optimizer state", 2: "optimizer state + gradients", 3: "optimizer state + gradients + parameters"}
 
@@ -173,7 +174,8 @@ class ZeroEngine:
     """Shards `module`'s training state over `group` (the data-parallel group) according to `stage`.
 
     Use: build (meta parameters are materialised here with the model's `init_parameter`), `shard_optimizer(opt)`,
-    then per step: forward/backward (any number of them: accumulation), `finish_grad_sync()`, clip `owned_grads()`,
+    then per step: forward/backward (any number of them: accumulation, all but the last inside `no_sync()`),
+    `finish_grad_sync()`, clip `owned_grads()`,
     `optimizer.step()`, `optimizer.zero_grad()`, `after_step()`.
     """
 
@@ -192,6 +194,8 @@ class ZeroEngine:
         # stages 2-3 reduce-scatter during each backward; off (the pipeline: its split backward assigns weight
         # gradients outside autograd's accumulation hooks) they reduce once per step, in `finish_grad_sync`
         self.reduce_in_backward = reduce_in_backward
+        self.sync_enabled = True  # stage 1: False inside `no_sync()` (a micro-step that accumulates locally)
+        self._reduced = False  # stage 1: this window's gradients were reduced in a backward
         self._hooks: list[Any] = []
         self._prefix, self._model = find_block_model(module)
         # fills a meta parameter from its name relative to the block model (default: the model's own init; a
@@ -208,7 +212,7 @@ class ZeroEngine:
     def attach(self) -> None:
         """Register the hooks (stage 2: gradients; stage 3: gradients and gathers). `detach()` removes them."""
         self.detach()
-        if self.stage >= 2 and self.reduce_in_backward:
+        if self.reduce_in_backward:
             self._register_grad_hooks()
         if self.stage == 3:
             self._register_gather_hooks()
@@ -395,8 +399,24 @@ class ZeroEngine:
         if more[0]:
             torch._foreach_add_(*more)
 
+    @contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Stage 1: backward passes inside accumulate the full gradients locally; the window's last backward
+        (outside) reduce-scatters their sum while it runs. Stages 2-3 reduce every backward regardless: their
+        gradients never exist in full beyond one unit."""
+        previous, self.sync_enabled = self.sync_enabled, False
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
+
     def _on_grad_ready(self, unit: Unit, sp: ShardedParam) -> None:
+        if self.stage == 1 and not self.sync_enabled:
+            return
         if not self._in_backward:  # the first gradient of this backward
+            if self.stage == 1 and self._reduced:
+                raise RuntimeError("ZeRO-1: a second backward in one synchronised step (its gradients would be "
+                                   "added to the reduced ones): run all but the last of them inside no_sync()")
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         unit.ready.add(sp)
@@ -420,6 +440,7 @@ class ZeroEngine:
         while self._next_reduce < len(self._reduce_order):
             self._launch_next_reduce()
         self._next_reduce, self._in_backward = 0, False
+        self._reduced = self.stage == 1
         for unit in self._reduce_order:
             unit.ready.clear()
             self._complete_reduce(unit)
@@ -461,7 +482,7 @@ class ZeroEngine:
         their reduced gradients into one flat fp32 buffer (`grad_view`), and master shards that are not views of
         their parameter (stage 3, or parameters below fp32) become views of one flat fp32 master buffer. Returns
         each group's (flat master or None, flat gradient or None); None: the step copies through a transient
-        flat (`strategies/zero_flat.py`)."""
+        flat (`strategies/flat_step.py`)."""
         sizes = [sum(sp.local_numel for sp in g) for g in groups]
         members = [sp for g in groups for sp in g]
         device = members[0].master.device if members else self.device
@@ -485,13 +506,14 @@ class ZeroEngine:
 
     def finish_grad_sync(self) -> None:
         """After the last backward of an accumulation window: every unit's gradient shard is in `master.grad`.
-        Stage 1 (and any stage without `reduce_in_backward`) reduces the accumulated full gradients here; stages 2-3
-        did after each backward."""
-        if self.stage == 1 or not self.reduce_in_backward:
+        With `reduce_in_backward` the backwards did it (stages 2-3 after each, stage 1 during the window's last);
+        without (the pipeline) the accumulated full gradients are reduced here."""
+        if not self.reduce_in_backward:
             for unit in self._reduce_order:
                 self._launch_reduce(unit)
             for unit in self._reduce_order:
                 self._complete_reduce(unit)
+        self._reduced = False
 
     def owned_grads(self) -> list[Tensor]:
         """The gradient shards this rank owns: disjoint across the group, together the full gradient."""
@@ -536,12 +558,24 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, engines: list[ZeroEngine])
         if unknown:
             raise ValueError(f"the optimizer holds {len(unknown)} tensor(s) that are not parameters of the "
                              "sharded module: build param groups from the model's parameters")
-    flats = flat_groups(optimizer, engines)  # masters may become views of a flat buffer: before reading them
-    masters = {sp.param: sp.master for engine in engines for sp in engine.sharded_params()}
+    flats = _flat_shards(optimizer, engines) if elementwise(optimizer) else None  # before reading the masters:
+    masters = {sp.param: sp.master for engine in engines for sp in engine.sharded_params()}  # they may move
     for group in optimizer.param_groups:
         group["params"] = [masters[p] for p in group["params"]]
     if flats is not None:
         FlatStep(optimizer, flats)
+
+
+def _flat_shards(optimizer: torch.optim.Optimizer, engines: list[ZeroEngine]) -> list[list[FlatShard]]:
+    """Each param group's trainable shards laid out flat, per engine (`ZeroEngine.flatten`)."""
+    groups = [set(g["params"]) for g in optimizer.param_groups]
+    out: list[list[FlatShard]] = [[] for _ in groups]
+    for engine in engines:
+        order = [[sp for sp in engine.sharded_params() if sp.param.requires_grad and sp.param in g] for g in groups]
+        for i, (members, (master, grad)) in enumerate(zip(order, engine.flatten(order))):
+            if members:
+                out[i].append(FlatShard([sp.master for sp in members], master, grad))
+    return out
 
 
 def model_state_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:

@@ -294,7 +294,7 @@ class RankDependentBlocks(ToyBlocks):
 
 def _order_worker() -> dict[int, dict]:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # a mismatch fails instead of hanging
-    return {stage: _order_case(stage) for stage in (2, 3)}
+    return {stage: _order_case(stage) for stage in (1, 2, 3)}
 
 
 def _order_case(stage: int) -> dict:
@@ -304,7 +304,8 @@ def _order_case(stage: int) -> dict:
     local = RankDependentBlocks(use_extra=rank == 1)
     for name, p in local.named_parameters():
         local.init_parameter(name, p)
-    local(x).backward()
+    for _ in range(2):
+        local(x).backward()
     expected = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in local.named_parameters()}
     for g in expected.values():
         dist.all_reduce(g)
@@ -313,22 +314,34 @@ def _order_case(stage: int) -> dict:
         model = RankDependentBlocks(use_extra=rank == 1)
     engine = ZeroEngine(model, stage=stage)
     COMM_LOG.reset()
+    with engine.no_sync():  # stage 1 accumulates locally; stages 2-3 reduce every backward regardless
+        model(x).backward()
     model(x).backward()
+    order = [r.numel for r in COMM_LOG.records if r.op == "reduce_scatter"]  # launched by the backwards
     engine.finish_grad_sync()
-    order = [r.numel for r in COMM_LOG.records if r.op == "reduce_scatter"]
     errors = {sp.fqn: (sp.master.grad - expected[sp.fqn][sp.start: sp.end]).norm().item()
               for sp in engine.sharded_params()}
-    return {"order": order, "errors": errors}
+    refused = ""
+    if stage == 1:  # a second backward in the synchronised step would add to the reduced rows
+        model(x).backward()
+        try:
+            model(x).backward()
+        except RuntimeError as e:
+            refused = str(e)
+    return {"order": order, "errors": errors, "refused": refused}
 
 
-def test_reduce_scatters_in_one_order_with_a_parameter_unused_on_one_rank() -> None:
+def test_reduce_scatters_in_backward_in_one_order_with_a_parameter_unused_on_one_rank() -> None:
     per_rank = run_distributed(_order_worker, 2, init_process_group=False)
-    for stage in (2, 3):
+    for stage in (1, 2, 3):
         ranks = [r[stage] for r in per_rank]
-        assert ranks[0]["order"] == ranks[1]["order"] and len(ranks[0]["order"]) == 3  # blocks 1, 0, the rest
+        backwards = 1 if stage == 1 else 2  # stage 1 reduces during the window's last backward only
+        assert ranks[0]["order"] == ranks[1]["order"] and len(ranks[0]["order"]) == 3 * backwards
+        assert ranks[0]["order"][:3] == ranks[0]["order"][3:] or stage == 1  # blocks 1, 0, the rest, each time
         assert len(set(ranks[0]["order"])) == 3  # the units differ in size: another order would pair them wrongly
         for r in ranks:
             assert max(r["errors"].values()) < 1e-6, (stage, r["errors"])
+            assert ("second backward" in r["refused"]) == (stage == 1)
 
 
 # -- checkpoints -------------------------------------------------------------------------------------------------

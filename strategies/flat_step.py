@@ -1,31 +1,38 @@
-"""One flat optimizer step for ZeRO: the optimizer steps a few flat shards instead of hundreds of small ones.
+"""One flat optimizer step: the optimizer steps a few flat tensors instead of hundreds of small ones.
 
 An elementwise optimizer (SGD, Adam, AdamW, ...) computes the same thing on one flat tensor as on its pieces, but
 its per-tensor cost (torch's default on CPU is a Python loop of ~10 ops per tensor; foreach and fused still group
-and launch per tensor) grows with the number of parameters. So, per optimizer param group and ZeRO engine, the
-trainable shards of a group are laid out back to back in one fp32 flat buffer (`ZeroEngine.flatten`), and so are
-their reduced gradients (stages 2-3: the engine writes each reduced shard straight into its slice) and the
-optimizer's state tensors (m, v, momentum: per-parameter views of one flat state tensor each, created at the first
-step).
+and launch per tensor) grows with the number of parameters. So the tensors a param group steps are laid out back to
+back in flat buffers by the engine that owns them, and so are their gradients and the optimizer's state tensors
+(m, v, momentum: per-tensor views of one flat state tensor each, created at the first step):
 
-The optimizer itself keeps holding the per-parameter master shards, so param groups, LR schedulers, hyper-parameters
-and the checkpoint format (state keyed by global name, `strategies/checkpoint.py`) are exactly as before: a step
-pre-hook swaps each group's members for their flat tensor (with its flat gradient and flat state), torch's own
-`step` runs on it (lr, weight decay, foreach/fused settings of that group), and a post-hook swaps them back. The
-flat is a view layout, not a file format: a loaded (or freshly initialised) per-parameter state is copied into the
-flat state before the next step and the per-parameter entries become views of it again.
+- ZeRO (`ZeroEngine.flatten`): per group and engine, the trainable fp32 master shards (stage 3, or parameters
+  below fp32, own a flat master buffer) and their reduced gradients (stages 2-3 write each reduced shard into its
+  slice of one flat gradient buffer);
+- data parallel (`GradSync.flatten`): per group and gradient bucket, the parameters themselves, made views of one
+  flat buffer laid out as the bucket's gradient buffer (where autograd already accumulates their gradients), as
+  Megatron's distributed data parallel keeps its parameter and gradient buffers.
 
-Where a master shard *is* the parameter's own rows (fp32 parameters under stages 1-2: free by design) it cannot
-also be a slice of a flat buffer; there the step copies the shards into a transient flat and back (two passes over
-Φ/N, the size of the temporaries a foreach AdamW allocates anyway). Stage 1's gradients are rows of the full
-gradient it keeps, likewise copied. Frozen parameters (requires_grad=False) are in no flat: they stay in their
-group as they are, gradient None, skipped by torch as before.
+The optimizer itself keeps holding the per-tensor members, so param groups, LR schedulers, hyper-parameters and the
+checkpoint format (state keyed by global name, `strategies/checkpoint.py`) are exactly as before: the step swaps
+each group's members for their flat tensors (with flat gradients and flat state), torch's own `step` runs on them
+(lr, weight decay, foreach/fused settings of that group), and they are swapped back (the optimizer's `step` is
+wrapped: `try`/`finally`, so an exception leaves the groups as they were). The flat is a view layout, not a file
+format: a loaded (or freshly initialised) per-tensor state is copied into the flat state before the next step and
+the per-tensor entries become views of it again.
+
+Where a member is not (or no longer) a view of a flat buffer, the step copies through a transient flat and back:
+fp32 master shards under ZeRO stages 1-2 are the parameter's own rows (free, by design), stage 1's gradient shards
+are rows of the full gradient it keeps, and a parameter whose `.data` someone replaced has left its buffer. Frozen
+parameters (requires_grad=False) are in no flat: they stay in their group as they are, gradient None, skipped by
+torch as before.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from types import MethodType
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -40,20 +47,27 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
 
 @dataclass(eq=False)
 class FlatShard:
-    """Trainable master shards of one param group and engine, back to back in one fp32 flat tensor."""
+    """Tensors one param group steps (ZeRO master shards, or parameters), back to back in one flat tensor."""
 
-    members: list[Tensor]  # the master shards the optimizer holds, in flat order
+    members: list[Tensor]  # the tensors the optimizer holds, in flat order
     master: Optional[Tensor]  # persistent flat (members are views of it), or None: a transient one per step
-    grad: Optional[Tensor]  # persistent flat gradient (stages 2-3), or None: copied in per step
+    grad: Optional[Tensor]  # persistent flat gradient (the members' grads are views of it), or None: copied in
     state: dict[str, Any] = field(default_factory=dict)  # the optimizer's state for the flat tensor
     installed: list[Optional[dict]] = field(init=False)  # the per-member state dicts made views of it
 
     def __post_init__(self) -> None:
         self.numel = sum(m.numel() for m in self.members)
         self.installed = [None] * len(self.members)
+        # where each member's values and gradient live when they are views of the flats (compared by address)
+        self._master_at = [v.data_ptr() for v in self.views(self.master)] if self.master is not None else None
+        self._grad_at = [v.data_ptr() for v in self.views(self.grad)] if self.grad is not None else None
 
     def views(self, flat: Tensor) -> list[Tensor]:
         return [v.view_as(m) for v, m in zip(flat.split([m.numel() for m in self.members]), self.members)]
+
+    def aliased(self) -> bool:
+        """The members are still views of the flat master (a `.data` replaced since makes a member its own)."""
+        return self._master_at is not None and [m.data_ptr() for m in self.members] == self._master_at
 
 
 class FlatStep:
@@ -62,28 +76,32 @@ class FlatStep:
     def __init__(self, optimizer: Optimizer, flats: list[list[FlatShard]]) -> None:
         self.optimizer = optimizer
         self.flats = flats
-        self._saved: list[list[Tensor]] = []
+        self._saved: list[tuple[list[Tensor], list[Tensor]]] = []  # per group: (its params, the ones swapped in)
         self._live: list[tuple[FlatShard, Tensor]] = []
-        optimizer.register_step_pre_hook(self._before)
-        optimizer.register_step_post_hook(self._after)
+        step = optimizer.step  # torch's, or an LR scheduler's counting wrapper of it
 
-    def _before(self, optimizer: Optimizer, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-        """Swap in the flats. A closure (Lightning passes its forward and backward as one) runs first: the
-        gradients it computes are what the flats must hold; torch's step then gets one returning its loss."""
-        kwargs = dict(kwargs)  # args[0] is the optimizer
-        closure = kwargs.pop("closure", args[1] if len(args) > 1 else None)
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-            args, kwargs = args[:1], {**kwargs, "closure": lambda: loss}
-        self._swap_in(optimizer)
-        return args, kwargs
+        def flat_step(opt: Optimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+            """A closure (Lightning passes its forward and backward as one) runs first: the gradients it computes
+            are what the flats must hold. The per-parameter groups come back even if the step raises (a
+            checkpoint written on the way out must not see the flats)."""
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self._swap_in(opt)
+            try:
+                step(**kwargs)
+            finally:
+                self._swap_out(opt)
+            return loss
+
+        # a bound method, as torch's own: an LR scheduler made later wraps `step.__func__`
+        optimizer.step = MethodType(flat_step, optimizer)  # type: ignore[method-assign]
 
     @torch.no_grad()
     def _swap_in(self, optimizer: Optimizer) -> None:
         self._saved, self._live = [], []
         for group, flats in zip(optimizer.param_groups, self.flats):
-            self._saved.append(group["params"])
             present, in_flat = set(group["params"]), set()
             flat_params = []
             for fs in flats:
@@ -94,7 +112,9 @@ class FlatStep:
                     in_flat.update(fs.members)
                     flat_params.append(flat)
                     self._live.append((fs, flat))
-            group["params"] = flat_params + [p for p in group["params"] if p not in in_flat]
+            swapped = flat_params + [p for p in group["params"] if p not in in_flat]
+            self._saved.append((group["params"], swapped))
+            group["params"] = swapped
 
     def _prepare(self, fs: FlatShard) -> Optional[Tensor]:
         """The flat tensor of `fs` with its gradient and state, ready for torch's step; None: nothing to step."""
@@ -104,12 +124,15 @@ class FlatStep:
         if any(g is None for g in grads):
             raise RuntimeError("ZeRO's flat optimizer step: some trainable shards of a param group have a gradient "
                                "and some have none; the engine gives every trainable shard one (zeros if unused)")
-        flat = fs.master if fs.master is not None else torch.empty(fs.numel, device=fs.members[0].device)
-        if fs.master is None:
+        first = fs.members[0]
+        if fs.aliased():
+            flat = fs.master
+        else:
+            flat = torch.empty(fs.numel, dtype=first.dtype, device=first.device)
             torch._foreach_copy_(fs.views(flat), fs.members)
         flat_grad = fs.grad if fs.grad is not None else torch.empty_like(flat)
-        views = fs.views(flat_grad)
-        stray = [(v, g) for v, g in zip(views, grads) if g is not v]
+        at = fs._grad_at if fs.grad is not None else [None] * len(grads)
+        stray = [(v, g) for v, g, a in zip(fs.views(flat_grad), grads, at) if g.data_ptr() != a]
         if stray:  # stage 1 (rows of the full gradient), or a gradient someone replaced
             torch._foreach_copy_([v for v, _ in stray], [g for _, g in stray])
         flat.grad = flat_grad
@@ -139,12 +162,13 @@ class FlatStep:
                 fs.state[key] = value.clone() if isinstance(value, Tensor) else value
 
     @torch.no_grad()
-    def _after(self, optimizer: Optimizer, *_: Any) -> None:
-        for group, params in zip(optimizer.param_groups, self._saved):
-            group["params"] = params
+    def _swap_out(self, optimizer: Optimizer) -> None:
+        for group, (params, swapped) in zip(optimizer.param_groups, self._saved):
+            if group["params"] is swapped:  # (a callback's hook may have put its own list back already)
+                group["params"] = params
         for fs, flat in self._live:
             optimizer.state.pop(flat)
-            if fs.master is None:
+            if flat is not fs.master:
                 torch._foreach_copy_(fs.members, fs.views(flat))
             flat.grad = None
             self._install_views(fs)
@@ -168,16 +192,6 @@ class FlatStep:
             fs.installed[i] = entry
 
 
-def flat_groups(optimizer: Optimizer, engines: list[Any]) -> Optional[list[list[FlatShard]]]:
-    """Lay out each param group's trainable shards flat, per engine (`ZeroEngine.flatten`), or None where the
-    optimizer is not elementwise (its per-parameter step stays)."""
-    if type(optimizer) not in ELEMENTWISE:
-        return None
-    groups = [set(g["params"]) for g in optimizer.param_groups]
-    out: list[list[FlatShard]] = [[] for _ in groups]
-    for engine in engines:
-        order = [[sp for sp in engine.sharded_params() if sp.param.requires_grad and sp.param in g] for g in groups]
-        for i, (members, (master, grad)) in enumerate(zip(order, engine.flatten(order))):
-            if members:
-                out[i].append(FlatShard([sp.master for sp in members], master, grad))
-    return out
+def elementwise(optimizer: Optimizer) -> bool:
+    """Whether a flat tensor is the same computation for `optimizer` as its pieces."""
+    return type(optimizer) in ELEMENTWISE
