@@ -16,7 +16,7 @@ Contenders (each in its own fresh processes, alternated over >= 5 rounds in an o
   `strategies/flat_step.py`);
 - first all with the same AdamW (torch's default: on CPU a per-tensor loop), then each with its best setting
   (`--fused`: fused AdamW; torch DDP with `gradient_as_bucket_view` under ZeroRedundancyOptimizer);
-- `zero2_overlap`, `zero3_overlap`: the overlap measurement of `scripts/bench_ddp.py` (`AlternateComm`,
+- `zero1_overlap`, `zero2_overlap`, `zero3_overlap`: the overlap measurement of `scripts/bench_ddp.py` (`AlternateComm`,
   `CommAlone`), here on the engine's gradient reduce-scatters: steps alternate with them replaced by no-ops (their
   shards zero-filled), then the step's reduce-scatters are timed alone. ZeRO-3's all-gathers stay real (a no-op
   gather would leave the weights uninitialised): its row measures the reduce-scatter's share only. The engine's
@@ -43,7 +43,7 @@ from strategies import zero_engine  # noqa: E402
 from strategies.zero import ZeroStrategy  # noqa: E402
 
 SPEED = ["zero_torch", "zero1", "zero2", "fsdp2", "zero3"]
-KINDS = [*SPEED, "zero2_overlap", "zero3_overlap"]
+KINDS = [*SPEED, "zero1_overlap", "zero2_overlap", "zero3_overlap"]
 REFERENCE = {"zero1": "zero_torch", "zero2": "zero_torch", "zero3": "fsdp2"}
 NAMES = {"zero_torch": "torch `ZeroRedundancyOptimizer` + DDP", "fsdp2": "torch FSDP2 `fully_shard`",
          "zero1": "`zero1`", "zero2": "`zero2`", "zero3": "`zero3`"}
@@ -97,7 +97,7 @@ def markdown(run: dict[str, Any]) -> str:
             lines.append(f"| {NAMES[kind]} | {adamw} | {_spread(t['tokens_per_s'])} | {ratio} |")
     lines += ["", "| stage | reduce-scatters | step ms | same, reduce-scatter a no-op, ms | reduce-scatters alone, ms "
               "| hidden |", "|---|---|---|---|---|---|"]
-    for kind in ("zero2_overlap", "zero3_overlap"):
+    for kind in (k for k in KINDS if k.endswith("_overlap")):
         t = table[kind]
         lines.append(f"| `{kind.split('_')[0]}` | {t['buckets']['median']:.0f} | {_spread(t['step_s'], 1e3, '.1f')} | "
                      f"{_spread(t['nocomm_s'], 1e3, '.1f')} | {_spread(t['comm_s'], 1e3, '.1f')} | "
