@@ -19,11 +19,13 @@ GPU's share of the node's network).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 from lit_lm.config import ConfigError
 from lit_lm.estimate import CHECKPOINTING, Estimate, Layout, Workload, estimate
+from strategies.layout import ParallelDims, rank_grid
 
 USABLE_MEMORY = 0.9  # of a GPU's memory: the CUDA context, allocator fragmentation and workspaces take the rest
 MAX_PP = 16  # deeper pipelines are not planned (Llama 3 405B used 16): the schedule simulation grows as p^2 m^2
@@ -58,21 +60,27 @@ class Ranked:
 
 
 # -- time --------------------------------------------------------------------------------------------------------
-def _spans(layout: Layout) -> dict[str, int]:
-    """How many consecutive ranks each group spans (rank order pp, dp_replicate, dp_shard, cp, tp)."""
-    tp, cp, shard = layout.tp, layout.cp, layout.dp_shard
-    return {"tp": tp, "cp": cp * tp, "ep": layout.ep * tp, "dp": shard * cp * tp, "dp_shard": shard * cp * tp,
-            "edp": shard * cp * tp, "dp_replicate": layout.dp * cp * tp, "pp": layout.world,
-            "pp_embedding": layout.world}
+# the layout group that carries each of the estimator's labels: under cp, ZeRO shards rows over dp_shard x cp and
+# plain data parallelism averages over dp x cp (`ComposedStrategy._dense_group`)
+_CARRIER = {"dp": "dp_cp", "dp_shard": "dp_shard_cp"}
+
+
+@functools.lru_cache(maxsize=4096)
+def _intra_node(dims: ParallelDims, gpus_per_node: int) -> dict[str, bool]:
+    """Whether every group of each dimension lies inside one node, in the strategies' own rank order
+    (`strategies.layout.rank_grid`)."""
+    return {name: all(g[0] // gpus_per_node == g[-1] // gpus_per_node for g in groups)
+            for name, groups in rank_grid(dims).items()}
 
 
 def step_time(est: Estimate, cluster: Cluster) -> tuple[float, dict[str, float]]:
-    layout, spans = est.layout, _spans(est.layout)
+    layout = est.layout
+    intra = _intra_node(layout.dims, cluster.gpus_per_node)
     compute = (est.flops + max(r.recompute_flops for r in est.ranks)) / (cluster.peak_flops * cluster.mfu)
     parts = {"compute": compute, "bubble": compute * est.bubble / (1 - est.bubble)}
     hidden = compute if layout.zero_stage == 3 else BACKWARD_SHARE * compute
     for group in est.groups:
-        bw = cluster.intra_bw if spans[group] <= cluster.gpus_per_node else cluster.inter_bw
+        bw = cluster.intra_bw if intra[_CARRIER.get(group, group)] else cluster.inter_bw
         seconds = est.wire_bytes(group) / bw
         if group in ("dp", "dp_shard", "edp", "dp_replicate"):
             # ZeRO-1/2 gather the updated shards after the step: that part cannot hide behind the backward

@@ -74,11 +74,15 @@ class _Bucket:
         """Point every `.grad` of the bucket at its slice: a dropped one (None) starts from zeros, a replaced one
         is copied in. Cheap when all are attached already (the common case inside backward)."""
         with torch.no_grad():
+            dropped = all(p.grad is None for p in self.params)  # zero_grad(set_to_none=True): one fill, not one
+            if dropped:                                          # per parameter
+                self.flat.zero_()
             for p, view in zip(self.params, self.views):
                 if p.grad is view:
                     continue
                 if p.grad is None:
-                    view.zero_()
+                    if not dropped:
+                        view.zero_()
                 else:
                     view.copy_(p.grad)
                 p.grad = view
