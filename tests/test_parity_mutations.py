@@ -8,6 +8,8 @@ tile's own log-sum-exp, and RoPE positions that do not follow the zigzag tokens 
 gradient of a named parameter (the RoPE bug moves the first loss by less than 1e-5: at initialisation attention
 hardly shapes the logits, its gradients do); a merge that loses the running log-sum-exp by the first batch's loss
 (or, were that within 1e-5, by the gradients).
+A flat optimizer step that runs a group's flat tensors under another group's settings (no weight decay) changes
+no gradient, only the update: it is reported by a final parameter.
 The un-mutated twins of these cases pass in test_ddp, test_zero, test_ep and test_composed.
 """
 
@@ -29,6 +31,7 @@ from strategies import cp as context
 from strategies.composed import ComposedStrategy
 from strategies.ddp import DataParallelStrategy
 from strategies.ep import ExpertParallelStrategy
+from strategies.flat_step import FlatStep
 from strategies.pp import PipelineStrategy
 from strategies.zero import ZeroStrategy
 
@@ -112,6 +115,21 @@ def merge_keeps_lse(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(context, "merge_into", stale)
 
 
+def flat_step_wrong_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The flat step runs the first param group's flat tensors (the matrices) under the last group's settings: no
+    weight decay. Gradients stay right, only the update is wrong, so the report is a final parameter."""
+    swap_in = FlatStep._swap_in
+
+    def misplaced(self: FlatStep, optimizer: torch.optim.Optimizer) -> None:
+        swap_in(self, optimizer)
+        live = {id(flat) for _, flat in self._live}
+        first, last = optimizer.param_groups[0]["params"], optimizer.param_groups[-1]["params"]
+        last.extend(t for t in first if id(t) in live)
+        first[:] = [t for t in first if id(t) not in live]
+
+    monkeypatch.setattr(FlatStep, "_swap_in", misplaced)
+
+
 def _doubled(parameter: str) -> str:
     """The report of a gradient scaled by 2 on 2 ranks."""
     return rf"step 0 rank \d: gradient of {parameter}.*ratio of norms 2\.0000"
@@ -125,6 +143,9 @@ GRADIENT = r"step 0 rank \d: gradient of model\.\S+ differs"
 MUTANTS = {  # case, the report it must raise
     "grad_sync_sums": (Case(partial(DataParallelStrategy, bucket_cap_mb=0.01), mutation=grad_sync_sums,
                             label="lm_ddp, GradSync sums"), _doubled(r"model\.\w+")),
+    "lm_ddp_flat_wrong_group": (Case(DataParallelStrategy, optimizer="adamw", mutation=flat_step_wrong_group,
+                                     label="lm_ddp AdamW, flat step under the wrong group"),
+                                r"rank \d: final model\.\S+ differs"),
     "zero2_doubled": (Case(partial(ZeroStrategy, stage=2), mutation=zero_reduce_scatter_doubled,
                            label="zero2, reduce-scatter doubled"), _doubled(r"model\.\w+")),
     "zero3_doubled_adamw": (Case(partial(ZeroStrategy, stage=3), optimizer="adamw",
