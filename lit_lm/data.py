@@ -264,12 +264,11 @@ class TextDataModule(L.LightningDataModule):
             return 1, 0
         return kwargs["num_replicas"], kwargs["rank"]
 
-    def _loader(self, dataset: Dataset, sampler: ResumableSampler) -> DataLoader:
-        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler,
-                          num_workers=self.num_workers, pin_memory=torch.cuda.is_available(),
-                          persistent_workers=self.num_workers > 0)
+    def _loader(self, dataset: Dataset, sampler: ResumableSampler, kind: type[DataLoader] = DataLoader) -> DataLoader:
+        return kind(dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
+                    pin_memory=torch.cuda.is_available(), persistent_workers=self.num_workers > 0)
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> "PositionedLoader":
         size, rank = self._dp()
         # Rebase: consumed = base samples + (batches processed since now) × B × R, with B × R of this run.
         if self._resumed_samples is not None:  # Lightning has restored its batch counter by now
@@ -279,7 +278,7 @@ class TextDataModule(L.LightningDataModule):
         self._base_batches = self._batches_processed()
         sampler = ResumableSampler(len(self.train_set), self.batch_size, size, rank, seed=self.seed,
                                    start=self._base_samples)
-        return self._loader(self.train_set, sampler)
+        return self._loader(self.train_set, sampler, PositionedLoader)
 
     def val_dataloader(self) -> DataLoader:
         size, rank = self._dp()
@@ -313,6 +312,19 @@ class TextDataModule(L.LightningDataModule):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._resumed_samples = int(state["samples_consumed"])
+
+
+class PositionedLoader(DataLoader):
+    """The train loader. Its position is the data module's (`samples_consumed`, saved with the data module's state,
+    given to the sampler when the loader is made), so it has nothing of its own to save; having the `state_dict` /
+    `load_state_dict` pair tells Lightning that a mid-epoch resume is exact, instead of warning that the loader is
+    "not resumable"."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to load: the data module's own state has placed the sampler."""
 
 
 def _write_tokens(docs: list[str], tokenizer: BPETokenizer, cache: Path) -> None:

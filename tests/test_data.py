@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.fabric.utilities.types import _Stateful
 
 from lit_lm.config import ConfigError
 from lit_lm.data import TextDataModule
@@ -88,6 +89,7 @@ def test_loaders_follow_the_dp_rank_and_resume(tmp_path, text_files):
     dm.load_state_dict({"samples_consumed": 8})
     resumed = dm.train_dataloader()
     assert resumed.sampler.start == 8 and len(resumed.sampler) == len(loader.sampler)
+    assert isinstance(resumed, _Stateful)  # what Lightning checks before warning that a resume is not exact
     FakeTrainer.progress.processed = 8  # three more steps of 4 samples on 2 ranks
     assert dm.state_dict() == {"samples_consumed": 8 + 3 * 4 * 2, "tokenizer": dm.tokenizer.state_dict()}
 
