@@ -122,8 +122,8 @@ class FlatStep:
         if all(g is None for g in grads):
             return None  # like torch: a parameter without a gradient is skipped
         if any(g is None for g in grads):
-            raise RuntimeError("ZeRO's flat optimizer step: some trainable shards of a param group have a gradient "
-                               "and some have none; the engine gives every trainable shard one (zeros if unused)")
+            raise RuntimeError("the flat optimizer step: some trainable tensors of a param group have a gradient and "
+                               "some have none; the engine gives every trainable one a gradient (zeros if unused)")
         first = fs.members[0]
         if fs.aliased():
             flat = fs.master
@@ -151,8 +151,8 @@ class FlatStep:
             fs.state = {}
             return
         if not all(current):
-            raise RuntimeError("ZeRO's flat optimizer step: the optimizer holds state for some shards of a param "
-                               "group and not for others; load a checkpoint of the same param groups")
+            raise RuntimeError("the flat optimizer step: the optimizer holds state for some tensors of a param group "
+                               "and not for others; load a checkpoint of the same param groups")
         first = current[0]
         fs.state = {}
         for key, value in first.items():

@@ -28,8 +28,9 @@ collectives in the same order. Under gradient accumulation they reduce-scatter a
 result into the gradient shard (as DeepSpeed's ZeRO-2 does): the gradients never exist in full beyond one unit
 during a backward, so the memory above holds for any `accumulate_grad_batches`, at the cost of one reduce-scatter
 per micro-step instead of one per step (see docs/zero.md). Stage 1 keeps full gradients anyway: it accumulates
-them locally (`no_sync()`) and reduces once, the same way, during the window's last backward. Frozen parameters (requires_grad=False) get no gradient shard, so an optimizer that
-holds them leaves them alone, as torch's optimizers leave a parameter whose grad is None. Once the optimizer is
+them locally (`no_sync()`) and reduces once, the same way, during the window's last backward. Frozen parameters
+(requires_grad=False) get no gradient shard, so an optimizer that holds them leaves them alone, as torch's
+optimizers leave a parameter whose grad is None. Once the optimizer is
 sharded, an elementwise optimizer steps one flat tensor per param group (`strategies/flat_step.py`): stages 2-3
 write the reduced shards into one flat fp32 gradient buffer, and separate master shards are views of one flat
 master buffer (`flatten`). Stage 3 gathers a unit
@@ -210,7 +211,8 @@ class ZeroEngine:
         self.attach()
 
     def attach(self) -> None:
-        """Register the hooks (stage 2: gradients; stage 3: gradients and gathers). `detach()` removes them."""
+        """Register the hooks (gradients, unless reduced after the step's backwards; stage 3 also gathers).
+        `detach()` removes them."""
         self.detach()
         if self.reduce_in_backward:
             self._register_grad_hooks()
@@ -507,8 +509,9 @@ class ZeroEngine:
     def finish_grad_sync(self) -> None:
         """After the last backward of an accumulation window: every unit's gradient shard is in `master.grad`.
         With `reduce_in_backward` the backwards did it (stages 2-3 after each, stage 1 during the window's last);
-        without (the pipeline) the accumulated full gradients are reduced here."""
-        if not self.reduce_in_backward:
+        without (the pipeline), or where stage 1's last backward ran inside `no_sync()`, the accumulated full
+        gradients are reduced here."""
+        if not self.reduce_in_backward or (self.stage == 1 and not self._reduced):
             for unit in self._reduce_order:
                 self._launch_reduce(unit)
             for unit in self._reduce_order:

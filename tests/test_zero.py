@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from contextlib import nullcontext
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -292,12 +293,12 @@ class RankDependentBlocks(ToyBlocks):
         self.blocks["1"].use_extra = use_extra
 
 
-def _order_worker() -> dict[int, dict]:
+def _order_worker() -> dict[Any, dict]:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # a mismatch fails instead of hanging
-    return {stage: _order_case(stage) for stage in (1, 2, 3)}
+    return {**{stage: _order_case(stage) for stage in (1, 2, 3)}, "1 unsynced": _order_case(1, last_synced=False)}
 
 
-def _order_case(stage: int) -> dict:
+def _order_case(stage: int, last_synced: bool = True) -> dict:
     rank = dist.get_rank()
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))
     torch.manual_seed(0)
@@ -316,19 +317,21 @@ def _order_case(stage: int) -> dict:
     COMM_LOG.reset()
     with engine.no_sync():  # stage 1 accumulates locally; stages 2-3 reduce every backward regardless
         model(x).backward()
-    model(x).backward()
+    with nullcontext() if last_synced else engine.no_sync():  # (unsynced: finish_grad_sync reduces instead)
+        model(x).backward()
     order = [r.numel for r in COMM_LOG.records if r.op == "reduce_scatter"]  # launched by the backwards
     engine.finish_grad_sync()
+    finished = [r.numel for r in COMM_LOG.records if r.op == "reduce_scatter"][len(order):]
     errors = {sp.fqn: (sp.master.grad - expected[sp.fqn][sp.start: sp.end]).norm().item()
               for sp in engine.sharded_params()}
     refused = ""
-    if stage == 1:  # a second backward in the synchronised step would add to the reduced rows
+    if stage == 1 and last_synced:  # a second backward in the synchronised step would add to the reduced rows
         model(x).backward()
         try:
             model(x).backward()
         except RuntimeError as e:
             refused = str(e)
-    return {"order": order, "errors": errors, "refused": refused}
+    return {"order": order, "finished": finished, "errors": errors, "refused": refused}
 
 
 def test_reduce_scatters_in_backward_in_one_order_with_a_parameter_unused_on_one_rank() -> None:
@@ -341,7 +344,9 @@ def test_reduce_scatters_in_backward_in_one_order_with_a_parameter_unused_on_one
         assert len(set(ranks[0]["order"])) == 3  # the units differ in size: another order would pair them wrongly
         for r in ranks:
             assert max(r["errors"].values()) < 1e-6, (stage, r["errors"])
-            assert ("second backward" in r["refused"]) == (stage == 1)
+            assert ("second backward" in r["refused"]) == (stage == 1) and not r["finished"]
+    for r in (r["1 unsynced"] for r in per_rank):  # every backward inside no_sync(): finish_grad_sync reduces
+        assert not r["order"] and len(r["finished"]) == 3 and max(r["errors"].values()) < 1e-6, r
 
 
 # -- checkpoints -------------------------------------------------------------------------------------------------
