@@ -117,8 +117,8 @@ def run(args: argparse.Namespace) -> None:
     work = workload_from(read_configs(args.config), args, cluster.world)
     modes = CHECKPOINTING if args.checkpointing == "auto" else (args.checkpointing,)
     console = Console(width=160)
-    console.print(f"[bold]{work.config.num_params() / 1e9:.3g}B parameters[/] "
-                  f"({work.config.num_params(False, active=True) / 1e9:.3g}B active, non-embedding), sequence "
+    console.print(f"[bold]{_count(work.config.num_params())} parameters[/] "
+                  f"({_count(work.config.num_params(False, active=True))} active, non-embedding), sequence "
                   f"{work.seq_len}, global batch {work.global_batch}, {work.precision} on {cluster.nodes} x "
                   f"{cluster.gpus_per_node} GPUs of {cluster.gpu_memory / 1e9:.0f} GB (usable "
                   f"{USABLE_MEMORY:.0%}), peak {cluster.peak_flops / 1e12:.0f} TFLOP/s at MFU {cluster.mfu:.0%}")
@@ -162,6 +162,11 @@ def print_table(console: Console, rows: list[Ranked], cluster: Cluster) -> None:
         console.print(f"  {i}. {r.reason}")
 
 
+def _count(n: float) -> str:
+    """A parameter count as people write it: 406B, 1.57M."""
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
 def answer(console: Console, work: Workload, cluster: Cluster, ranked: list[Ranked], tokens: float) -> None:
     """The largest Llama-shaped model with a fitting layout (any, and one this tree runs); days to train."""
     def fits(shape: tuple, runnable: bool) -> bool:
@@ -189,8 +194,11 @@ def answer(console: Console, work: Workload, cluster: Cluster, ranked: list[Rank
     cfg = work.config
     ideal = flops_per_token(cfg.num_params(False, active=True), cfg.n_layers, cfg.d_model, work.seq_len) * tokens / \
         (cluster.world * cluster.peak_flops * cluster.mfu) / 86400
-    console.print(f"{tokens:.3g} tokens on this model: {ideal:.3g} days at MFU {cluster.mfu:.0%} (6N + attention)")
-    for r in filter(None, (ranked[0], best_runnable(ranked))):
+    size = _count(cfg.num_params(False, active=True))
+    console.print(f"{tokens:.3g} tokens on the configured model ({size} active, not the largest above): "
+                  f"{ideal:.3g} days at MFU {cluster.mfu:.0%} (6N + attention)")
+    runnable = best_runnable(ranked)
+    for r in [ranked[0]] + ([runnable] if runnable is not None and runnable is not ranked[0] else []):
         days = tokens / work.tokens * r.step_time / 86400
         console.print(f"  with {r.layout.describe()} ({r.estimate.workload.checkpointing} checkpointing): "
                       f"{days:.3g} days (bubble, exposed communication and recomputation included)")

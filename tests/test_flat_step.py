@@ -79,7 +79,8 @@ def _build(stage: int, optimizer: str, dtype: torch.dtype
     return model, engine, opt
 
 
-def _step(model: Transformer, engine: ZeroEngine | DataParallel, opt: torch.optim.Optimizer, k: int, probe: dict) -> None:
+def _step(model: Transformer, engine: ZeroEngine | DataParallel, opt: torch.optim.Optimizer, k: int,
+          probe: dict) -> None:
     data = token_data(STEPS * ACCUMULATE * 4, seed=3).view(STEPS, ACCUMULATE, 2, 2, -1)
     for micro in range(ACCUMULATE):
         tokens = data[k, micro, dist.get_rank()]
@@ -87,8 +88,8 @@ def _step(model: Transformer, engine: ZeroEngine | DataParallel, opt: torch.opti
             model.loss(tokens[:, :-1], tokens[:, 1:])[0].backward()
     engine.finish_grad_sync()
     probe.setdefault("grad_bytes", model_state_bytes(model, opt)["grads"])
-    probe.setdefault("grad_storages", {t.grad.untyped_storage().data_ptr() for t in _shards(engine).values()
-                                       if t.grad is not None})
+    probe.setdefault("grad_storages", {t.grad.untyped_storage().data_ptr()
+                                       for t in _shards(engine).values() if t.grad is not None})
     probe.setdefault("param_storages", {t.untyped_storage().data_ptr() for t in _shards(engine).values()})
     opt.step()
     opt.zero_grad(set_to_none=k % 2 == 0)

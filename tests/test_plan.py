@@ -61,6 +61,9 @@ def test_plan_for_two_nodes_ranks_layouts_and_answers(tmp_path: Path) -> None:
     rows = [line for line in planned.stdout.splitlines() if line.startswith("│")]
     assert len(rows) == 8  # --top's default
     assert "largest Llama-shaped model that fits 16 GPUs" in planned.stdout and "days" in planned.stdout
+    assert "on the configured model" in planned.stdout  # not to be read as the largest model's time
+    with_layout = [line for line in planned.stdout.splitlines() if line.startswith("  with ")]
+    assert 1 <= len(with_layout) == len(set(with_layout)) <= 2  # the fastest, and the fastest runnable if another
     assert yaml.safe_load(out.read_text())["trainer"]["num_nodes"] == 2
 
     bad = run_cli("plan", "--gpu-memory", "eighty", cwd=tmp_path)
