@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import mmap
 import os
+import subprocess
+import threading
 from unittest import mock
 
 import pytest
@@ -12,6 +15,7 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from strategies.composed import ComposedStrategy
 from strategies.ddp import GradSync
+from strategies import shm
 from strategies.errors import ConfigError
 from strategies.shm import SharedArena
 
@@ -62,11 +66,32 @@ def test_shared_memory_all_reduce() -> None:
         mean = (parts[2][0][3:500] + parts[2][1][3:500] + parts[2][2][3:500]) / world
         assert torch.equal(third[3:500], mean)
         assert torch.equal(third[:3], parts[2][rank][:3]) and torch.equal(third[500:], parts[2][rank][500:])
-        # one mapping per rank's region, each of a file already unlinked: nothing to leak if a rank dies
-        assert len(r["maps"]) == world and all(line.rstrip().endswith("(deleted)") for line in r["maps"])
+        # one mapping per rank's region and the barrier's control page, of a file already unlinked: nothing to leak
+        assert len(r["maps"]) == world + 1 and all(line.rstrip().endswith("(deleted)") for line in r["maps"])
         assert r["fallback"] is None and r["auto"]
 
 
 def test_shared_memory_is_a_replicated_dp_option() -> None:
     with pytest.raises(ConfigError, match="shared_memory is an option of the replicated data parallelism"):
         ComposedStrategy(zero_stage=1, shared_memory=True)
+
+
+def test_barrier_names_a_peer_that_exited_or_never_came(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The spinning barrier (x86-64), two ranks on one page in one process: both arrive (threads); a peer whose
+    process has exited, or that is alive but never arrives, ends the wait with an error naming it."""
+    monkeypatch.setattr(shm, "PEER_CHECK_S", 0.01)
+    page = memoryview(mmap.mmap(-1, mmap.PAGESIZE))
+    ranks = [shm._Flags(page, r, 2) for r in range(2)]
+    other = threading.Thread(target=ranks[1].wait)
+    other.start()
+    ranks[0].wait()  # returns once rank 1 has arrived
+    other.join()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    page.cast("q")[shm.SLOT + 1] = dead.pid  # rank 1's pid: a process that has exited
+    with pytest.raises(RuntimeError, match=rf"rank 1 of the group \(pid {dead.pid}\) has exited"):
+        ranks[0].wait()
+    page.cast("q")[shm.SLOT + 1] = os.getpid()  # alive, but it never arrives
+    monkeypatch.setattr(shm, "TIMEOUT_S", 0.05)
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] of the group did not arrive in 0 s"):
+        ranks[0].wait()
