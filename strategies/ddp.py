@@ -20,10 +20,10 @@ backward; instead (as torch DDP does):
   drift.
 
 On the CPU with gloo (where every rank of the group can map one /dev/shm file: one host), the buckets are
-allocated in shared memory and reduced there (`strategies/shm.py`), about three times faster than gloo's
+allocated in shared memory and reduced there (`strategies/shm.py`), an order of magnitude faster than gloo's
 loopback TCP. That transport is synchronous, so the buckets are reduced in `finish()`, in order, not launched from
-the hooks: on a CPU rank nothing could overlap it anyway, since its own core does the sums. The result is the
-same bits as gloo's sum and division (each element is summed in rank order, then divided, once).
+the hooks: on a CPU rank nothing could overlap it anyway, since its own core does the sums. Each element is
+summed in rank order and divided once: gloo's bits on two ranks; on more, one fixed order on every replica.
 
 Averaging is a post-division (sum, then divide the flat buffer once): the sum of bf16 or fp32 gradients cannot
 overflow (bf16 has fp32's exponent range; pre-division is the fp16 remedy), and dividing the sum rounds once

@@ -10,8 +10,8 @@ this rank's region (GradSync's gradient buckets: the gradients live there) is re
    gets the same bits) and writes the sum into chunk r of every rank's copy;
 3. barrier: every chunk is reduced in every copy.
 
-A rank reads and writes its 1/N of each of the N copies, Φ each way, with no copy in or out: about three times
-faster than gloo's all-reduce on the 2-core CPU machine (`scripts/bench_allreduce.py`). The operation is
+A rank reads and writes its 1/N of each of the N copies, Φ each way, with no copy in or out: an order of magnitude
+faster than gloo's all-reduce on the 2-core CPU machine (`scripts/bench_allreduce.py`, docs/ddp.md). The operation is
 synchronous, in the calling thread: GradSync runs it where it would wait for its asynchronous all-reduces (nothing
 could hide the work anyway: the rank's own core does the sums).
 
