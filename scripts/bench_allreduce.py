@@ -123,6 +123,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    else:  # the cores shared out, as Lightning's launchers do (oversubscribed OpenMP threads stall every op)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world)
     try:
         if rank == 0:
