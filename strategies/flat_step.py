@@ -95,7 +95,10 @@ class FlatStep:
                 self._swap_out(opt)
             return loss
 
-        # a bound method, as torch's own: an LR scheduler made later wraps `step.__func__`
+        # a bound method, as torch's own: an LR scheduler made later wraps `step.__func__`; one made before
+        # (Lightning makes both in configure_optimizers) still counts inside `step`, and must see its mark
+        if hasattr(step, "_wrapped_by_lr_sched"):
+            flat_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         optimizer.step = MethodType(flat_step, optimizer)  # type: ignore[method-assign]
 
     @torch.no_grad()
