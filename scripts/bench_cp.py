@@ -57,6 +57,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runner import MARK, run_rounds, summarize, write_json  # noqa: E402
+from machine import machine  # noqa: E402
 from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
 from strategies import comm  # noqa: E402
@@ -352,7 +353,7 @@ def main() -> None:
         print(longest_table(longest, args.cap_mib))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "longest": longest}, indent=1))
+        Path(args.json).write_text(json.dumps({"machine": machine(), "args": vars(args), "rows": rows, "longest": longest}, indent=1))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from callbacks.throughput import peak_flops_for
+from machine import machine  # scripts/: where the figures were measured
 from kernels.attention import attention_reference, flash_attention
 from kernels.cross_entropy import cross_entropy, cross_entropy_reference
 from kernels.gelu import gelu, gelu_reference
@@ -182,7 +183,7 @@ def main() -> int:
                 rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=name, dtype=args.dtype, peak_flops=peak_flops, peak_bandwidth=peak_bandwidth,
+            json.dump(dict(machine=machine(), device=name, dtype=args.dtype, peak_flops=peak_flops, peak_bandwidth=peak_bandwidth,
                            results=rows), f, indent=1)
         print(f"wrote {args.json}")
     return 0

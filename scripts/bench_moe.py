@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lit_lm.config import ModelConfig
+from machine import machine  # scripts/: where the figures were measured
 from lit_lm.model import Transformer
 from strategies.comm import COMM_LOG
 
@@ -132,7 +133,7 @@ def main() -> None:
     result = run(args.steps, args.ep)
     print_report(result)
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        args.json.write_text(json.dumps({"machine": machine(), **result}, indent=2))
 
 
 if __name__ == "__main__":

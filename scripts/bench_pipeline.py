@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from machine import machine  # noqa: E402  (scripts/: where the figures were measured)
 from strategies.pp import split_layers  # noqa: E402
 from strategies.pp_runner import PipelineRunner  # noqa: E402
 from strategies.pp_schedules import SCHEDULES, bubble_theory, build_schedule  # noqa: E402
@@ -275,7 +276,7 @@ def main() -> None:
         path = path if args.model != "both" else path.with_name(f"{path.stem}_{kind}{path.suffix}")
         print(f"wrote {plot_timelines(per_rank, kind, list(SCHEDULES), path)}")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        Path(args.json).write_text(json.dumps({"machine": machine(), **report}, indent=2))
 
 
 if __name__ == "__main__":

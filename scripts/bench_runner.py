@@ -31,6 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import machine  # noqa: E402
+
 MIN_ROUNDS = 5
 MARK = "BENCH_RESULT "
 
@@ -90,13 +93,14 @@ def summarize(rounds: list[list[tuple[str, dict[str, Any]]]]) -> dict[str, dict[
 
 
 def write_json(path: str | Path, rounds: list, table: dict, **extra: Any) -> None:
-    """Everything: the raw rounds (order included), the summary, the load averages, and `extra` (arguments)."""
+    """Everything: the raw rounds (order included), the summary, the load averages, the machine (`machine.py`:
+    CPU model and flags, cores, GPU, torch, date) and `extra` (arguments)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     loads = [m["load_1min"] for r in rounds for _, m in r]
     path.write_text(json.dumps({**extra, "load_1min": {"min": min(loads), "median": statistics.median(loads),
                                                        "max": max(loads)},
-                                "cpus": os.cpu_count(), "order": [[name for name, _ in r] for r in rounds],
+                                "cpus": os.cpu_count(), "machine": machine(), "order": [[name for name, _ in r] for r in rounds],
                                 "summary": table, "rounds": rounds}, indent=1))
 
 

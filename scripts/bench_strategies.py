@@ -54,6 +54,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runner import MARK, run_rounds, summarize, write_json  # noqa: E402
+from machine import describe  # noqa: E402
 from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.estimate import Layout, Workload, estimate, rope_table_bytes  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
@@ -411,10 +412,10 @@ def markdown(run: dict[str, Any]) -> str:
 
 
 def footer(run: dict[str, Any]) -> str:
-    """What a saved run's table needs beside it: the model size, the rounds and the machine's load."""
+    """What a saved run's table needs beside it: the model size, the rounds, the machine and its load."""
     load = run["load_1min"]
     return (f"Φ = {run['phi']:,}, {len(run['rounds'])} rounds, load average (1 min) {load['min']:.1f}–"
-            f"{load['max']:.1f} (median {load['median']:.1f}) on {run['cpus']} CPUs.")
+            f"{load['max']:.1f} (median {load['median']:.1f}) on {describe(run.get('machine', {}))}.")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from lit_lm.data import stdlib_corpus
+from machine import machine  # scripts/: where the figures were measured
 from lit_lm.tokenizer import EOT, BPETokenizer
 
 
@@ -64,7 +65,7 @@ def main() -> None:
     for name, value in rows:
         print(f"  {name:<20} {value:>14}")
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        args.json.write_text(json.dumps({"machine": machine(), **results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
