@@ -1,5 +1,4 @@
-"""Collective bandwidth: all_reduce, reduce_scatter, all_gather, all_to_all from 1 KiB to 1 GiB (nccl-tests style);
-on the CPU also `all_reduce_shm`, lm_ddp's all-reduce through shared memory (`strategies/shm.py`), beside gloo's.
+"""Collective bandwidth: all_reduce, reduce_scatter, all_gather, all_to_all from 1 KiB to 1 GiB (nccl-tests style).
 
     torchrun --nproc-per-node 8 scripts/bench_allreduce.py          # one process per GPU, NCCL
     python scripts/bench_allreduce.py --nproc 2 --max-bytes 1M        # spawns itself (gloo on CPU, NCCL on GPU)
@@ -17,21 +16,16 @@ import argparse
 import json
 import os
 import socket
-import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from strategies.shm import SharedArena  # noqa: E402
+from machine import machine  # scripts/: where the figures were measured
 
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_reduce_shm": lambda n: 2 * (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,
@@ -49,12 +43,6 @@ def parse_bytes(text: str) -> int:
 
 
 def make_op(op: str, numel: int, world: int, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
-    if op == "all_reduce_shm":
-        arena = SharedArena.create(None, [(numel, dtype)])
-        if arena is None:
-            raise SystemExit("all_reduce_shm: the ranks do not share /dev/shm (or it is full)")
-        arena.tensors[0].fill_(1)
-        return lambda: arena.all_reduce(arena.tensors[0])
     full = torch.ones(numel, device=device, dtype=dtype)
     shard = torch.ones(numel // world, device=device, dtype=dtype)
     out = torch.empty_like(full)
@@ -98,8 +86,6 @@ def benchmark(args: argparse.Namespace) -> list[dict]:
     elem = torch.empty((), dtype=dtype).element_size()
     results = []
     for op in args.ops:
-        if op == "all_reduce_shm" and device.type != "cpu":
-            continue  # a CPU transport
         for size in sizes(args.max_bytes):
             numel = size // elem // world * world  # divisible into world shards
             if numel == 0:
@@ -133,7 +119,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         results = benchmark(args)
         if rank == 0 and args.json:
             with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+                json.dump({"machine": machine(), "results": results}, f, indent=1)
             print(f"wrote {args.json}")
     finally:
         dist.destroy_process_group()

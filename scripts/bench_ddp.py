@@ -9,13 +9,11 @@ Contenders (each in its own fresh processes, alternated over >= 5 rounds in an o
 
 - `ddp`: torch `DistributedDataParallel` through Lightning's `ddp`; `ddp_view`: the same with
   `gradient_as_bucket_view=True` (its gradients live in its buckets, as ours do);
-- `lm_ddp`: `strategies.ddp.GradSync` at `--bucket-cap-mb`, its buckets reduced in shared memory (the default on
-  the CPU, `strategies/shm.py`); `lm_ddp_gloo`: the same over gloo's all-reduce (`shared_memory=False`), the
-  transport torch DDP uses;
+- `lm_ddp`: `strategies.ddp.GradSync` at `--bucket-cap-mb`: asynchronous all-reduces launched from the gradient
+  hooks, overlapped with backward (the path every NCCL user runs; on the CPU over gloo, torch DDP's transport too);
 - with the same AdamW for all (torch's default: on CPU a per-tensor loop), then each with its best setting
   (`--fused`: fused AdamW; torch DDP with bucket views);
-- `lm_ddp_overlap` (over gloo) at `--bucket-cap-mb` and each `--sweep` cap: the overlap measurement (below). The
-  shared-memory transport is synchronous (each rank's own core does its sums): it has nothing to hide.
+- `lm_ddp_overlap` at `--bucket-cap-mb` and each `--sweep` cap: the overlap measurement (below).
 
 Overlap, measured in one process so that both sides see the same machine load: `lm_ddp_overlap` alternates steps
 with GradSync's all-reduce and steps with it replaced by a no-op (the step without communication), and at the end
@@ -51,7 +49,7 @@ from strategies import comm, ddp  # noqa: E402
 from strategies.comm import COMM_LOG  # noqa: E402
 from strategies.ddp import DataParallelStrategy  # noqa: E402
 
-KINDS = ["ddp", "ddp_view", "lm_ddp", "lm_ddp_gloo", "lm_ddp_overlap"]
+KINDS = ["ddp", "ddp_view", "lm_ddp", "lm_ddp_overlap"]
 LABEL = "GradSync bucket"  # the accounting layer's label of GradSync's all-reduces
 
 
@@ -128,7 +126,7 @@ def overlap_metrics(steady: list[float], warmup: int, alone: CommAlone) -> dict[
 def strategy(kind: str, bucket_cap_mb: float) -> Any:
     if kind.startswith("ddp"):
         return DDPStrategy(gradient_as_bucket_view=kind == "ddp_view", bucket_cap_mb=bucket_cap_mb)
-    return DataParallelStrategy(bucket_cap_mb=bucket_cap_mb, shared_memory=None if kind == "lm_ddp" else False)
+    return DataParallelStrategy(bucket_cap_mb=bucket_cap_mb)
 
 
 def worker_one(rank: int, args: argparse.Namespace, port: int, accelerator: str) -> None:
@@ -150,7 +148,7 @@ def contenders(args: argparse.Namespace) -> dict[str, list[str]]:
     """{name: command}: the same-optimizer rows, the best-setting rows, the overlap runs over the bucket caps."""
     base = [sys.executable, __file__, *forwarded(args)]
     cap = ["--bucket-cap-mb", str(args.bucket_cap_mb)]
-    out = {kind: [*base, "--one", kind, *cap] for kind in KINDS[:4]}
+    out = {kind: [*base, "--one", kind, *cap] for kind in KINDS[:3]}
     out.update({f"{kind} fused": [*base, "--one", kind, "--fused", *cap] for kind in ("ddp_view", "lm_ddp")})
     out.update({f"lm_ddp_overlap {mb:g}": [*base, "--one", "lm_ddp_overlap", "--bucket-cap-mb", str(mb)]
                 for mb in [args.bucket_cap_mb, *args.sweep]})
@@ -166,15 +164,15 @@ def markdown(run: dict[str, Any]) -> str:
     table, cap = run["summary"], run["args"]["bucket_cap_mb"]
     base = {"default": table["ddp"]["tokens_per_s"]["median"], "fused": table["ddp_view fused"]["tokens_per_s"]["median"]}
     names = {"ddp": "torch DDP", "ddp_view": "torch DDP, `gradient_as_bucket_view`",
-             "lm_ddp": f"`lm_ddp` ({cap:g} MB, shared memory)", "lm_ddp_gloo": f"`lm_ddp` ({cap:g} MB, gloo)"}
+             "lm_ddp": f"`lm_ddp` ({cap:g} MB)"}
     lines = ["| contender | AdamW | tokens/s median (min–max) | vs torch DDP, same AdamW |", "|---|---|---|---|"]
-    for name in ("ddp", "ddp_view", "lm_ddp_gloo", "lm_ddp", "ddp_view fused", "lm_ddp fused"):
+    for name in ("ddp", "ddp_view", "lm_ddp", "ddp_view fused", "lm_ddp fused"):
         t = table[name]
         kind, _, adamw = name.partition(" ")
         adamw = adamw or "default"
         lines.append(f"| {names[kind]} | {adamw} | {_spread(t['tokens_per_s'])} | "
                          f"{t['tokens_per_s']['median'] / base[adamw]:.2f}× |")
-    lines += ["", "| `lm_ddp` over gloo, bucket cap | buckets | step ms | same, all-reduce a no-op, ms | all-reduces alone, ms "
+    lines += ["", "| `lm_ddp`, bucket cap | buckets | step ms | same, all-reduce a no-op, ms | all-reduces alone, ms "
               "| hidden |", "|---|---|---|---|---|---|"]
     for name, t in sorted(((n, t) for n, t in table.items() if n.startswith("lm_ddp_overlap")),
                           key=lambda item: -float(item[0].split()[1])):

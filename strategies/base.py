@@ -267,7 +267,7 @@ class BaseStrategy(ParallelStrategy):
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout,
                               device_id=device_id)
-        self._layout = ParallelLayout.get(self.parallel_dims(dist.get_world_size()))
+        self._layout = ParallelLayout.get(self.parallel_dims(dist.get_world_size()), timeout=self._timeout)
 
     def parallel_dims(self, world: int) -> ParallelDims:
         """Hook: the sizes of the parallel dimensions on `world` ranks (validated). The base: data parallel only."""

@@ -111,8 +111,6 @@ class ComposedStrategy(BaseStrategy):
         data_parallel_replicate_size: HSDP: whole replicas of the ZeRO shards (dp_shard = what is left).
         zero_stage: 0 (replicated, `GradSync` all-reduce), 1, 2 or 3 (see `strategies/zero_engine.py`).
         bucket_cap_mb: `GradSync`'s gradient buckets (zero_stage 0).
-        shared_memory: `GradSync`'s all-reduce through /dev/shm (`strategies/shm.py`) when the dp ranks share a host
-            and train on the CPU: None (default) wherever possible, False never (gloo's), True or fail.
         activation_checkpointing: none, full or selective, per block (`strategies/ac.py`, docs/ac.md).
     """
 
@@ -121,7 +119,7 @@ class ComposedStrategy(BaseStrategy):
                  virtual_stages: Optional[int] = None, layers_per_stage: Optional[list[int]] = None,
                  balance: Optional[str] = None, context_parallel_size: int = 1, cp_method: Optional[str] = None,
                  expert_parallel_size: int = 1, data_parallel_replicate_size: int = 1, zero_stage: int = 0,
-                 bucket_cap_mb: float = 25.0, shared_memory: Optional[bool] = None,
+                 bucket_cap_mb: float = 25.0,
                  activation_checkpointing: str = "none", **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.tp_size, self.pp_size, self.ep_size = tensor_parallel_size, pipeline_parallel_size, expert_parallel_size
@@ -158,10 +156,7 @@ class ComposedStrategy(BaseStrategy):
             raise ConfigError(f"balance: unknown {self.balance!r}; choose one of {', '.join(BALANCE)}")
         self._schedule = build_schedule(self.schedule_name, self.pp_size, self.microbatches, self.virtual_stages) \
             if self.pp_size > 1 else None
-        self.bucket_cap_mb, self.shared_memory = bucket_cap_mb, shared_memory
-        if shared_memory is not None and zero_stage:
-            raise ConfigError("shared_memory is an option of the replicated data parallelism (zero_stage 0): remove "
-                              "it or set zero_stage to 0")
+        self.bucket_cap_mb = bucket_cap_mb
         self.activation_checkpointing = ac.check_mode(activation_checkpointing)
         self._refuse_unsupported()
 
@@ -387,7 +382,7 @@ class ComposedStrategy(BaseStrategy):
                                      for holder, group in parts]
                 self._engines_for = (module, self._engines)
         elif fitting:
-            self._syncs = [GradSync(holder, group, self.bucket_cap_mb, shared_memory=self.shared_memory)
+            self._syncs = [GradSync(holder, group, self.bucket_cap_mb)
                            for holder, group in parts
                            if dist.get_world_size(group) > 1]
         else:

@@ -19,12 +19,6 @@ backward; instead (as torch DDP does):
   trainable parameter then has the same gradient on every rank (zeros if no rank used it), so the replicas cannot
   drift.
 
-On the CPU with gloo (where every rank of the group can map one /dev/shm file: one host), the buckets are
-allocated in shared memory and reduced there (`strategies/shm.py`), an order of magnitude faster than gloo's
-loopback TCP. That transport is synchronous, so the buckets are reduced in `finish()`, in order, not launched from
-the hooks: on a CPU rank nothing could overlap it anyway, since its own core does the sums. Each element is
-summed in rank order and divided once: gloo's bits on two ranks; on more, one fixed order on every replica.
-
 Averaging is a post-division (sum, then divide the flat buffer once): the sum of bf16 or fp32 gradients cannot
 overflow (bf16 has fp32's exponent range; pre-division is the fp16 remedy), and dividing the sum rounds once
 where pre-division rounds every rank's contribution.
@@ -48,7 +42,6 @@ from torch import Tensor, nn
 
 from strategies import comm
 from strategies.flat_step import FlatShard, FlatStep, elementwise
-from strategies.shm import SHM_DIR, SharedArena
 
 
 def broadcast_parameters(module: nn.Module, group: Optional[dist.ProcessGroup] = None) -> None:
@@ -122,7 +115,7 @@ class GradSync(nn.Module):
     """
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None, bucket_cap_mb: float = 25.0,
-                 broadcast: bool = True, shared_memory: Optional[bool] = None) -> None:
+                 broadcast: bool = True) -> None:
         super().__init__()
         self.module = module
         self.group = group
@@ -131,28 +124,11 @@ class GradSync(nn.Module):
             broadcast_parameters(module, group)
         params = [p for p in module.parameters() if p.requires_grad]
         groups = _bucketize(reversed(params), bucket_cap_mb * 2**20)
-        self.arena = self._arena(groups, shared_memory)
-        self.buckets = [_Bucket.of(b, None if self.arena is None else self.arena.tensors[i])
-                        for i, b in enumerate(groups)]
+        self.buckets = [_Bucket.of(b) for b in groups]
         self._slot = {p: (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
         self._next = 0  # the first bucket not launched yet
         self._hooks = [h for p in params for h in (p.register_hook(partial(self._before_accumulate, p)),
                                                    p.register_post_accumulate_grad_hook(self._on_grad_ready))]
-
-    def _arena(self, buckets: list[list[nn.Parameter]], shared_memory: Optional[bool]) -> Optional[SharedArena]:
-        """The buckets' shared memory (`strategies/shm.py`): by default wherever every parameter is on the CPU and
-        the group is gloo's; None: the group's own all-reduce."""
-        usable = all(p.device.type == "cpu" for b in buckets for p in b) and dist.get_backend(self.group) == "gloo"
-        if shared_memory is False or not buckets or (shared_memory is None and not usable):
-            return None
-        if not usable:
-            raise ValueError("GradSync(shared_memory=True) needs the parameters on the CPU and a gloo group: set "
-                             "shared_memory to None (automatic) or False")
-        arena = SharedArena.create(self.group, [(sum(p.numel() for p in b), b[0].dtype) for b in buckets])
-        if arena is None and shared_memory:
-            raise RuntimeError("GradSync(shared_memory=True): the ranks of the data-parallel group do not share "
-                               f"{SHM_DIR} (or it is full); set shared_memory to None (automatic) or False")
-        return arena
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -183,14 +159,13 @@ class GradSync(nn.Module):
                 "finish()): run all but the last of them inside no_sync()"
             )
         bucket.ready.add(j)
-        while self.arena is None and self._next < len(self.buckets) and self.buckets[self._next].full:
+        while self._next < len(self.buckets) and self.buckets[self._next].full:
             self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.attach()  # unused on this rank: its zeroed slice takes part in the collective
-        op = dist.ReduceOp.SUM if self.arena is None else dist.ReduceOp.AVG  # gloo cannot average; the arena can
-        bucket.work = comm.all_reduce(bucket.flat, self.group, op, async_op=True, label="GradSync bucket",
-                                      arena=self.arena)
+        bucket.work = comm.all_reduce(bucket.flat, self.group, dist.ReduceOp.SUM, async_op=True,
+                                      label="GradSync bucket")
         self._next += 1
 
     def finish(self) -> None:
@@ -201,8 +176,7 @@ class GradSync(nn.Module):
         for bucket in self.buckets:
             assert bucket.work is not None
             bucket.work.wait()
-            if self.arena is None:
-                bucket.flat.div_(world)
+            bucket.flat.div_(world)
             bucket.ready.clear()
             bucket.work = None
         self._next = 0

@@ -29,12 +29,15 @@ Derived groups (also named for the accounting layer):
     pp_embedding  the first and the last stage of each pipeline (a tied embedding/head is summed over it)
 
 Every group is created once per process (`new_group` is collective over the world, and Lightning calls
-`setup_environment` again for every `validate()`/`test()` after `fit()`), in `ParallelLayout.get`.
+`setup_environment` again for every `validate()`/`test()` after `fit()`), in `ParallelLayout.get`, with the
+strategy's `timeout`: a subgroup made without one gets the backend's default (30 min for gloo, 10 min for NCCL),
+so a collective on `dp` with a dead peer would outwait the world's by that much.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
@@ -155,15 +158,16 @@ class ParallelLayout:
     _meshes: dict[tuple, "torch.distributed.device_mesh.DeviceMesh"] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def get(cls, dims: ParallelDims) -> "ParallelLayout":
-        """The cached layout for `dims` on the current default group, creating its groups on first use."""
+    def get(cls, dims: ParallelDims, timeout: Optional[timedelta] = None) -> "ParallelLayout":
+        """The cached layout for `dims` on the current default group, creating its groups on first use, each with
+        `timeout` (None: the backend's default)."""
         dims.validate(dist.get_world_size())
-        key = (id(dist.group.WORLD), dims)
+        key = (id(dist.group.WORLD), dims, timeout)
         if key not in _CACHE:
             grid = rank_grid(dims)
             groups = {}
             for name in GROUPS:  # every rank creates every group (new_group is collective), keeping its own
-                mine, _ = dist.new_subgroups_by_enumeration(grid[name])
+                mine, _ = dist.new_subgroups_by_enumeration(grid[name], timeout=timeout)
                 comm.name_group(mine, name)
                 groups[name] = mine
             _CACHE[key] = cls(dims, grid, groups)

@@ -47,15 +47,15 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _engine_worker(cases: list[tuple[float, bool]]) -> tuple[list[dict], list[dict]]:
-    return [_engine_case(*case) for case in cases], [_in_place_case(shm) for shm in (False, True)]
+def _engine_worker(caps: list[float]) -> tuple[list[dict], dict]:
+    return [_engine_case(cap) for cap in caps], _in_place_case()
 
 
-def _engine_case(bucket_cap_mb: float, shared_memory: bool) -> dict:
+def _engine_case(bucket_cap_mb: float) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(rank)  # different initial weights: GradSync must broadcast rank 0's
     model = Toy()
-    sync = GradSync(model, bucket_cap_mb=bucket_cap_mb, shared_memory=shared_memory)
+    sync = GradSync(model, bucket_cap_mb=bucket_cap_mb)
     batches = [torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(10 * rank + k)) for k in range(3)]
     out = {"weights": {n: p.detach().clone() for n, p in model.named_parameters()}, "buckets": len(sync.buckets)}
 
@@ -84,14 +84,13 @@ def _engine_case(bucket_cap_mb: float, shared_memory: bool) -> dict:
     return out
 
 
-def _in_place_case(shared_memory: bool) -> dict:
+def _in_place_case() -> dict:
     """Where the gradients live over four steps on the same batch (so the averaged gradients must come out equal):
     after zero_grad(set_to_none=True) twice, after set_to_none=False, and with a `.grad` replaced by a tensor of
-    the user's before backward (accumulated there, then copied into its slice at launch). The shared-memory
-    buckets of one rank share one storage (its region): storages are counted once."""
+    the user's before backward (accumulated there, then copied into its slice at launch)."""
     rank = dist.get_rank()
     model = Toy()
-    sync = GradSync(model, bucket_cap_mb=1e-4, shared_memory=shared_memory)  # a few parameters per bucket
+    sync = GradSync(model, bucket_cap_mb=1e-4)  # a few parameters per bucket
     trainable = [p for p in model.parameters() if p.requires_grad]
     buffers = {b.flat.untyped_storage().data_ptr() for b in sync.buckets}
     batch = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(rank))
@@ -123,28 +122,17 @@ def _mean(per_rank: list[dict], name: str, like: torch.Tensor) -> torch.Tensor:
 
 
 def test_grad_sync_averages_gradients() -> None:
-    """Over gloo's all-reduce and over shared memory (`strategies/shm.py`), which must agree to the bit (two
-    ranks: a sum of two is one rounding either way)."""
     caps = [1e-6, 1000.0]  # one bucket per parameter (7 trainable tensors); one bucket for all
-    cases = [(cap, shm) for shm in (False, True) for cap in caps]
-    per_rank, in_place = zip(*run_distributed(_engine_worker, 2, cases))
-    for transport in (0, 1):
-        _check_in_place([r[transport] for r in in_place])
-    for case, (cap, shm) in enumerate(cases):
+    per_rank, in_place = zip(*run_distributed(_engine_worker, 2, caps))
+    _check_in_place(in_place)
+    for case, cap in enumerate(caps):
         results = [r[case] for r in per_rank]
         assert results[0]["buckets"] == (7 if cap < 1 else 1)
         _check_engine_case(results)
-        if shm:
-            gloo = [r[cases.index((cap, False))] for r in per_rank]
-            for key in ("synced", "synced_accum"):
-                for mine, theirs in zip(results, gloo):
-                    for name, g in mine[key].items():
-                        assert (g is None and theirs[key][name] is None) or torch.equal(g, theirs[key][name]), name
     # Reverse order: rank1_only's 2 tensors come first, then the unused layer, which holds every later bucket
-    # back (buckets launch in order). Rank 1 used rank1_only: 2 buckets left during backward; rank 0: none.
-    # Over shared memory every bucket is reduced in finish() (the transport is synchronous).
+    # back (buckets launch in order). Rank 1 used rank1_only: 2 buckets left during backward, asynchronously,
+    # overlapping the rest of backward; rank 0: none.
     assert [r[0]["launched_in_backward"] for r in per_rank] == [0, 2]
-    assert [r[2]["launched_in_backward"] for r in per_rank] == [0, 0]
 
 
 def _check_in_place(per_rank: tuple[dict, ...]) -> None:
@@ -196,10 +184,9 @@ class CommPerStep(L.Callback):
 
 
 DDP = partial(DataParallelStrategy, bucket_cap_mb=0.01)
-# SGD with the collectives counted (over shared memory, the CPU default), SGD over gloo; AdamW with Trainer clipping (small enough to clip every step) and accumulation;
+# SGD with the collectives counted; AdamW with Trainer clipping (small enough to clip every step) and accumulation;
 # AdamW with the clipping callback
 CASES = [Case(DDP, callbacks=(CommPerStep(),), label="sgd"),
-         Case(partial(DDP, shared_memory=False), label="sgd over gloo"),
          Case(DDP, optimizer="adamw", trainer={"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
               label="adamw clip accumulate"),
          Case(DDP, optimizer="adamw", callbacks=(GlobalNormClip(0.05),), label="adamw GlobalNormClip")]

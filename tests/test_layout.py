@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import time
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -86,3 +90,45 @@ def test_groups_on_4_processes() -> None:
     assert [r["mesh_tp_rank"] for r in results] == [0, 1, 0, 1]
     assert [r["expert_mesh"] for r in results] == [[[0, 2]], [[1, 3]], [[0, 2]], [[1, 3]]]  # (edp, ep) slabs
     assert results[0]["group"] == "tp"
+
+
+# -- the strategy's timeout reaches every group ------------------------------------------------------------------
+def _group_timeouts(timeout_s: float) -> dict:
+    """A `ComposedStrategy(timeout=...)` set up on an initialised world (as Lightning does in each process): the
+    timeout of every group its layout created, read from the backend; then a collective on the `dp` subgroup that
+    rank 1 never joins must fail on rank 0 (within the strategy's timeout, not gloo's 30 min default)."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from strategies.composed import ComposedStrategy
+
+    strategy = ComposedStrategy(tensor_parallel_size=2, timeout=timeout_s, accelerator=CPUAccelerator(),
+                                parallel_devices=[torch.device("cpu")] * 4, cluster_environment=LightningEnvironment())
+    strategy.setup_environment()
+    layout = strategy.layout
+    cpu = torch.device("cpu")
+    out = {"timeouts": {name: layout.group(name)._get_backend(cpu).options._timeout.total_seconds()
+                        for name in GROUPS}}
+    # dp groups: {0, 2} and {1, 3}. Rank 0 enters an all-reduce that rank 2 never joins; rank 2 waits (outside
+    # every collective) for rank 0 to report, so the failure is rank 0's timeout and not a peer that hung up.
+    flag = Path(os.environ["LIT_LM_TEST_DIR"]) / "rank0_done"
+    if dist.get_rank() == 0:
+        try:
+            comm.all_reduce(torch.ones(1), layout.dp_group)
+            out["error"] = None
+        except RuntimeError as error:
+            out["error"] = str(error)
+        flag.touch()
+    elif dist.get_rank() == 2:
+        for _ in range(600):  # at most a minute: the old code (30 min) fails the test instead of hanging it
+            if flag.exists():
+                break
+            time.sleep(0.1)
+    return out
+
+
+def test_strategy_timeout_reaches_every_subgroup(tmp_path: Path) -> None:
+    results = run_distributed(_group_timeouts, 4, 2.5, env={"LIT_LM_TEST_DIR": str(tmp_path)})
+    for r in results:
+        assert r["timeouts"] == {name: 2.5 for name in GROUPS}
+    assert results[0]["error"] is not None and "timed out" in results[0]["error"].lower(), results[0]["error"]

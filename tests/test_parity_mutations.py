@@ -8,8 +8,6 @@ tile's own log-sum-exp, and RoPE positions that do not follow the zigzag tokens 
 gradient of a named parameter (the RoPE bug moves the first loss by less than 1e-5: at initialisation attention
 hardly shapes the logits, its gradients do); a merge that loses the running log-sum-exp by the first batch's loss
 (or, were that within 1e-5, by the gradients).
-The shared-memory all-reduce that sums instead of averaging is the first kind (factor 2); one whose shares stop an
-element short leaves those elements unreduced: a gradient differs at step 0.
 A flat optimizer step that runs a group's flat tensors under another group's settings (no weight decay) changes
 no gradient, only the update: it is reported by a final parameter.
 The un-mutated twins of these cases pass in test_ddp, test_zero, test_ep and test_composed.
@@ -28,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from parity import MOE, TINY, Case, assert_parity, run_parity
-from strategies import comm, composed, ddp, shm, zero_engine
+from strategies import comm, composed, ddp, zero_engine
 from strategies import cp as context
 from strategies.composed import ComposedStrategy
 from strategies.ddp import DataParallelStrategy
@@ -53,19 +51,6 @@ def _scaled_comm(module: object, op: str, factor: float, monkeypatch: pytest.Mon
 def grad_sync_sums(monkeypatch: pytest.MonkeyPatch) -> None:
     """GradSync sums instead of averaging: world x the input, then its division by the world."""
     _scaled_comm(ddp, "all_reduce", 2.0, monkeypatch)
-
-
-def shm_share_short(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The shared-memory all-reduce's shares stop one element short: the last element of each rank's share is
-    reduced by nobody and keeps every rank's own gradient."""
-    monkeypatch.setattr(shm, "share", lambda numel, world, rank: slice(numel * rank // world,
-                                                                       numel * (rank + 1) // world - 1))
-
-
-def shm_sums(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The shared-memory all-reduce forgets GradSync's average: it sums (GradSync leaves the division to it)."""
-    reduce = shm.SharedArena.all_reduce
-    monkeypatch.setattr(shm.SharedArena, "all_reduce", lambda self, tensor, op=None: reduce(self, tensor))
 
 
 def zero_reduce_scatter_doubled(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -156,12 +141,8 @@ def _cp2(mutation: object, label: str) -> Case:
 
 GRADIENT = r"step 0 rank \d: gradient of model\.\S+ differs"
 MUTANTS = {  # case, the report it must raise
-    "grad_sync_sums": (Case(partial(DataParallelStrategy, bucket_cap_mb=0.01, shared_memory=False),
-                            mutation=grad_sync_sums, label="lm_ddp over gloo, GradSync sums"), _doubled(r"model\.\w+")),
-    "shm_sums": (Case(partial(DataParallelStrategy, bucket_cap_mb=0.01), mutation=shm_sums,
-                      label="lm_ddp over shared memory, sums instead of averaging"), _doubled(r"model\.\w+")),
-    "shm_share_short": (Case(partial(DataParallelStrategy, bucket_cap_mb=0.01), mutation=shm_share_short,
-                             label="lm_ddp over shared memory, shares one short"), GRADIENT),
+    "grad_sync_sums": (Case(partial(DataParallelStrategy, bucket_cap_mb=0.01), mutation=grad_sync_sums,
+                            label="lm_ddp, GradSync sums"), _doubled(r"model\.\w+")),
     "lm_ddp_flat_wrong_group": (Case(DataParallelStrategy, optimizer="adamw", mutation=flat_step_wrong_group,
                                      label="lm_ddp AdamW, flat step under the wrong group"),
                                 r"rank \d: final model\.\S+ differs"),
