@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from callbacks.compress.ptq import METHODS, PTQ, candidate_ranges, choose_range, mse_weight_scale
-from callbacks.compress.qat import IntLinear, act_qparams, fake_quant_weight, weight_scale
+from callbacks.compress.qat import ACT_QMAX, IntLinear, export_act, fake_quant_weight, weight_scale
 from dist_utils import TinyLM, token_data
 from lit_lm.config import ConfigError
+from test_qat import assert_no_pair_saturates
 
 
 def _tiny() -> TinyLM:
@@ -50,6 +51,7 @@ def test_each_method_calibrates_and_quantizes_a_tiny_model(method: str) -> None:
             assert true_lo - 1e-6 <= lo < hi <= true_hi + 1e-6
     ptq.convert(lm)
     assert sum(isinstance(m, IntLinear) for m in lm.modules()) == 14
+    assert assert_no_pair_saturates(lm.model, val[0][:, :-1]) == 14  # 7-bit codes: fbgemm's AVX2 pairs fit int16
     quant_loss = _loss(lm, val)
     assert math.isfinite(quant_loss) and abs(quant_loss - float_loss) < 0.05 * float_loss
 
@@ -61,8 +63,8 @@ def test_mse_range_is_the_brute_force_best() -> None:
     counts = torch.cat([torch.full((500,), 1000.0), torch.ones(1)]).double()
     best, best_err = None, math.inf
     for lo, hi in candidate_ranges(float(x.min()), float(x.max()), 12).tolist():  # every candidate, one at a time
-        scale, zero = act_qparams(lo, hi)
-        err = float(((torch.fake_quantize_per_tensor_affine(x, scale, zero, 0, 255) - x).pow(2) * counts).sum())
+        scale, zero = export_act(lo, hi)
+        err = float(((torch.fake_quantize_per_tensor_affine(x, scale, zero, 0, ACT_QMAX) - x).pow(2) * counts).sum())
         if err < best_err:
             best, best_err = (lo, hi), err
     assert choose_range(x, counts, "mse", grid=12) == pytest.approx(best, abs=1e-12)

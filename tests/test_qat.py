@@ -1,7 +1,8 @@
 """QAT and k-means: fake quantization is quantize-dequantize maths with a clipped straight-through gradient,
 observers survive a resume, the exported integer model matches the fake-quant logits, and bad bit widths fail.
 Ternary (TWN, TTQ) and binary codes and scales equal a hand computation, TTQ's scales take the loss's gradient,
-and their export is packed to 2 and 1 bits."""
+and their export is packed to 2 and 1 bits. The int8 kernel's sums equal an exact int32 reference, and equal the
+AVX2 kernel's saturating pair sums too (emulated here, so this holds on every host): nothing can saturate."""
 
 from __future__ import annotations
 
@@ -11,14 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import Tensor
+from torch import Tensor, nn
 
 from callbacks.compress import QAT, KMeansQuantization
 from callbacks.compress.core import DEFAULT_EXCLUDE, select
-from callbacks.compress.qat import IntLinear, act_qparams, binary_codes, fake_quant_act, fake_quant_weight, \
-    model_bytes, quantize_weight, ttq_codes, twn_codes, weight_scale
+from callbacks.compress.qat import ACT_QMAX, IntLinear, act_qparams, binary_codes, export_act, fake_quant_act, \
+    fake_quant_weight, model_bytes, quantize_act, quantize_weight, ttq_codes, twn_codes, weight_scale
 from dist_utils import TinyLM, fit_tiny, token_data
 from lit_lm.config import ConfigError
 from strategies.base import whole_weights
@@ -35,8 +37,95 @@ def test_fake_quant_weight_is_quantize_dequantize(bits: int, group_size: int | N
     torch.testing.assert_close(fake_quant_weight(w, scale, bits), expected)
 
 
+def avx2_pair_sums(codes: Tensor, w: Tensor) -> Tensor:
+    """(n, out) int64: what fbgemm's AVX2 kernel (x86 without VNNI) accumulates for uint8 activation codes (n, k)
+    and int8 weight codes (out, k). vpmaddubsw multiplies them bytewise and adds each pair of neighbouring products
+    (inputs 2j, 2j + 1 of the packed row) in int16 *with saturation*; vpmaddwd then adds the pairs in int32."""
+    codes, w = (F.pad(t.to(torch.int64), (0, t.shape[-1] % 2)) for t in (codes, w))
+    pairs = (codes[:, None, :] * w[None]).view(codes.shape[0], w.shape[0], -1, 2).sum(-1)
+    return pairs.clamp(-2 ** 15, 2 ** 15 - 1).sum(-1)
+
+
+def int32_sums(codes: Tensor, w: Tensor) -> Tensor:
+    """(n, out) int64: the exact sums (VNNI's vpdpbusd accumulates in int32 and saturates nothing)."""
+    return codes.to(torch.int64) @ w.to(torch.int64).T
+
+
+def assert_no_pair_saturates(model: nn.Module, x: Tensor) -> int:
+    """Run `model(x)` and check, for every `IntLinear`'s input, that the AVX2 pair sums equal the int32 sums (equal
+    exactly when no pair saturates, on any host); returns how many layers were checked."""
+    checked = []
+
+    def check(linear: IntLinear, args: tuple) -> None:
+        codes = quantize_act(args[0].reshape(-1, linear.shape[1]), *linear.act)
+        assert 0 <= int(codes.min()) and int(codes.max()) <= ACT_QMAX
+        w = torch.cat([part for part, _ in linear._parts()]).reshape(-1, linear.shape[1])  # TTQ: both signs' rows
+        assert torch.equal(avx2_pair_sums(codes, w), int32_sums(codes, w))
+        checked.append(linear)
+
+    hooks = [m.register_forward_pre_hook(check) for m in model.modules() if isinstance(m, IntLinear)]
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    return len(checked)
+
+
+def test_activation_range_leaves_every_int16_pair_unsaturated() -> None:
+    """The bound itself: 7-bit activation codes times any int8 weight, |a1 w1 + a2 w2| <= 2 * 127 * 128 = 32512 <
+    2^15; full-range uint8 codes (255) would reach 65280 and fail here on every machine, not only on AVX2 ones."""
+    assert 2 * ACT_QMAX * 128 < 2 ** 15
+    lo = torch.tensor([-1.0, -3.0, 0.5, -2.0, 0.0, -1e-3])
+    hi = torch.tensor([1.0, 0.1, 4.0, -0.5, 0.0, 1e3])
+    scale, zero = act_qparams(lo, hi)
+    assert zero.dtype == torch.int32 and ((0 <= zero) & (zero <= ACT_QMAX)).all()
+    for s, z, a, b in zip(scale.tolist(), zero.tolist(), lo.tolist(), hi.tolist()):
+        x = torch.linspace(min(a, 0.0) * 3 - 1, max(b, 0.0) * 3 + 1, 101)  # far past both ends
+        codes = quantize_act(x, s, z)
+        assert int(codes.min()) == 0 and int(codes.max()) == ACT_QMAX  # both ends of the grid reached, no further
+        w = torch.tensor([[-128, -128], [127, 127], [-128, 127]])
+        assert torch.equal(avx2_pair_sums(codes[:, None].expand(-1, 2), w),
+                           int32_sums(codes[:, None].expand(-1, 2), w))
+    # the emulation does saturate where uint8's full range would: the check above can fail
+    full = torch.tensor([[255, 255]])
+    assert int(avx2_pair_sums(full, torch.tensor([[-128, -128]]))) == -2 ** 15 != int(int32_sums(full, torch.tensor(
+        [[-128, -128]])))
+
+
+@pytest.mark.parametrize("bits, group_size", [(8, None), (8, 16), (4, 8)])
+def test_kernel_equals_the_exact_integer_reference_at_the_extremes(bits: int, group_size: int | None) -> None:
+    """Weights at both ends of int`bits` and inputs at (and far past) both ends of the 7-bit grid, on exact grid
+    points with power-of-two scales, so that every rounding and the float output are exact: the kernel's output is
+    s_x * s_w * (the int32 sum of code products - z_x * the weight codes' sum), and no pair saturated. Inputs past
+    the range would reach uint8 codes up to 255 without `IntLinear`'s clamp (a wrong output on every machine)."""
+    gen = torch.Generator().manual_seed(bits)
+    out, k = 24, 32
+    q = 2 ** (bits - 1)
+    w = torch.randint(-q, q, (out, k), generator=gen)
+    w[0], w[1], w[2, ::2], w[2, 1::2] = -q, q - 1, -q, q - 1  # the largest products of either sign
+    groups = k // (group_size or k)
+    scale = 2.0 ** -torch.randint(3, 7, (out, groups), generator=gen).float()
+    act = export_act(-20 / 16, 107 / 16)  # (hi - lo) / 127 = 1/16 exactly, zero point 20
+    assert act == (1 / 16, 20)
+    linear = IntLinear(w, scale, bits, act)
+    assert linear.uses_kernel
+    levels = torch.randint(-60, 300, (40, k), generator=gen)  # uint8 codes the input would have, many past 0..127
+    levels[0], levels[1], levels[2] = 255, ACT_QMAX, 0
+    x = (levels - act[1]).float() * act[0]  # exact grid points
+    codes = quantize_act(x, *act)
+    assert torch.equal(codes, levels.clamp(0, ACT_QMAX))
+    y = torch.zeros(len(x), out, dtype=torch.float64)
+    for g in range(groups):  # per group: the int32 sum of products, the zero point's share, the scales
+        cols = slice(g * (k // groups), (g + 1) * (k // groups))
+        acc = int32_sums(codes[:, cols], w[:, cols])
+        assert torch.equal(avx2_pair_sums(codes[:, cols], w[:, cols]), acc)  # nothing saturates
+        y += act[0] * scale[:, g].double() * (acc - act[1] * w[:, cols].sum(1)).double()
+    torch.testing.assert_close(linear(x), y.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(linear.reference(x), y.float(), rtol=1e-6, atol=1e-6)
+
+
 def test_ste_gradient_is_identity_inside_the_range_and_zero_outside() -> None:
-    scale, zero_point = act_qparams(-1.0, 1.0)
+    scale, zero_point = act_qparams(-1.0, 1.0)  # 7 bits: s = 2/127, z = 64, the grid [-64 s, 63 s] ~ [-1.008, 0.992]
     x = torch.tensor([-3.0, -0.5, 0.0, 0.3, 0.99, 2.0], requires_grad=True)
     fake_quant_act(x, scale, zero_point).sum().backward()
     assert x.grad.tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]
@@ -74,6 +163,7 @@ def test_observers_resume_and_export_matches_fake_quant(tmp_path: Path, bits: in
         exported = lm.model(x)
     torch.testing.assert_close(exported, fake, rtol=1e-4, atol=1e-4)
     assert model_bytes(lm) < dense_bytes
+    assert assert_no_pair_saturates(lm.model, x) == 2 * 7  # the trained ranges, on real inputs
 
 
 def test_kmeans_shares_weights_and_resumes() -> None:
@@ -186,7 +276,7 @@ def test_export_runs_fbgemm_within_one_activation_level_of_the_integer_reference
     """Every width (sub-byte codes unpacked to int8, one call per group, TTQ's negative rows apart) on the kernel."""
     gen = torch.Generator().manual_seed(bits)
     w, x = torch.randn(48, 32, generator=gen), torch.randn(4, 16, 32, generator=gen)
-    act = act_qparams(float(x.min()), float(x.max()))
+    act = export_act(float(x.min()), float(x.max()))
     linear = _int_linear(bits, group_size, w, act)
     assert linear.uses_kernel
     deq = torch.stack([linear.reference(torch.eye(32) * act[0])[:, o] / act[0] for o in range(48)])  # w as exported
@@ -194,7 +284,9 @@ def test_export_runs_fbgemm_within_one_activation_level_of_the_integer_reference
     torch.testing.assert_close(linear.reference(x), fake, rtol=1e-5, atol=1e-5)  # exact integer maths
     kernel = linear(x)
     assert len(linear._packed) == (1 if group_size in (None, 0) else 32 // group_size)
-    # x * (1/s) may round one level away from x / s: at most s_x * sum |w| per output, and rarely
+    # the kernel's vector and scalar paths may round x one level away from fake quant's x * (1/s): at most one
+    # activation level per input, s_x * sum |w| per output (s_x = range / 127: the bound follows the 7-bit level),
+    # and rarely, so the mean stays far below it
     bound = act[0] * deq.abs().sum(1)
     assert ((kernel - fake).abs() <= bound + 1e-5).all()
     assert (kernel - fake).abs().mean() < 1e-3 * fake.abs().mean()

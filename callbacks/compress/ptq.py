@@ -4,8 +4,9 @@ the batches.
 
 Weights are exported as `QAT` exports them (symmetric int`bits`, one scale per output channel or per group of
 `group_size` inputs, through `IntLinear`); their range is the absmax (`weight_method: minmax`, QAT's) or, per
-channel, the clip that minimises the weight's squared quantization error (`mse`). Activations are uint8 asymmetric
-per tensor (QAT's `act_qparams`), with the range [lo, hi] chosen by
+channel, the clip that minimises the weight's squared quantization error (`mse`). Activations are 7-bit asymmetric
+per tensor (QAT's `act_qparams`: codes 0..127, which fbgemm's AVX2 kernel cannot saturate), with the range
+[lo, hi] chosen by
     minmax      the smallest and largest value seen: nothing clipped, the coarsest grid;
     percentile  the (100 - p)-th and p-th percentiles: the p-tail outliers are clipped, the grid is finer;
     mse         the candidate range with the smallest summed squared quantization error over every value seen;
@@ -14,7 +15,8 @@ per tensor (QAT's `act_qparams`), with the range [lo, hi] chosen by
                 bins that fall in it, so clipping a tail onto an edge level, or merging too many bins, both cost.
 Candidates for mse and kl are [a * min, b * max] for a, b in {1/grid, 2/grid, ..., 1}. Calibration runs the batches
 twice: once for every input's min and max, once for a histogram of `bins` bins over that range, so percentile, mse
-and kl see every value (at bin resolution) without storing them.
+and kl see every value (at bin resolution) without storing them. The histograms, and the search over candidates,
+stay on the device of the activations.
 """
 
 from __future__ import annotations
@@ -26,28 +28,28 @@ import torch
 from torch import Tensor, nn
 
 from callbacks.compress.core import DEFAULT_EXCLUDE, select
-from callbacks.compress.qat import IntLinear, act_qparams, fake_quant_weight, quantize_weight, weight_scale
+from callbacks.compress.qat import ACT_QMAX, IntLinear, act_qparams, export_act, fake_quant_weight, quantize_weight, \
+    weight_scale
 from lit_lm.config import ConfigError
 from strategies.base import whole_weights
 
 Method = Literal["minmax", "percentile", "mse", "kl"]
 METHODS = ("minmax", "percentile", "mse", "kl")
+KL_EPS = 1e-4  # Q's probability where P has mass and Q none (else clipping one outlier onto an empty edge is infinite)
 
 
 # -- choosing a range from (values, counts): raw values with counts 1, or a histogram's bin centres ---------------
-def candidate_ranges(lo: float, hi: float, grid: int) -> Tensor:
+def candidate_ranges(lo: float, hi: float, grid: int, device: Optional[torch.device] = None) -> Tensor:
     """(grid², 2) ranges [a * lo, b * hi], a and b in {1/grid, ..., 1}."""
-    fractions = torch.arange(1, grid + 1, dtype=torch.float64) / grid
+    fractions = torch.arange(1, grid + 1, dtype=torch.float64, device=device) / grid
     a, b = torch.meshgrid(fractions, fractions, indexing="ij")
     return torch.stack([a.reshape(-1) * lo, b.reshape(-1) * hi], dim=1)
 
 
 def _codes(values: Tensor, ranges: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(codes (K, n), scales (K,), zero points (K,)) of `values` under each candidate range (uint8, as QAT)."""
-    qparams = [act_qparams(lo, hi) for lo, hi in ranges.tolist()]
-    scale = torch.tensor([s for s, _ in qparams], dtype=torch.float64)
-    zero = torch.tensor([z for _, z in qparams], dtype=torch.float64)
-    codes = torch.clamp(torch.round(values[None] / scale[:, None]) + zero[:, None], 0, 255)
+    """(codes (K, n), scales (K,), zero points (K,)) of `values` under each candidate range (QAT's 7-bit codes)."""
+    scale, zero = (t.double() for t in act_qparams(ranges[:, 0], ranges[:, 1]))
+    codes = torch.clamp(torch.round(values[None] / scale[:, None]) + zero[:, None], 0, ACT_QMAX)
     return codes, scale, zero
 
 
@@ -60,12 +62,13 @@ def quant_errors(values: Tensor, counts: Tensor, ranges: Tensor) -> Tensor:
 
 def kl_divergences(values: Tensor, counts: Tensor, ranges: Tensor) -> Tensor:
     """(K,) KL(P || Q) per candidate range: P the distribution over the points inside the range, each clipped tail's
-    mass added to the edge point next to it; Q each quantization level's share of P spread evenly over the level's
-    non-empty points (TensorRT's entropy calibration, on both tails). As there, a candidate must hold at least as
-    many points (bins) as there are levels."""
+    mass added to the edge point next to it; Q each quantization level's share of the points inside the range,
+    *without* the tails, spread evenly over the level's non-empty points (TensorRT's entropy calibration, on both
+    tails): clipping costs where the tails pile onto an edge, merging points into levels costs elsewhere. As
+    there, a candidate must hold at least as many points (bins) as there are levels."""
     order = values.argsort()
     v, c = values[order].double(), counts[order].double()
-    rows = torch.arange(len(ranges))
+    rows = torch.arange(len(ranges), device=values.device)
     inside = (v[None] >= ranges[:, :1]) & (v[None] <= ranges[:, 1:])  # (K, n)
     first = inside.double().argmax(1)
     last = len(v) - 1 - inside.flip(1).double().argmax(1)
@@ -73,14 +76,17 @@ def kl_divergences(values: Tensor, counts: Tensor, ranges: Tensor) -> Tensor:
     p[rows, first] += (c[None] * (v[None] < ranges[:, :1])).sum(1)
     p[rows, last] += (c[None] * (v[None] > ranges[:, 1:])).sum(1)
     codes = _codes(v, ranges)[0].long()
+    kept = c[None] * inside  # the points inside, tails left out
+    levels = ACT_QMAX + 1
+    mass = p.new_zeros(len(ranges), levels).scatter_add_(1, codes, kept)
+    points = p.new_zeros(len(ranges), levels).scatter_add_(1, codes, (kept > 0).double())
+    q = torch.where(kept > 0, mass.gather(1, codes) / points.gather(1, codes).clamp(min=1), 0.0)
     filled = p > 0
-    mass = torch.zeros(len(ranges), 256, dtype=torch.float64).scatter_add_(1, codes, p)
-    points = torch.zeros(len(ranges), 256, dtype=torch.float64).scatter_add_(1, codes, filled.double())
-    q = mass.gather(1, codes) / points.gather(1, codes).clamp(min=1)
     p, q = p / p.sum(1, keepdim=True), q / q.sum(1, keepdim=True)
+    q = torch.where(filled & (q == 0), KL_EPS, q)  # an edge point that only the clipped tail fills (as MXNet's)
     kl = torch.where(filled, p * (p / q.clamp(min=1e-300)).log(), torch.zeros_like(p)).sum(1)
-    # a range narrower than 256 points quantizes each point exactly, so the histogram cannot see its rounding
-    return torch.where(inside.sum(1) >= 256, kl, torch.full_like(kl, math.inf))
+    # a range narrower than `levels` points quantizes each point exactly, so the histogram cannot see its rounding
+    return torch.where(inside.sum(1) >= levels, kl, torch.full_like(kl, math.inf))
 
 
 def percentile_range(values: Tensor, counts: Tensor, percentile: float) -> tuple[float, float]:
@@ -103,7 +109,7 @@ def choose_range(values: Tensor, counts: Tensor, method: Method, percentile: flo
         return lo, hi
     if method == "percentile":
         return percentile_range(values, counts, percentile)
-    ranges = candidate_ranges(lo, hi, grid)
+    ranges = candidate_ranges(lo, hi, grid, values.device)
     score = quant_errors(values, counts, ranges) if method == "mse" else kl_divergences(values, counts, ranges)
     best = ranges[int(score.argmin())]  # (first of equal scores: the grid runs from the tightest range)
     return float(best[0]), float(best[1])
@@ -157,27 +163,33 @@ class PTQ:
         `model`); returns and keeps them in `ranges`."""
         batches = list(batches)
         names = self.linears(model)
-        low = {n: math.inf for n in names}
-        high = {n: -math.inf for n in names}
+        seen: dict[str, Tensor] = {}  # name -> [-min, max] so far, on the activations' device
 
         def extremes(name: str, x: Tensor) -> None:
-            low[name], high[name] = min(low[name], float(x.min())), max(high[name], float(x.max()))
+            batch = torch.stack([-x.detach().min(), x.detach().max()]).double()
+            seen[name] = torch.maximum(seen[name], batch) if name in seen else batch
 
         self._observe(model, names, run, batches, extremes)
+        # one host read a layer (a layer that saw no input keeps the empty range [inf, -inf])
+        low = {n: -float(seen[n][0]) if n in seen else math.inf for n in names}
+        high = {n: float(seen[n][1]) if n in seen else -math.inf for n in names}
         if self.method == "minmax":
             self.ranges = {n: (low[n], high[n]) for n in names}
             return self.ranges
-        hist = {n: torch.zeros(self.bins, dtype=torch.float64) for n in names}
+        hist: dict[str, Tensor] = {}  # name -> counts per bin, on the activations' device
 
         def histogram(name: str, x: Tensor) -> None:
-            hist[name] += torch.histc(x.detach().double(), self.bins, low[name], high[name])
+            counts = torch.histc(x.detach().double(), self.bins, low[name], high[name])
+            hist[name] = hist[name] + counts if name in hist else counts
 
         self._observe(model, names, run, batches, histogram)
         for n in names:
             width = (high[n] - low[n]) / self.bins
-            centres = low[n] + width * (torch.arange(self.bins, dtype=torch.float64) + 0.5)
-            self.ranges[n] = choose_range(centres, hist[n], self.method, self.percentile, self.grid) \
-                if width > 0 else (low[n], high[n])
+            if not width > 0:
+                self.ranges[n] = (low[n], high[n])
+                continue
+            centres = low[n] + width * (torch.arange(self.bins, dtype=torch.float64, device=hist[n].device) + 0.5)
+            self.ranges[n] = choose_range(centres, hist[n], self.method, self.percentile, self.grid)
         return self.ranges
 
     @staticmethod
@@ -208,5 +220,5 @@ class PTQ:
             w = model.get_submodule(name).weight
             scale = self.weight_scale(w)
             model.set_submodule(name, IntLinear(quantize_weight(w, scale, self.bits), scale, self.bits,
-                                                act_qparams(lo, hi)))
+                                                export_act(lo, hi)))
         return model

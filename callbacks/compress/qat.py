@@ -6,8 +6,8 @@ scale = absmax / (2^(bits-1) - 1), recomputed from the current weight at every f
 scale minimising the L2 error for that mask) or TTQ (Zhu et al. 2017: per layer, threshold `ttq_threshold` * max|w|,
 separate positive and negative scales W_p, W_n learned from the loss). `bits: 1` is binary {-a, +a}: sign(w) with
 a = mean |w| per channel. Activations (the input of
-each quantized linear): int8 asymmetric per tensor, range from EMA min/max observers that stop at
-`freeze_observers_step`. Both use the straight-through estimator: the rounding's gradient is taken as 1 inside
+each quantized linear): 7-bit asymmetric per tensor (uint8 codes 0..127, not 0..255: `ACT_QMAX` says why), range
+from EMA min/max observers that stop at `freeze_observers_step`. Both use the straight-through estimator: the rounding's gradient is taken as 1 inside
 the representable range and 0 outside (torch's fake_quantize ops), so weights and activations learn to sit
 where the integer grid can represent them. (Ternary and binary weights pass the gradient through unclipped; TTQ
 scales it by W_p, 1, W_n on the positive, zero and negative weights, as the paper does.)
@@ -22,8 +22,9 @@ names, checkpoints and every strategy's hooks stay as they are. Under tensor par
 output channel is split over tp: its per-channel absmax is all-reduced (MAX) over the group the strategy names
 (`owned_weights()`: the splits of the tensor the forward reads, so ZeRO's rows never enter); observers are reduced
 over every rank that runs the layer (all ranks; one pipeline stage's under pp, where each microbatch updates them),
-so those ranks (and a single-process run over the same global batch) hold the same range. The checkpoint keeps
-every stage's observers. `convert` replaces the linears by `IntLinear`: packed integer weights (2 bits a ternary
+so those ranks (and a single-process run over the same global batch) hold the same range. The observers and
+TTQ's scales live on the device of the data they meet (no host sync in the step); the checkpoint keeps every
+stage's, on CPU. `convert` replaces the linears by `IntLinear`: packed integer weights (2 bits a ternary
 weight, 1 a binary one), fp32 scales, an integer-matmul reference forward that matches the fake-quant model, and on
 CPU PyTorch's fbgemm int8 kernel for every width.
 
@@ -114,11 +115,11 @@ def binary_codes(w: Tensor, group_size: Optional[int] = None,
     return torch.where(rows >= 0, 1.0, -1.0).view(w.shape), total / count
 
 
-def ttq_codes(w: Tensor, threshold: float, groups: Sequence[dist.ProcessGroup] = ()) -> tuple[Tensor, float]:
-    """TTQ: (codes in {-1, 0, 1} like w, the layer's threshold `threshold` * max|w|); with `groups`, the layer's
-    parts are spread over them (max reduced)."""
+def ttq_codes(w: Tensor, threshold: float, groups: Sequence[dist.ProcessGroup] = ()) -> tuple[Tensor, Tensor]:
+    """TTQ: (codes in {-1, 0, 1} like w, the layer's threshold `threshold` * max|w|, a 0-d tensor on w's device: no
+    host sync); with `groups`, the layer's parts are spread over them (max reduced)."""
     wd = w.detach().float()
-    delta = threshold * float(all_reduce_(wd.abs().max().reshape(1), groups, dist.ReduceOp.MAX))
+    delta = threshold * all_reduce_(wd.abs().max().reshape(1), groups, dist.ReduceOp.MAX)[0]
     return torch.sign(wd) * (wd.abs() > delta), delta
 
 
@@ -135,31 +136,57 @@ def straight_through(w: Tensor, q: Tensor, factor: Optional[Tensor] = None) -> T
     return q.to(w.dtype).detach() + (moving if factor is None else moving * factor.to(w.dtype))
 
 
-def act_qparams(lo: float, hi: float) -> tuple[float, int]:
-    """uint8 asymmetric scale and zero point for the range [lo, hi] widened to contain 0 (exact zero padding)."""
-    lo, hi = min(lo, 0.0), max(hi, 0.0)
-    scale = max((hi - lo) / 255.0, 1e-8)
-    return scale, int(min(max(round(-lo / scale), 0), 255))
+# Activation codes are 7-bit (0 .. ACT_QMAX = 127), not uint8's 0 .. 255, and this is the one place that decides
+# it. fbgemm's AVX2 kernel (x86 without VNNI) multiplies the uint8 activations by the int8 weights with vpmaddubsw,
+# which adds each *pair* of neighbouring products in int16 with saturation: full-range codes reach
+# 255 * 127 * 2 = 64770 > 32767 and the sum is silently clipped (wrong outputs), while VNNI's vpdpbusd accumulates
+# in int32 and does not. Which kernel runs is decided by the machine that *serves* the exported model, which the
+# exporting machine cannot know, so the range is always reduced (PyTorch's x86 recipe, `reduce_range=True`, for the
+# same reason). Bound: codes 0..127 times int8 weights -128..127 (our weights reach -127..127; any int8 fits):
+# |a1 * w1 + a2 * w2| <= 2 * 127 * 128 = 32512 < 2^15 - 1 = 32767. Fake quantization (QAT, PTQ) uses the same
+# range, so the exported model computes what the fake-quantized one did.
+ACT_QMAX = 127
 
 
-def fake_quant_act(x: Tensor, scale: float, zero_point: int) -> Tensor:
-    return torch.fake_quantize_per_tensor_affine(x.float(), scale, zero_point, 0, 255).to(x.dtype)
+def act_qparams(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
+    """Asymmetric scale (float32) and zero point (int32) of 7-bit activation codes 0..ACT_QMAX for the ranges
+    [lo, hi] (elementwise, on their device), each widened to contain 0 (exact zero padding)."""
+    lo, hi = torch.as_tensor(lo).float().clamp(max=0.0), torch.as_tensor(hi).float().clamp(min=0.0)
+    scale = ((hi - lo) / ACT_QMAX).clamp(min=1e-8)
+    return scale, torch.round(-lo / scale).clamp(0, ACT_QMAX).to(torch.int32)
+
+
+def export_act(lo: float | Tensor, hi: float | Tensor) -> tuple[float, int]:
+    """`act_qparams` of one range as the Python numbers `IntLinear` keeps (at export: not per step)."""
+    scale, zero_point = act_qparams(torch.as_tensor(lo), torch.as_tensor(hi))
+    return float(scale), int(zero_point)
+
+
+def fake_quant_act(x: Tensor, scale: Tensor | float, zero_point: Tensor | int) -> Tensor:
+    """dequant(quant(x)) on the 7-bit grid, straight-through inside it (scale, zero point: tensors on x's device, or
+    Python numbers)."""
+    return torch.fake_quantize_per_tensor_affine(x.float(), scale, zero_point, 0, ACT_QMAX).to(x.dtype)
+
+
+def quantize_act(x: Tensor, scale: float, zero_point: int) -> Tensor:
+    """x's codes 0..ACT_QMAX (int64), rounded exactly as `fake_quant_act` rounds them."""
+    return torch.round(fake_quant_act(x.float(), scale, zero_point) / scale).to(torch.int64) + zero_point
 
 
 class IntLinear(nn.Module):
-    """An exported linear: packed integer weight codes, fp32 scales, optional uint8 activation parameters, and an
+    """An exported linear: packed integer weight codes, fp32 scales, optional activation parameters (7-bit codes in uint8), and an
     integer-matmul reference forward: y = s_x * sum_g s_w[o, g] * sum_{i in g} (x_q[i] - z_x) * w_q[o, i]. Binary
     codes are stored as 1 bit, ternary as 2; TTQ's negative codes take `neg_scale` (its W_n) instead of `scale`.
 
     With quantized activations on CPU every width runs PyTorch's fbgemm kernel instead
-    (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`: uint8 x int8 with int32 accumulation, the same
-    quantization of the input, fp32 out), so the export is faster, not only smaller. fbgemm has int8 weights with
+    (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`: uint8 x int8, the same quantization of the input,
+    fp32 out; its input is first clamped to the 7-bit grid, which the kernel's uint8 rounding would not do), so the export is faster, not only smaller. fbgemm has int8 weights with
     one scale per output row and no sub-byte matmul, so at the first forward the codes are unpacked to int8 (4-, 2-
     and 1-bit codes are int8 values too) and prepacked once: one kernel call per input group (its slice of x against
     that group's codes, the group's scales per row), the calls summed; TTQ's negative codes are extra rows with W_n
     as their scale, added to the positive rows' output. The stored weight stays packed; in memory the prepacked one
-    is int8. The kernel quantizes x as round(x * (1 / s_x)), which can differ by one level from round(x / s_x) at
-    a rounding boundary.
+    is int8. The kernel quantizes x as round(x * (1 / s_x)) like `fake_quant_act` (the reference's rounding), but
+    its vector and scalar paths may differ from it by one level at a rounding boundary.
     """
 
     def __init__(self, codes: Tensor, scale: Tensor, bits: int, act: Optional[tuple[float, int]],
@@ -220,7 +247,8 @@ class IntLinear(nn.Module):
         if not self._packed:
             self._packed = self._prepack()
         s_x, z_x = self.act
-        rows = x.reshape(-1, x.shape[-1]).float()
+        # the kernel would round x outside the range to uint8 codes up to 255: clamp it to the 7-bit grid's ends
+        rows = x.reshape(-1, x.shape[-1]).float().clamp(-z_x * s_x, (ACT_QMAX - z_x) * s_x)
         size = rows.shape[-1] // len(self._packed)
         y = sum(torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
             rows[:, g * size:(g + 1) * size].contiguous(), s_x, z_x, packed) for g, packed in enumerate(self._packed))
@@ -243,8 +271,7 @@ class IntLinear(nn.Module):
         if self.act is None:
             x = x.double()
         else:
-            s_x, z_x = self.act
-            x = torch.clamp(torch.round(x.float() / s_x) + z_x, 0, 255).to(torch.int64) - z_x
+            x = quantize_act(x, *self.act) - self.act[1]
         # integer accumulation when the input is quantized; negative codes apart when they have their own scale
         y = sum((torch.einsum("ngi,ogi->nog", x, w.to(x.dtype)).double() * s.double()).sum(-1)
                 for w, s in self._parts())
@@ -287,10 +314,12 @@ class QAT(L.Callback):
         self.observers: dict[str, Tensor] = {}  # module name -> [lo, hi] (nan until the first batch)
         # TTQ: module name -> (4, 2): rows W = (W_p, W_n), then Adam's m, v and step count (nan until first use)
         self.ttq_scales: dict[str, Tensor] = {}
+        # the names whose observers / TTQ scales hold values (not nan): known without reading the device in the step
+        self._filled: dict[str, set[str]] = {"observers": set(), "ttq_scales": set()}
         self._step = 0
         self._groups: list[Optional[dist.ProcessGroup]] = []  # where an observer's batch range is reduced
         self._weights: dict[str, WeightShard] = {}
-        self._delta: dict[str, float] = {}  # TTQ: each layer's threshold in the last forward
+        self._delta: dict[str, Tensor] = {}  # TTQ: each layer's threshold in the last forward
 
     @property
     def ttq(self) -> bool:
@@ -318,13 +347,23 @@ class QAT(L.Callback):
         if self.ttq and self._step >= self.start_step:
             self._update_ttq_scales()
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"observers": merged_over_ranks({k: v.clone() for k, v in self.observers.items()}),
-                "ttq_scales": merged_over_ranks({k: v.clone() for k, v in self.ttq_scales.items()})}
+    def state_dict(self) -> dict[str, Any]:  # saved on CPU (a checkpoint loads on any machine)
+        return {"observers": merged_over_ranks({k: v.to("cpu", copy=True) for k, v in self.observers.items()}),
+                "ttq_scales": merged_over_ranks({k: v.to("cpu", copy=True) for k, v in self.ttq_scales.items()})}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.observers.update(state_dict["observers"])
         self.ttq_scales.update(state_dict.get("ttq_scales", {}))
+        for key, table in (("observers", self.observers), ("ttq_scales", self.ttq_scales)):
+            self._filled[key] = {name for name, value in table.items() if not value.isnan().any()}
+
+    @staticmethod
+    def _on(table: dict[str, Tensor], name: str, device: torch.device) -> Tensor:
+        """`table[name]`, moved once to `device`, the device of the data it meets (created, or restored from a
+        checkpoint, on CPU)."""
+        if table[name].device != device:
+            table[name] = table[name].to(device)
+        return table[name]
 
     # -- fake quantization -------------------------------------------------------------------------------------
     def attach(self, root: nn.Module, weights: Sequence[WeightShard]) -> None:
@@ -365,15 +404,16 @@ class QAT(L.Callback):
         if not self.ttq:
             return straight_through(w, dequantize(*twn_codes(w, self.group_size, row_groups)))
         codes, self._delta[name] = ttq_codes(w, self.ttq_threshold, layer_groups)
-        state = self.ttq_scales[name]
-        if state.isnan().any():  # first use: the L2-optimal scales for this mask, then learnt
+        state = self._on(self.ttq_scales, name, w.device)
+        if name not in self._filled["ttq_scales"]:  # first use: the L2-optimal scales for this mask, then learnt
             wd = w.detach().float().abs()
             sums = torch.stack([(wd * (codes > 0)).sum(), (wd * (codes < 0)).sum(), (codes > 0).sum(),
                                 (codes < 0).sum()]).float()
             sums = all_reduce_(sums, layer_groups)
             state.zero_()
             state[0] = sums[:2] / sums[2:].clamp(min=1)
-        w_p, w_n = state[0].to(w.device)
+            self._filled["ttq_scales"].add(name)
+        w_p, w_n = state[0]
         factor = torch.where(codes > 0, w_p, torch.where(codes < 0, w_n, torch.ones_like(w_p)))
         return straight_through(w, dequantize(codes, w_p.reshape(1, 1), w_n.reshape(1, 1)), factor)
 
@@ -382,13 +422,14 @@ class QAT(L.Callback):
         """dL/dW_p = sum of dL/dq over q = +W_p = (the weight gradient there) / W_p; likewise -W_n. Every rank sums
         its part of the synchronised gradient, the parts are all-reduced, and all take the same Adam step."""
         for name, ws in self._weights.items():
-            state, grad = self.ttq_scales[name], ws.local.grad
-            if name not in self._delta or grad is None or state.isnan().any():
+            grad = ws.local.grad
+            if name not in self._delta or grad is None or name not in self._filled["ttq_scales"]:
                 continue
+            state = self._on(self.ttq_scales, name, grad.device)
             w = ws.local.detach().float()
             g = grad.detach().float()
             sums = torch.stack([(g * (w > self._delta[name])).sum(), -(g * (w < -self._delta[name])).sum()])
-            g_scales = all_reduce_(sums, ws.groups).cpu() / state[0]
+            g_scales = all_reduce_(sums, ws.groups) / state[0]
             beta1, beta2 = 0.9, 0.999
             state[3] += 1
             state[1].mul_(beta1).add_(g_scales, alpha=1 - beta1)
@@ -397,18 +438,20 @@ class QAT(L.Callback):
             state[0] = (state[0] - self.scale_lr * m_hat / (v_hat.sqrt() + 1e-8)).clamp(min=1e-8)
 
     def _quantize_input(self, name: str, x: Tensor, training: bool) -> Tensor:
-        observer = self.observers[name]
+        observer = self._on(self.observers, name, x.device)
         frozen = self.freeze_observers_step is not None and self._step >= self.freeze_observers_step
+        observed = name in self._filled["observers"]
         if training and not frozen:
-            batch = torch.stack([-x.detach().min(), x.detach().max()]).float().cpu()
+            batch = torch.stack([-x.detach().min(), x.detach().max()]).float()
             for group in self._groups:  # one range for the global batch: MAX of (-min, max) over the layer's ranks
                 comm.all_reduce(batch, group, dist.ReduceOp.MAX)
             batch[0] = -batch[0]
-            decay = self.ema_decay if not observer.isnan().any() else 0.0
+            decay = self.ema_decay if observed else 0.0
             observer.copy_(torch.nan_to_num(observer, 0.0) * decay + batch * (1 - decay))
-        if observer.isnan().any():  # nothing observed yet (e.g. the sanity check before training)
+            self._filled["observers"].add(name)
+        elif not observed:  # nothing observed yet (e.g. the sanity check before training)
             return x
-        return fake_quant_act(x, *act_qparams(*observer.tolist()))
+        return fake_quant_act(x, *act_qparams(observer[0], observer[1]))
 
     # -- export -----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -416,7 +459,7 @@ class QAT(L.Callback):
         """Replace every fake-quantized linear of the whole model `root` by an `IntLinear`, in place."""
         for name, observer in self.observers.items():
             w = root.get_submodule(name).weight
-            act = act_qparams(*observer.tolist()) if self.activations and not observer.isnan().any() else None
+            act = export_act(*observer) if self.activations and name in self._filled["observers"] else None
             neg_scale = None
             if self.bits >= 3:
                 scale = weight_scale(w, self.bits, self.group_size)
@@ -427,7 +470,7 @@ class QAT(L.Callback):
                 codes, scale = twn_codes(w, self.group_size)
             else:
                 codes, _ = ttq_codes(w, self.ttq_threshold)
-                scale, neg_scale = (s.reshape(1, 1) for s in self.ttq_scales[name][0])
+                scale, neg_scale = (s.reshape(1, 1).to(w.device) for s in self.ttq_scales[name][0])
             root.set_submodule(name, IntLinear(codes, scale, self.bits, act, neg_scale))
         return root
 
