@@ -76,9 +76,12 @@ class Router(nn.Module):
 class GroupedExperts(nn.Module):
     """E SwiGLU experts with stacked weights: w_gate, w_up (E, d_ff, d) and w_down (E, d, d_ff).
 
-    forward(x, counts): `x` holds the tokens grouped by expert, `counts[e]` rows for expert e (in order); one
-    matmul per expert segment, no loop over tokens. Empty segments still run (0-row matmuls), so every expert's
-    weights get a (zero) gradient and all ranks see the same parameters used.
+    forward(x, counts): `x` holds the tokens grouped by expert, `counts[e]` rows for expert e (in order), then
+    possibly rows of no expert (dropped by a capacity) whose output is garbage: the caller masks them. Each
+    projection is one grouped matmul, `torch._grouped_mm` with the segment ends `offs` = cumsum(counts) on the
+    device: the segments never come to the host (one kernel on CUDA for bf16 on sm90+; torch's fallback elsewhere).
+    An empty segment is a 0-row group, so every expert's weights get a (zero) gradient and all ranks see the same
+    parameters used.
     """
 
     def __init__(self, n_experts: int, d_model: int, d_ff: int) -> None:
@@ -88,10 +91,25 @@ class GroupedExperts(nn.Module):
         self.w_down = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        segments = x.split(counts.tolist())
-        out = [F.linear(F.silu(F.linear(xe, self.w_gate[e])) * F.linear(xe, self.w_up[e]), self.w_down[e])
-               for e, xe in enumerate(segments)]
-        return torch.cat(out)
+        offs = counts.cumsum(0).to(torch.int32)
+        h = F.silu(grouped_linear(x, self.w_gate, offs)) * grouped_linear(x, self.w_up, offs)
+        return grouped_linear(h, self.w_down, offs)
+
+
+def grouped_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """Rows offs[e-1]:offs[e] of `x` (n, in) times w[e]^T, w (E, out, in): F.linear per expert segment.
+
+    `torch._grouped_mm` wants rows of 16 bytes multiples: other widths are zero-padded (exact, and a copy of
+    the weights per call, so pick multiples of 8 for bf16, 4 for fp32)."""
+    w = w.to(x.dtype)
+    align = 16 // x.element_size()
+    pad_in, pad_out = -w.shape[2] % align, -w.shape[1] % align
+    if pad_in or pad_out:
+        x, w = F.pad(x, (0, pad_in)), F.pad(w, (0, pad_in, 0, pad_out))
+    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    if y.requires_grad:  # its backward rejects an expanded gradient (a sum()'s)
+        y.register_hook(Tensor.contiguous)
+    return y[:, : w.shape[1] - pad_out] if pad_out else y
 
 
 class MoE(nn.Module):
@@ -137,20 +155,27 @@ class MoE(nn.Module):
         r = self.router(x)
         flat_experts = r.experts.reshape(-1)
         order = flat_experts.argsort(stable=True)  # (token, slot) pairs grouped by expert, token order inside
-        counts = torch.bincount(flat_experts, minlength=self.n_experts)
+        counts = flat_experts.new_zeros(self.n_experts).index_add_(
+            0, flat_experts, torch.ones_like(flat_experts))  # bincount without its host read (CUDA)
         per_rank = self._rank_counts(counts)
         rank = dist.get_rank(self.batch_group) if per_rank.shape[0] > 1 else 0
-        kept, kept_all = counts, per_rank
+        kept, kept_all, keep = counts, per_rank, None
         cap = self.capacity(n * per_rank.shape[0])  # equal shares: the global batch is ranks x n tokens
-        if cap is not None:
+        if cap is not None:  # static shapes: the dropped pairs move behind the kept ones, and are masked out
             before = per_rank.cumsum(0) - per_rank  # pairs of each expert on the ranks before this one
             starts = counts.cumsum(0) - counts
-            position = torch.arange(order.numel(), device=x.device) - starts[flat_experts[order]]
-            order = order[position + before[rank][flat_experts[order]] < cap]
+            sorted_experts = flat_experts[order]
+            position = torch.arange(order.numel(), device=x.device) - starts[sorted_experts]
+            dropped = position + before[rank][sorted_experts] >= cap
+            order = order[(sorted_experts + self.n_experts * dropped).argsort(stable=True)]
+            keep = ~dropped.sort(stable=True).values[:, None]  # kept first, in the new order
             kept_all = torch.minimum(per_rank, (cap - before).clamp(min=0))
             kept = kept_all[rank]
         tokens = order // self.top_k
-        y = self.experts(x[tokens], kept) * r.gates.reshape(-1)[order, None].to(x.dtype)
+        xs = x[tokens] if keep is None else torch.where(keep, x[tokens], 0)
+        y = self.experts(xs, kept) * r.gates.reshape(-1)[order, None].to(x.dtype)
+        if keep is not None:
+            y = torch.where(keep, y, 0)  # the experts' rows past the kept ones are garbage
         out = torch.zeros_like(x).index_add_(0, tokens, y)
         if self.shared is not None:
             out = out + self.shared(x)

@@ -6,7 +6,8 @@ experts between them (E/ep per rank); "edp" groups join the ranks holding the *s
     world 4, ep 2:  ep groups [0, 1] [2, 3]      edp groups [0, 2] [1, 3]
 
 Per MoE layer, forward (the backward runs the same all-to-alls in reverse, through `_AllToAll`):
-    1. all-to-all of the token counts (E/ep per peer): every rank learns how many rows it will receive;
+    1. all-to-all of the token counts (E/ep per peer): every rank learns how many rows it will receive (the
+       layer's one host read: all-to-all takes its split sizes as Python lists);
     2. all-to-all dispatch of the token rows, already grouped by expert, so each peer's slice is contiguous;
     3. the local experts on the received rows, regrouped by expert (they arrive grouped by source rank);
     4. all-to-all combine: the outputs go back to where the tokens came from, in the original order.
@@ -26,6 +27,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -93,15 +95,20 @@ class ExpertShard(nn.Module):
             setattr(self._experts[0], name, p)
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """`x` grouped by expert, `counts[e]` rows for expert e, then rows of no expert (dropped by a capacity:
+        not sent, zero in the output)."""
         send = counts.view(self.ep_size, self.num_local)  # rows for each peer's experts, in expert order
         recv = torch.empty_like(send)
         comm.all_to_all(recv, send.contiguous(), self.group)
-        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        received = _AllToAll.apply(x, out_splits, in_splits, self.group)  # grouped by source, then expert
+        # The layer's one host read: all_to_all takes the split sizes as Python lists (NCCL's too).
+        in_splits, out_splits = torch.stack([send.sum(1), recv.sum(1)]).tolist()
+        sent = sum(in_splits)
+        received = _AllToAll.apply(x[:sent], out_splits, in_splits, self.group)  # grouped by source, then expert
         local = torch.arange(self.num_local, device=x.device).repeat(self.ep_size)
-        order = torch.repeat_interleave(local, recv.reshape(-1)).argsort(stable=True)
+        order = torch.repeat_interleave(local, recv.reshape(-1), output_size=sum(out_splits)).argsort(stable=True)
         y = self._experts[0](received[order], recv.sum(0))
-        return _AllToAll.apply(y[order.argsort()], in_splits, out_splits, self.group)
+        out = _AllToAll.apply(y[order.argsort()], in_splits, out_splits, self.group)
+        return F.pad(out, (0, 0, 0, x.shape[0] - sent))
 
 
 def shard_experts(root: nn.Module, group: dist.ProcessGroup) -> dict[str, ExpertShard]:
