@@ -5,7 +5,10 @@ be the average over the ranks. Doing one all-reduce per parameter at the end wou
 backward; instead (as torch DDP does):
 
 - parameters are packed, in *reverse* registration order (roughly the order backward produces their gradients),
-  into flat buckets of about `bucket_cap_mb`;
+  into flat buckets of about `bucket_cap_mb`, the first of them smaller (`first_bucket_mb`, 1 MB as torch DDP's):
+  it holds the last layers, whose gradients are ready first, so communication starts early in backward instead
+  of waiting for a whole 25 MB bucket (a model under 25 MB would otherwise be one bucket, launched only once
+  backward is over, with nothing left to overlap);
 - gradients live in the buckets (torch DDP's `gradient_as_bucket_view`, Megatron's grad buffer): each
   parameter's `.grad` is a view into its bucket's flat buffer, allocated once, and autograd accumulates into it in
   place. A gradient pre-hook re-points a `.grad` that `zero_grad(set_to_none=True)` dropped (zeroing its slice)
@@ -90,12 +93,15 @@ class _Bucket:
                 p.grad = view
 
 
-def _bucketize(params: Iterable[nn.Parameter], cap_bytes: float) -> list[list[nn.Parameter]]:
-    """Consecutive runs of `params` with one dtype and device, closed once they reach `cap_bytes`."""
+def _bucketize(params: Iterable[nn.Parameter], cap_bytes: float,
+               first_cap_bytes: Optional[float] = None) -> list[list[nn.Parameter]]:
+    """Consecutive runs of `params` with one dtype and device, closed once they reach `cap_bytes` (the first one
+    once it reaches `first_cap_bytes`, if smaller)."""
     buckets: list[list[nn.Parameter]] = []
     size = 0
+    first = cap_bytes if first_cap_bytes is None else min(first_cap_bytes, cap_bytes)
     for p in params:
-        if not buckets or size >= cap_bytes or (p.dtype, p.device) != (buckets[-1][0].dtype, buckets[-1][0].device):
+        if not buckets or size >= (first if len(buckets) == 1 else cap_bytes) or (p.dtype, p.device) != (buckets[-1][0].dtype, buckets[-1][0].device):
             buckets.append([])
             size = 0
         buckets[-1].append(p)
@@ -115,7 +121,7 @@ class GradSync(nn.Module):
     """
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None, bucket_cap_mb: float = 25.0,
-                 broadcast: bool = True) -> None:
+                 broadcast: bool = True, first_bucket_mb: float = 1.0) -> None:
         super().__init__()
         self.module = module
         self.group = group
@@ -123,7 +129,7 @@ class GradSync(nn.Module):
         if broadcast:
             broadcast_parameters(module, group)
         params = [p for p in module.parameters() if p.requires_grad]
-        groups = _bucketize(reversed(params), bucket_cap_mb * 2**20)
+        groups = _bucketize(reversed(params), bucket_cap_mb * 2**20, first_bucket_mb * 2**20)
         self.buckets = [_Bucket.of(b) for b in groups]
         self._slot = {p: (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
         self._next = 0  # the first bucket not launched yet

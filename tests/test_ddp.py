@@ -17,7 +17,7 @@ from callbacks.clip import GlobalNormClip
 from dist_utils import TinyLM, run_distributed
 from parity import Case, assert_parity, run_parity
 from strategies.comm import COMM_LOG
-from strategies.ddp import DataParallelStrategy, GradSync
+from strategies.ddp import DataParallelStrategy, GradSync, _bucketize
 from strategies.zero_engine import model_state_bytes
 
 
@@ -222,3 +222,14 @@ def test_world_size_mismatch_is_explained(monkeypatch: pytest.MonkeyPatch) -> No
     with pytest.raises(ValueError, match=r"WORLD_SIZE=3.*trainer\.devices"):
         L.Trainer(accelerator="cpu", devices=2, strategy="lm_ddp")
     assert os.environ["WORLD_SIZE"] == "3"
+
+
+def test_first_bucket_is_small_so_communication_starts_early() -> None:
+    """Reverse order, first bucket closed at `first_cap_bytes` (torch DDP's 1 MB), the others at `cap_bytes`: a
+    model smaller than one full bucket still launches its last layers' all-reduce before backward is over."""
+    params = [nn.Parameter(torch.zeros(n)) for n in (3, 3, 3, 3, 3, 3)]  # 12 bytes each
+    sizes = [[p.numel() for p in b] for b in _bucketize(params, cap_bytes=40, first_cap_bytes=12)]
+    assert sizes == [[3], [3, 3, 3, 3], [3]]
+    assert len(_bucketize(params, cap_bytes=1000)) == 1
+    assert len(_bucketize(params, cap_bytes=1000, first_cap_bytes=24)) == 2
+    assert len(_bucketize(params, cap_bytes=12, first_cap_bytes=1000)) == 6  # never larger than cap_bytes
