@@ -34,14 +34,33 @@ def test_plot_run_reads_csvlogger_metrics(tmp_path: Path) -> None:
     rows += ["0,,,9,,,5.2,181.3"]  # validation logs on a row of its own
     (run / "metrics.csv").write_text("\n".join(rows) + "\n")
     plot_run = load_script("plot_run")
-    metrics = plot_run.find_metrics(tmp_path / "run")
-    series = plot_run.read_series(metrics)
+    fragments = plot_run.find_fragments(tmp_path / "run")
+    series = plot_run.read_series(fragments[0])
     assert series["val_loss"] == ([9], [5.2]) and series["train_loss"][0] == list(range(10))
     assert series["grad_norm"][1][0] == 1.0
     out = subprocess.run([sys.executable, str(SCRIPTS / "plot_run.py"), str(tmp_path / "run")], check=True,
                          capture_output=True, text=True).stdout
-    assert out.strip() == f"wrote {run / 'curves.png'}"
-    assert_png(run / "curves.png")
+    assert out.strip() == f"wrote {tmp_path / 'run' / 'curves.png'}"
+    assert_png(tmp_path / "run" / "curves.png")
+
+
+def test_plot_run_joins_a_run_across_its_resumes(tmp_path: Path) -> None:
+    """A fit to step 9, a resume from step 6's checkpoint (steps 6-9 trained again) to 14, then one to 19: the plot
+    shows steps 0-19 once each, the resumed values where steps were trained twice."""
+    import os
+
+    plot_run = load_script("plot_run")
+    for version, (first, last, loss) in enumerate([(0, 9, 6.0), (6, 14, 5.0), (15, 19, 4.0)]):
+        log = tmp_path / "run" / "lightning_logs" / f"version_{version}"
+        log.mkdir(parents=True)
+        rows = ["lr,step,train_loss"] + [f"0.001,{s},{loss}" for s in range(first, last + 1)]
+        (log / "metrics.csv").write_text("\n".join(rows) + "\n")
+        os.utime(log / "metrics.csv", (1e9 + version, 1e9 + version))  # the order they were written
+    series = plot_run.read_run(plot_run.find_fragments(tmp_path / "run"))
+    steps, losses = series["train_loss"]
+    assert steps == list(range(20))
+    assert losses == [6.0] * 6 + [5.0] * 9 + [4.0] * 5
+    assert series["lr"][0] == list(range(20))
 
 
 def test_bench_pipeline_plots_measured_timelines(tmp_path: Path) -> None:
