@@ -1,0 +1,210 @@
+"""The GPU run in one command: kernel parity and speed, strategy fits, host syncs and MFU, every result as JSON.
+
+    bash scripts/gpu_check.sh                      # on the GPU machine: writes docs/gpu/<section>.json
+    bash scripts/gpu_check.sh --dry-run --out DIR  # the same steps on CPU (Triton interpreter, tiny shapes)
+
+Sections (docs/gpu/README.md says what each JSON holds): kernels, kernel_speed, fits, sync_debug, mfu. Each runs in
+a process of its own under its own time budget, so a crash, a hang or a CUDA error in one is recorded in its JSON
+(status "error" or "timeout", with the message) and the others still run; the exit code is 1 when any section
+failed. A section writes its JSON as results come, so one cut short by its budget keeps what it measured.
+Only torch, triton, lightning and numpy are needed: no `datasets`, no `jsonargparse` (models are built in Python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+# seconds per section on one H200: together under 8 minutes, with the interpreter's dry-run well inside them too
+BUDGETS = {"kernels": 90, "kernel_speed": 130, "fits": 100, "sync_debug": 40, "mfu": 100}
+# the kernels the goals name first: a section cut short by its budget loses the teaching kernels, not these
+KERNEL_NAMES = ["rmsnorm", "swiglu", "attention", "cross_entropy", "rope", "softmax", "gelu", "matmul"]
+FAILED = ("failed", "error", "timeout")
+
+
+def machine() -> dict[str, Any]:
+    """What ran the section: device, library versions, date, CPU, commit."""
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                if line.startswith("model name")), platform.processor() or platform.machine())
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    cuda = torch.cuda.is_available()
+    return dict(device_name=torch.cuda.get_device_name() if cuda else "cpu",
+                device_count=torch.cuda.device_count() if cuda else 0, torch=torch.__version__,
+                triton=triton_version, cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if cuda else None,
+                python=platform.python_version(), cpu_model=cpu, cpu_count=os.cpu_count(), host=platform.node(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=commit,
+                triton_interpret=os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+class Report:
+    """One section's JSON, rewritten whole (atomically) on every update."""
+
+    def __init__(self, path: Path, **fields: Any) -> None:
+        self.path, self.data = path, dict(fields)
+        self.write()
+
+    def update(self, **fields: Any) -> None:
+        self.data.update(fields)
+        self.write()
+
+    def write(self) -> None:
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+        tmp.replace(self.path)
+
+
+def run_section(args: argparse.Namespace) -> int:
+    """In the section's own process: run it, record its status (or the exception) in its JSON."""
+    import torch
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if not args.dry_run and device.type != "cuda":
+        raise SystemExit("gpu_check: no CUDA device; use --dry-run to run the steps on the CPU")
+    report = Report(Path(args.out) / f"{args.section}.json", section=args.section, status="running",
+                    dry_run=args.dry_run, budget_s=BUDGETS[args.section], machine=machine())
+    t0 = time.perf_counter()
+    try:
+        if args.section in ("kernels", "kernel_speed"):
+            import gpu_check_kernels as ck
+
+            if args.section == "kernels":
+                status = ck.run_parity(report, args.kernels, args.dry_run, device, args.inject_failure)
+            else:
+                status = ck.run_speed(report, args.kernels, args.dry_run, device)
+        else:
+            import gpu_check_train as ct
+
+            if args.section == "fits":
+                status = ct.run_fits(report, args.dry_run, device)
+            elif args.section == "sync_debug":
+                status = ct.run_sync_debug(report, args.dry_run, device)
+            else:
+                status = ct.run_mfu(report, args.dry_run, device, args.peak_tflops, args.mfu_precision)
+        report.update(status=status, elapsed_s=time.perf_counter() - t0)
+    except Exception as err:
+        report.update(status="error", error=f"{type(err).__name__}: {err}"[:2000],
+                      traceback=traceback.format_exc()[-6000:], elapsed_s=time.perf_counter() - t0)
+    return 1 if report.data["status"] in FAILED else 0
+
+
+def child_env(dry_run: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "scripts"), *filter(None, [env.get("PYTHONPATH")])])
+    if dry_run:
+        env["TRITON_INTERPRET"] = "1"  # set before anything imports triton (lightning does)
+        env.setdefault("OMP_NUM_THREADS", "1")
+    else:
+        env.pop("TRITON_INTERPRET", None)  # compiled kernels on the GPU
+    return env
+
+
+def run_all(args: argparse.Namespace, forwarded: list[str]) -> int:
+    """Each section in a child process with its time budget; the section's JSON completed here if the child
+    crashed or ran out of time; summary.json lists every section's status."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {}
+    for section in args.sections:
+        path = out / f"{section}.json"
+        path.unlink(missing_ok=True)
+        print(f"== {section} (budget {BUDGETS[section]} s)", flush=True)
+        t0 = time.perf_counter()
+        child = subprocess.Popen([sys.executable, __file__, "--section", section, *forwarded], cwd=ROOT,
+                                 env=child_env(args.dry_run), start_new_session=True)
+        try:
+            rc = child.wait(timeout=BUDGETS[section])
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)  # the section and anything it started (compile workers)
+            child.wait()
+            rc = None
+        data = json.loads(path.read_text()) if path.exists() else dict(section=section, dry_run=args.dry_run,
+                                                                          budget_s=BUDGETS[section])
+        if rc is None:
+            data.update(status="timeout", error=f"killed after its budget of {BUDGETS[section]} s "
+                                                "(results so far are kept above)")
+        elif rc != 0 and data.get("status") not in FAILED:
+            data.update(status="error", error=f"the section's process exited with code {rc}: see its log")
+        data["elapsed_s"] = time.perf_counter() - t0
+        Report(path, **data)
+        summary[section] = dict(status=data.get("status"), elapsed_s=round(data["elapsed_s"], 1),
+                                error=data.get("error"))
+        print(f"== {section}: {data.get('status')} in {data['elapsed_s']:.0f} s", flush=True)
+    failed = [name for name, s in summary.items() if s["status"] in FAILED]
+    Report(out / "summary.json", dry_run=args.dry_run, sections=summary, failed=failed, machine=machine())
+    print(f"gpu_check: {'FAILED: ' + ', '.join(failed) if failed else 'all sections passed'} ({out})", flush=True)
+    return 1 if failed else 0
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
+    parser.add_argument("--out", help="folder for the JSON (default docs/gpu; in a dry-run runs/gpu_check_dry)")
+    parser.add_argument("--sections", nargs="+", choices=list(BUDGETS), default=list(BUDGETS))
+    parser.add_argument("--kernels", nargs="+", choices=KERNEL_NAMES, default=KERNEL_NAMES)
+    parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak (default: from its name)")
+    parser.add_argument("--mfu-precision", default="bf16-mixed", help="Lightning precision of the mfu section")
+    parser.add_argument("--inject-failure", choices=KERNEL_NAMES, metavar="KERNEL",
+                        help="perturb this kernel's output in the parity check (shows a failure is caught)")
+    parser.add_argument("--section", choices=list(BUDGETS), help=argparse.SUPPRESS)  # internal: one section
+    args = parser.parse_args(argv)
+    args.out = args.out or str(ROOT / ("runs/gpu_check_dry" if args.dry_run else "docs/gpu"))
+    if args.dry_run and Path(args.out).resolve() == (ROOT / "docs/gpu").resolve():
+        parser.error("a dry-run never writes docs/gpu (it holds the GPU's results): choose another --out")
+    if args.dry_run and args.mfu_precision == "bf16-mixed":
+        args.mfu_precision = "32-true"  # the CPU's bf16 autocast is slow and beside the point of a dry-run
+    return args
+
+
+def without_sections(argv: list[str]) -> list[str]:
+    """argv minus `--sections a b ...`: the parent chooses the sections, a child runs one."""
+    out, skipping = [], False
+    for arg in argv:
+        if arg == "--sections":
+            skipping = True
+            continue
+        if skipping and not arg.startswith("--"):
+            continue
+        skipping = False
+        out.append(arg)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    if args.section:
+        return run_section(args)
+    return run_all(args, [*without_sections(argv), "--out", str(Path(args.out).resolve())])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,244 @@
+"""The training sections of `scripts/gpu_check.py`: `fits`, `sync_debug` and `mfu`.
+
+Everything is built in Python (the project's `LanguageModel`, a strategy object, a Lightning `Trainer` on one
+device) and fed random tokens from a tensor: no CLI, no data module, so neither `jsonargparse` nor `datasets` is
+imported (the GPU machine has neither). World size 1 still goes through the strategy's process group (NCCL on a
+GPU, gloo on the CPU), its gradient sync and its optimizer step.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+import warnings
+from typing import Any, Callable, Optional
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from callbacks.throughput import peak_flops_for
+from kernels import KERNELS
+from lit_lm.config import ModelConfig
+from lit_lm.estimate import flops_per_token
+from lit_lm.module import LanguageModel
+from strategies.registry import DataParallelStrategy
+from strategies.zero import ZeroStrategy
+
+STRATEGIES: dict[str, Callable[[], Any]] = {
+    "lm_ddp": DataParallelStrategy,
+    "zero1": lambda: ZeroStrategy(stage=1),
+    "zero2": lambda: ZeroStrategy(stage=2),
+    "zero3": lambda: ZeroStrategy(stage=3),
+}
+# Loss agreement across strategies at world size 1 (the same maths, so only the order of float additions may
+# differ), and between kernels on and off (other kernels: rounding differs from the first step and compounds).
+STRATEGY_TOL = {"32-true": 1e-5, "bf16-mixed": 5e-3}  # relative to the loss
+KERNEL_TOL = {"32-true": 1e-3, "bf16-mixed": 3e-2}
+
+
+class LossRecorder(L.Callback):
+    """Keeps each step's loss on the device (no host sync inside the loop); read after the fit."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.losses.append(outputs["loss"].detach())
+
+    def values(self) -> list[float]:
+        return [float(x) for x in self.losses]
+
+
+class StepTimer(L.Callback):
+    """Wall time of each step, batch start to batch start (optimizer step included), with the device synchronised
+    at both ends: what a run achieves, as `callbacks.throughput.Throughput` measures it."""
+
+    def __init__(self) -> None:
+        self.marks: list[float] = []
+
+    def _mark(self, pl_module: L.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        self.marks.append(time.perf_counter())
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._mark(pl_module)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._mark(pl_module)
+
+    def step_seconds(self) -> list[float]:
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+class SyncDebug(L.Callback):
+    """From step `start` on, `torch.cuda.set_sync_debug_mode("warn")`: every host synchronisation warns. The first
+    step is left out (one-off checks, e.g. the token-id range, sync by design). Only where CUDA exists."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.applied = False
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_step == self.start and torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("warn")
+            self.applied = True
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode(0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fit(config: ModelConfig, strategy: str, kernels: bool, precision: str, steps: int, batch: int, seq_len: int,
+        device: torch.device, callbacks: tuple[L.Callback, ...] = (), lr: float = 1e-3) -> dict[str, Any]:
+    """`steps` optimizer steps of `LanguageModel` under a fresh `strategy` object on one device, seed 0, random
+    tokens (the same for every call); returns the per-step losses."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))  # the process group, once made, serves every fit
+    tokens = torch.randint(0, config.vocab_size, (steps * batch, seq_len + 1),
+                           generator=torch.Generator().manual_seed(1234))
+    L.seed_everything(0, verbose=False)
+    module = LanguageModel(config, lr=lr, warmup_steps=2, kernels=list(KERNELS) if kernels else None)
+    recorder = LossRecorder()
+    trainer = L.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
+                        strategy=STRATEGIES[strategy](), precision=precision, max_steps=steps, gradient_clip_val=1.0,
+                        callbacks=[recorder, *callbacks], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                        num_sanity_val_steps=0, limit_val_batches=0)
+    t0 = time.perf_counter()
+    trainer.fit(module, DataLoader(tokens, batch_size=batch))
+    backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    return dict(strategy=strategy, kernels=list(KERNELS) if kernels else [], precision=precision,
+                process_group_backend=backend, seconds=time.perf_counter() - t0, losses=recorder.values())
+
+
+def fit_shapes(dry_run: bool) -> tuple[ModelConfig, dict[str, int]]:
+    if dry_run:
+        return (ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32),
+                dict(steps=3, batch=2, seq_len=16))
+    return (ModelConfig(vocab_size=8192, d_model=512, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=512),
+            dict(steps=20, batch=8, seq_len=512))
+
+
+def _max_rel_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)) if len(a) == len(b) and a else float("inf")
+
+
+def run_fits(report: Any, dry_run: bool, device: torch.device) -> str:
+    """The `fits` section: lm_ddp, zero1-3, kernels off and on; every strategy's losses must equal lm_ddp's at
+    each step, and kernels on must track kernels off."""
+    config, shape = fit_shapes(dry_run)
+    precision = "32-true" if dry_run else "bf16-mixed"
+    tol, ktol = STRATEGY_TOL[precision], KERNEL_TOL[precision]
+    report.update(model=vars(config), **shape, precision=precision, strategy_rtol=tol, kernels_rtol=ktol, runs=[])
+    runs: list[dict[str, Any]] = []
+    for kernels in (False, True):
+        for name in STRATEGIES:
+            try:
+                runs.append(fit(config, name, kernels, precision, device=device, **shape))
+            except Exception as err:
+                runs.append(dict(strategy=name, kernels=list(KERNELS) if kernels else [], precision=precision,
+                                 error=f"{type(err).__name__}: {err}"[:500], traceback=traceback.format_exc()[-3000:]))
+            run = runs[-1]
+            print(f"  {name:>7} kernels {'on ' if kernels else 'off'}: "
+                  f"{run.get('losses') or run.get('error')}", flush=True)
+            report.update(runs=runs)
+    checks = []
+    for kernels in (False, True):
+        base = next(r for r in runs if r["strategy"] == "lm_ddp" and bool(r["kernels"]) == kernels)
+        for run in runs:
+            if bool(run["kernels"]) != kernels or run is base:
+                continue
+            diff = _max_rel_diff(run.get("losses", []), base.get("losses", []))
+            checks.append(dict(compare=f"{run['strategy']} vs lm_ddp", kernels=kernels, max_rel_diff=diff,
+                               rtol=tol, passed=diff <= tol))
+    for name in STRATEGIES:
+        off, on = (next(r for r in runs if r["strategy"] == name and bool(r["kernels"]) == k) for k in (False, True))
+        diff = _max_rel_diff(on.get("losses", []), off.get("losses", []))
+        checks.append(dict(compare=f"{name}: kernels on vs off", max_rel_diff=diff, rtol=ktol, passed=diff <= ktol))
+    finite = all(r.get("losses") and all(x == x and abs(x) < float("inf") for x in r["losses"]) for r in runs)
+    report.update(runs=runs, checks=checks, all_finite=finite)
+    return "ok" if finite and all(c["passed"] for c in checks) else "failed"
+
+
+def run_sync_debug(report: Any, dry_run: bool, device: torch.device) -> str:
+    """The `sync_debug` section: one lm_ddp fit, kernels on, with every host sync after the first step reported;
+    the count and the distinct call sites (file:line of the Python caller, with a short stack) are recorded."""
+    config, shape = fit_shapes(dry_run)
+    shape["steps"] = 2 if dry_run else 8
+    sites: dict[str, dict[str, Any]] = {}
+
+    def record(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if "synchroniz" not in str(message):
+            return
+        site = sites.setdefault(f"{filename}:{lineno}", dict(count=0, message=str(message)[:300], stack=[
+            f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack()[-8:-1]]))
+        site["count"] += 1
+
+    debug = SyncDebug(start=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        run = fit(config, "lm_ddp", True, "32-true" if dry_run else "bf16-mixed", device=device,
+                  callbacks=(debug,), **shape)
+    report.update(model=vars(config), **shape, fit=run, mode_applied=debug.applied, from_step=debug.start,
+                  sync_count=sum(s["count"] for s in sites.values()), distinct_sites=len(sites), sites=sites)
+    if not debug.applied:
+        report.update(note="skipped on CPU: torch.cuda.set_sync_debug_mode needs CUDA (the fit and the hook that "
+                           "would set it still ran)")
+        return "skipped"
+    return "ok"
+
+
+def mfu_shapes(dry_run: bool) -> tuple[ModelConfig, dict[str, int]]:
+    if dry_run:
+        return (ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=32),
+                dict(steps=2, warmup=1, batch=2, seq_len=32))
+    # ~1.04B parameters, Llama-style (head_dim 128, SwiGLU d_ff 5504, untied 32k vocabulary)
+    return (ModelConfig(vocab_size=32000, d_model=2048, n_layers=18, n_heads=16, max_seq_len=2048),
+            dict(steps=13, warmup=3, batch=4, seq_len=2048))
+
+
+def run_mfu(report: Any, dry_run: bool, device: torch.device, peak_tflops: Optional[float],
+            precision: str) -> str:
+    """The `mfu` section: the ~1B model, all kernels on, lm_ddp on one device; tokens/s over the steps after the
+    warmup and MFU = flops_per_token (6N + 12·L·d·T) x tokens/s / peak."""
+    config, shape = mfu_shapes(dry_run)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if peak_tflops:
+        peak, source = peak_tflops * 1e12, "--peak-tflops"
+    elif peak_flops_for(name):
+        peak, source = peak_flops_for(name), "callbacks.throughput.PEAK_FLOPS"
+    elif dry_run:
+        peak, source = 1e12, "dry-run nominal 1 TFLOP/s"
+    else:
+        raise RuntimeError(f"no peak FLOP/s known for {name!r}: pass --peak-tflops")
+    timer = StepTimer()
+    run = fit(config, "lm_ddp", True, precision, shape["steps"], shape["batch"], shape["seq_len"], device,
+              callbacks=(timer,))
+    measured = timer.step_seconds()[shape["warmup"]:]
+    tokens_per_s = shape["batch"] * shape["seq_len"] * len(measured) / sum(measured)
+    n = config.num_params(include_embedding=False)
+    per_token = flops_per_token(n, config.n_layers, config.d_model, shape["seq_len"])
+    memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    report.update(dry_run=dry_run, device_name=name, model=vars(config), params=config.num_params(),
+                  params_without_embedding=n, **shape, precision=precision, kernels=run["kernels"],
+                  strategy="lm_ddp", losses=run["losses"], step_seconds=timer.step_seconds(),
+                  tokens_per_s=tokens_per_s, flops_per_token=per_token,
+                  flops_formula="6N + 12·L·d·T per token (PaLM appendix B; N without the input embedding, "
+                                "causal attention not halved, recomputation not counted)",
+                  peak_flops=peak, peak_source=source, mfu=per_token * tokens_per_s / peak,
+                  mfu_6n_only=6 * n * tokens_per_s / peak, peak_memory_bytes=memory)
+    return "ok"

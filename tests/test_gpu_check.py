@@ -1,0 +1,167 @@
+"""`scripts/gpu_check.sh --dry-run`: the GPU run's every step on the CPU (Triton interpreter, tiny shapes), in the
+environment the GPU machine has: `datasets` and `jsonargparse` cannot be imported (a sitecustomize on PYTHONPATH
+puts a meta-path finder in front that refuses them), so an import of either anywhere on the path fails the run.
+
+Asserts each section's JSON holds what the GPU results are judged on, and that a planted failure (one kernel's
+output off by one) is recorded and turns the exit code non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lit_lm.estimate import flops_per_token
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = ["kernels", "kernel_speed", "fits", "sync_debug", "mfu"]
+KERNELS = ["rmsnorm", "swiglu", "attention", "cross_entropy", "rope", "softmax", "gelu", "matmul"]
+BLOCKER = '''import sys
+
+
+class _Blocked:
+    """The GPU machine has neither package: any import of them fails here too."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("datasets", "jsonargparse"):
+            raise ImportError(f"{name} is blocked: the GPU machine does not have it")
+        return None
+
+
+sys.meta_path.insert(0, _Blocked())
+'''
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    site = tmp_path_factory.mktemp("site")
+    (site / "sitecustomize.py").write_text(BLOCKER)
+    out = dict(os.environ, PYTHONPATH=str(site), PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    out.pop("TRITON_INTERPRET", None)  # the script must set it itself for its dry-run
+    return out
+
+
+def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "scripts/gpu_check.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def load(out: Path) -> dict[str, Any]:
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+
+
+@pytest.fixture(scope="module")
+def dry_run(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess,
+                                                                                       dict[str, Any]]:
+    out = tmp_path_factory.mktemp("gpu")
+    result = run(env, "--dry-run", "--out", str(out))
+    return result, load(out)
+
+
+def test_the_blocker_blocks(env: dict[str, str]) -> None:
+    for name in ("datasets", "jsonargparse"):
+        probe = subprocess.run([sys.executable, "-c", f"import {name}"], env=env, capture_output=True, text=True)
+        assert probe.returncode != 0 and "blocked" in probe.stderr, probe.stderr
+
+
+def test_every_section_passes_and_names_the_machine(dry_run: tuple) -> None:
+    result, data = dry_run
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "torch" in result.stdout and "nvidia-smi" in result.stdout  # the environment is printed first
+    assert set(data) == {*SECTIONS, "summary"}
+    assert data["summary"]["failed"] == [] and list(data["summary"]["sections"]) == SECTIONS
+    for name in SECTIONS:
+        section = data[name]
+        assert section["section"] == name and section["dry_run"] is True
+        assert section["status"] == ("skipped" if name == "sync_debug" else "ok"), section.get("error")
+        machine = section["machine"]
+        for key in ("device_name", "torch", "triton", "cuda", "date", "cpu_model"):
+            assert key in machine
+        assert machine["device_name"] == "cpu" and machine["triton_interpret"] is True
+
+
+def test_kernel_parity_rows(dry_run: tuple) -> None:
+    rows = dry_run[1]["kernels"]["results"]
+    assert {r["kernel"] for r in rows} == set(KERNELS)
+    for row in rows:
+        if "skipped" in row:  # bf16 through tl.dot: GPU only
+            assert row["kernel"] in ("attention", "matmul") and row["dtype"] == "bfloat16"
+            continue
+        assert row["passed"], row
+        bound = 1e-4 if row["dtype"] == "float32" else 3e-2 * 4  # atol + rtol * |ref| with |ref| of a few units
+        assert 0 <= row["max_abs_err"] < bound and row["max_rel_err"] < bound
+        assert {t["tensor"] for t in row["tensors"]} >= {"out0", "grad0"}
+    for kernel in KERNELS:  # two shapes (a tiny one and an edge one) in fp32 each
+        assert len([r for r in rows if r["kernel"] == kernel and r["dtype"] == "float32"]) == 2
+
+
+def test_kernel_speed_rows(dry_run: tuple) -> None:
+    speed = dry_run[1]["kernel_speed"]
+    assert speed["copy_bandwidth"]["gbps"] > 0
+    rows = speed["results"]
+    for kernel in KERNELS:
+        for mode in ("fwd", "fwd+bwd"):
+            impls = {r["impl"]: r for r in rows if r["kernel"] == kernel and r["mode"] == mode}
+            assert impls["triton"]["ms"] > 0 and impls["eager"]["ms"] > 0
+            assert ("gbps" in impls["triton"]) != ("tflops" in impls["triton"])
+            if "compile" in impls:
+                assert "skipped" in impls["compile"]
+    assert {r["impl"] for r in rows if r["kernel"] == "attention"} >= {"sdpa_flash"}
+    summary = {(r["kernel"], r["mode"]): r for r in speed["summary"]}
+    assert summary[("rmsnorm", "fwd")]["fraction_of_copy_bandwidth"] > 0
+    assert summary[("attention", "fwd+bwd")]["speedup_vs_eager"] > 0
+
+
+def test_fits_lose_the_same_under_every_strategy(dry_run: tuple) -> None:
+    fits = dry_run[1]["fits"]
+    runs = fits["runs"]
+    assert len(runs) == 8 and {r["process_group_backend"] for r in runs} == {"gloo"}
+    for kernels in (False, True):
+        by_name = {r["strategy"]: r["losses"] for r in runs if bool(r["kernels"]) == kernels}
+        assert set(by_name) == {"lm_ddp", "zero1", "zero2", "zero3"}
+        for losses in by_name.values():
+            assert len(losses) == fits["steps"] and losses == pytest.approx(by_name["lm_ddp"], rel=1e-5)
+    assert len(fits["checks"]) == 10 and all(c["passed"] for c in fits["checks"])
+
+
+def test_sync_debug_is_skipped_on_cpu_after_running_the_fit(dry_run: tuple) -> None:
+    section = dry_run[1]["sync_debug"]
+    assert section["mode_applied"] is False and "skipped on CPU" in section["note"]
+    assert len(section["fit"]["losses"]) == section["steps"] and section["sync_count"] == 0
+
+
+def test_mfu_is_model_flops_over_peak(dry_run: tuple) -> None:
+    section = dry_run[1]["mfu"]
+    cfg = section["model"]
+    per_token = flops_per_token(section["params_without_embedding"], cfg["n_layers"], cfg["d_model"],
+                                section["seq_len"])
+    assert section["flops_per_token"] == per_token and section["peak_flops"] > 0
+    assert section["mfu"] == pytest.approx(per_token * section["tokens_per_s"] / section["peak_flops"])
+    assert 0 < section["mfu"] < 1 and section["dry_run"] is True
+    assert len(section["step_seconds"]) == section["steps"]
+
+
+def test_a_failing_kernel_fails_the_run(env: dict[str, str], tmp_path: Path) -> None:
+    result = run(env, "--dry-run", "--out", str(tmp_path), "--sections", "kernels", "--kernels", "rmsnorm",
+                 "--inject-failure", "rmsnorm")
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    data = load(tmp_path)
+    assert set(data) == {"kernels", "summary"} and data["summary"]["failed"] == ["kernels"]
+    section = data["kernels"]
+    assert section["status"] == "failed" and len(section["failed"]) == 4  # 2 shapes x (fp32, bf16)
+    for row in section["results"]:
+        out0 = next(t for t in row["tensors"] if t["tensor"] == "out0")
+        assert not row["passed"] and not out0["pass"] and out0["max_abs_err"] == pytest.approx(1.0, abs=0.05)
+        assert all(t["pass"] for t in row["tensors"] if t["tensor"] != "out0")  # the gradients are untouched
+
+
+def test_a_dry_run_never_writes_docs_gpu(env: dict[str, str]) -> None:
+    result = subprocess.run([sys.executable, "scripts/gpu_check.py", "--dry-run", "--out", "docs/gpu"], cwd=ROOT,
+                            env=env, capture_output=True, text=True)
+    assert result.returncode == 2 and "never writes docs/gpu" in result.stderr
