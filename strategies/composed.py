@@ -202,7 +202,7 @@ class ComposedStrategy(BaseStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        if self.num_processes % self.tp_size:
+        if self.num_nodes > 1 and self.num_processes % self.tp_size:  # one node: the layout's own error says it
             warnings.warn(f"tensor_parallel_size={self.tp_size} does not divide trainer.devices={self.num_processes} "
                           "(per node): tp groups span nodes and their per-layer collectives cross the slow network; "
                           "use a tp size that divides the devices of a node", stacklevel=2)

@@ -4,6 +4,8 @@ checkpoints across tp, dp and ZeRO settings, activation memory under SP, and err
 
 from __future__ import annotations
 
+import warnings
+
 import os
 from functools import partial
 from pathlib import Path
@@ -363,3 +365,7 @@ def test_tp_larger_than_world_or_across_nodes() -> None:
         L.Trainer(accelerator="cpu", devices=2, strategy=TensorParallelStrategy(4))
     with pytest.warns(UserWarning, match=r"tp groups span nodes"):
         L.Trainer(accelerator="cpu", devices=3, num_nodes=2, strategy=TensorParallelStrategy(2))
+    with warnings.catch_warnings():  # one node: the layout's error alone, no warning about nodes first
+        warnings.simplefilter("error", UserWarning)
+        with pytest.raises(ValueError, match=r"tensor_parallel_size=2.* on a world of 3 ranks"):
+            L.Trainer(accelerator="cpu", devices=3, strategy=TensorParallelStrategy(2))
