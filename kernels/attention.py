@@ -17,6 +17,12 @@ without repeating k, v in memory. Any sequence length (masked tails) and any hea
 The kernels also attend a *tile* of a longer sequence (`flash_attention_lse`): M queries on N keys, query row i
 sitting `q_offset` + i positions after key 0, returning the log-sum-exp; its backward takes the lse and delta of
 the merged output. Context parallelism (`strategies/cp.py`) merges such tiles around its ring.
+
+Safe at real sizes: each launch is a 1-D grid of (row block, batch x head) pairs, row block fastest (`_grid`,
+decoded as `_program`), since CUDA caps grid axes 1 and 2 at 65,535 and B x H passes that (1024 x 128); the program
+id is widened to int64 before any product, and so is every block of row indices added to a loop index, so each
+index x stride product is 64-bit (a (B, H, T, D) tensor past 2^31 elements stays addressable); fp32 operands go
+through `tl.dot` at "ieee" precision (`runtime.dot_precision`), 16-bit ones on tensor cores.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.runtime import cdiv, check_backend, jit, next_power_of_2, use_triton
+from kernels.runtime import cdiv, check_backend, check_grid, dot_precision, jit, next_power_of_2, use_triton
 
 tl: Any = None  # triton.language, bound by `kernels.runtime.jit` at the first launch
 
@@ -50,9 +56,11 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, causal: bool = True,
 def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
               sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
               n_heads, group, seq_q, seq_k, q_offset, head_dim, window, qk_scale,
-              CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+              CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)  # = bh * row_blocks + row_block, as `_program`
+    row_blocks = tl.cdiv(seq_q, BLOCK_M)
+    start_m, bh = pid % row_blocks * BLOCK_M, pid // row_blocks
     b, h = bh // n_heads, bh % n_heads
     hk = h // group
     rows = start_m + tl.arange(0, BLOCK_M)
@@ -72,11 +80,11 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
         lo = 0
         hi = seq_k
     for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
+        cols = start_n + tl.arange(0, BLOCK_N).to(tl.int64)  # start_n is int32 when not causal
         col_mask = (cols[:, None] < seq_k) & (dims[None, :] < head_dim)
         k = tl.load(k_base + cols[:, None] * sk_t + dims[None, :], mask=col_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * sv_t + dims[None, :], mask=col_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         keep = cols[None, :] < seq_k
         if CAUSAL:
             distance = rows[:, None] + q_offset - cols[None, :]
@@ -86,7 +94,7 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
     acc = acc / tl.where(l > 0, l, 1.0)[:, None]  # a row that sees no key (offset tiles): out 0, lse -inf
@@ -98,9 +106,11 @@ def _attn_fwd(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
 @jit
 def _attn_bwd_delta(o_ptr, do_ptr, delta_ptr, so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, n_heads, seq_len, head_dim,
                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    bh = tl.program_id(1)
+    pid = tl.program_id(0).to(tl.int64)
+    row_blocks = tl.cdiv(seq_len, BLOCK_M)
+    bh = pid // row_blocks
     b, h = bh // n_heads, bh % n_heads
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = pid % row_blocks * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < seq_len) & (dims[None, :] < head_dim)
     o = tl.load(o_ptr + b * so_b + h * so_h + rows[:, None] * so_t + dims[None, :], mask=mask, other=0.0)
@@ -113,10 +123,12 @@ def _attn_bwd_delta(o_ptr, do_ptr, delta_ptr, so_b, so_h, so_t, sdo_b, sdo_h, sd
 def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                    n_heads, group, seq_q, seq_k, q_offset, head_dim, window, qk_scale, scale,
-                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
     # q and dO share strides (dO is made contiguous like q); so do k/dk and v/dv.
-    start_n = tl.program_id(0) * BLOCK_N
-    bhk = tl.program_id(1)
+    pid = tl.program_id(0).to(tl.int64)  # = bhk * key_blocks + key_block
+    key_blocks = tl.cdiv(seq_k, BLOCK_N)
+    start_n, bhk = pid % key_blocks * BLOCK_N, pid // key_blocks
     n_kv_heads = n_heads // group
     b, hk = bhk // n_kv_heads, bhk % n_kv_heads
     cols = start_n + tl.arange(0, BLOCK_N)
@@ -139,20 +151,21 @@ def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_p
         q_base = q_ptr + b * sq_b + (hk * group + g) * sq_h
         do_base = do_ptr + b * sq_b + (hk * group + g) * sq_h
         for start_m in range(lo, hi, BLOCK_M):
-            rows = start_m + tl.arange(0, BLOCK_M)
+            rows = start_m + tl.arange(0, BLOCK_M).to(tl.int64)  # start_m is int32 when not causal
             row_mask = (rows[:, None] < seq_q) & (dims[None, :] < head_dim)
             q = tl.load(q_base + rows[:, None] * sq_t + dims[None, :], mask=row_mask, other=0.0)
             do = tl.load(do_base + rows[:, None] * sq_t + dims[None, :], mask=row_mask, other=0.0)
             lse = tl.load(lse_ptr + bh * seq_q + rows, mask=rows < seq_q, other=float("inf"))
             delta = tl.load(delta_ptr + bh * seq_q + rows, mask=rows < seq_q, other=0.0)
-            p_t = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])  # P^T: (BLOCK_N, BLOCK_M)
+            # P^T: (BLOCK_N, BLOCK_M)
+            p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale - lse[None, :])
             if CAUSAL:
                 distance = rows[None, :] + q_offset - cols[:, None]
                 keep = (distance >= 0) & (distance < window)
                 p_t = tl.where(keep, p_t, 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do)
-            ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q)
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+            ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION) - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
     tl.store(dk_ptr + k_offs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_mask)
     tl.store(dv_ptr + v_offs, dv.to(dv_ptr.dtype.element_ty), mask=col_mask)
 
@@ -161,10 +174,12 @@ def _attn_bwd_dkdv(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_p
 def _attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                  n_heads, group, seq_q, seq_k, q_offset, head_dim, window, qk_scale, scale,
-                 CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                 CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
     # q, dO and dQ share strides.
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    pid = tl.program_id(0).to(tl.int64)
+    row_blocks = tl.cdiv(seq_q, BLOCK_M)
+    start_m, bh = pid % row_blocks * BLOCK_M, pid // row_blocks
     b, h = bh // n_heads, bh % n_heads
     hk = h // group
     rows = start_m + tl.arange(0, BLOCK_M)
@@ -185,30 +200,45 @@ def _attn_bwd_dq(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
         lo = 0
         hi = seq_k
     for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
+        cols = start_n + tl.arange(0, BLOCK_N).to(tl.int64)  # start_n is int32 when not causal
         col_mask = (cols[:, None] < seq_k) & (dims[None, :] < head_dim)
         k = tl.load(k_base + cols[:, None] * sk_t + dims[None, :], mask=col_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * sv_t + dims[None, :], mask=col_mask, other=0.0)
-        p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale - lse[:, None])
         keep = cols[None, :] < seq_k
         if CAUSAL:
             distance = rows[:, None] + q_offset - cols[None, :]
             keep = keep & (distance >= 0) & (distance < window)
         p = tl.where(keep, p, 0.0)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        ds = p * (tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION) - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
     tl.store(dq_ptr + q_offs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask)
 
 
-def _launch_config(q: Tensor) -> dict[str, int]:
+def _launch_config(head_dim: int, dtype: torch.dtype, gpu: bool) -> dict[str, Any]:
     """Tile sizes: 16 in the interpreter (so small tests still cross tile edges), FA2-like on a GPU.
-    head_dim is padded to a power of 2 and at least 16 (the smallest tl.dot)."""
-    block_d = max(next_power_of_2(q.shape[-1]), 16)
-    if not q.is_cuda:
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=block_d)
+    head_dim is padded to a power of 2 and at least 16 (the smallest tl.dot); `tl.dot` precision per dtype."""
+    block_d = max(next_power_of_2(head_dim), 16)
+    precision = dot_precision(dtype)
+    if not gpu:
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_D=block_d, DOT_PRECISION=precision)
     big = block_d > 64
-    return dict(BLOCK_M=64 if big else 128, BLOCK_N=64, BLOCK_D=block_d, num_warps=8 if big else 4,
-                num_stages=2 if big else 3)
+    return dict(BLOCK_M=64 if big else 128, BLOCK_N=64, BLOCK_D=block_d, DOT_PRECISION=precision,
+                num_warps=8 if big else 4, num_stages=2 if big else 3)
+
+
+def _grid(n_rows: int, block: int, n_bh: int) -> tuple[int]:
+    """One program per (block of `block` rows, batch x head) pair, flattened onto axis 0 (up to 2^31 - 1 programs;
+    axis 1 would stop at 65,535 batch x heads). Row blocks vary fastest, so the programs in flight share a head's
+    keys and values in L2, as a (row blocks, B x H) grid would."""
+    return check_grid((cdiv(n_rows, block) * n_bh,))
+
+
+def _program(pid: Any, n_rows: int, block: int) -> tuple[Any, Any]:
+    """(row block, batch x head) of program id(s) `pid` (an int or a tensor of them) in `_grid`: what each kernel
+    computes from tl.program_id(0)."""
+    row_blocks = cdiv(n_rows, block)
+    return pid % row_blocks, pid // row_blocks
 
 
 def _strides(*tensors: Tensor) -> list[int]:
@@ -223,10 +253,10 @@ def _last_dim_contiguous(t: Tensor) -> Tensor:
 def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int, q_offset: int) -> tuple[Tensor, Tensor]:
     """(o, lse in base 2) for q (B, Hq, M, D), k/v (B, Hkv, N, D), last dims contiguous."""
     b, n_heads, seq_q, head_dim = q.shape
-    cfg = _launch_config(q)
+    cfg = _launch_config(head_dim, q.dtype, q.is_cuda)
     o = torch.empty_like(q)  # empty_like keeps q's strides: a (B, T, H, D) layout stays one
     lse = torch.empty(b, n_heads, seq_q, dtype=torch.float32, device=q.device)
-    _attn_fwd[(cdiv(seq_q, cfg["BLOCK_M"]), b * n_heads)](
+    _attn_fwd[_grid(seq_q, cfg["BLOCK_M"], b * n_heads)](
         q, k, v, o, lse, *_strides(q, k, v, o), n_heads, n_heads // k.shape[1], seq_q, k.shape[2], q_offset,
         head_dim, window, head_dim ** -0.5 * LOG2E, CAUSAL=causal, **cfg)
     return o, lse
@@ -236,14 +266,14 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: T
               q_offset: int) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) from the base-2 lse and delta = rowsum(dO * O); `do` has q's strides."""
     b, n_heads, seq_q, head_dim = q.shape
-    cfg = _launch_config(q)
+    cfg = _launch_config(head_dim, q.dtype, q.is_cuda)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     scale = head_dim ** -0.5
     args = (*_strides(q, k, v), n_heads, n_heads // k.shape[1], seq_q, k.shape[2], q_offset, head_dim, window,
             scale * LOG2E, scale)
-    _attn_bwd_dkdv[(cdiv(k.shape[2], cfg["BLOCK_N"]), b * k.shape[1])](
+    _attn_bwd_dkdv[_grid(k.shape[2], cfg["BLOCK_N"], b * k.shape[1])](
         q, k, v, do, lse, delta, dk, dv, *args, CAUSAL=causal, **cfg)
-    _attn_bwd_dq[(cdiv(seq_q, cfg["BLOCK_M"]), b * n_heads)](
+    _attn_bwd_dq[_grid(seq_q, cfg["BLOCK_M"], b * n_heads)](
         q, k, v, do, lse, delta, dq, *args, CAUSAL=causal, **cfg)
     return dq, dk, dv
 
@@ -261,10 +291,10 @@ class FlashAttentionFunction(torch.autograd.Function):
     def backward(ctx, do: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
         q, k, v, o, lse = ctx.saved_tensors
         b, n_heads, seq_len, head_dim = q.shape
-        cfg = _launch_config(q)
+        cfg = _launch_config(head_dim, q.dtype, q.is_cuda)
         do = torch.empty_like(q).copy_(do)  # same strides as q, so the kernels share q's
         delta = torch.empty_like(lse)
-        _attn_bwd_delta[(cdiv(seq_len, cfg["BLOCK_M"]), b * n_heads)](
+        _attn_bwd_delta[_grid(seq_len, cfg["BLOCK_M"], b * n_heads)](
             o, do, delta, *_strides(o, do), n_heads, seq_len, head_dim,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"])
         return (*_backward(q, k, v, do, lse, delta, ctx.causal, ctx.window, 0), None, None)

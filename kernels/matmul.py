@@ -5,6 +5,9 @@ Launched in plain row-major order, consecutive programs would sweep a whole row 
 from DRAM for every row; grouping GROUP_M rows of tiles together makes the programs in flight share a few
 A row-panels and B column-panels, which stay in L2. Backward reuses the same kernel on transposed views:
 dA = dC @ B^T, dB = A^T @ dC (strides, not copies).
+
+Indices are int64 before they meet a stride (a (tokens x vocab) product passes 2^31 elements), and fp32 operands
+run `tl.dot` at "ieee" precision, not TF32 (`runtime.dot_precision`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kernels.runtime import cdiv, jit
+from kernels.runtime import cdiv, check_grid, dot_precision, jit
 
 tl: Any = None  # triton.language, bound by `kernels.runtime.jit` at the first launch
 
@@ -25,9 +28,10 @@ def matmul_reference(a: Tensor, b: Tensor) -> Tensor:
 
 @jit
 def _matmul(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cast(tl.cdiv(N, BLOCK_N), tl.int64)  # cast: N may be a constexpr
     # Walk the tiles GROUP_M rows at a time, column-major inside a group.
     per_group = GROUP_M * tiles_n
     first_m = (pid // per_group) * GROUP_M
@@ -37,7 +41,7 @@ def _matmul(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, strid
 
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
+    ks = tl.arange(0, BLOCK_K).to(tl.int64)  # k0 is int32
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
@@ -45,18 +49,28 @@ def _matmul(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, strid
                     mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)
         b = tl.load(b_ptr + k[:, None] * stride_bk + cols[None, :] * stride_bn,
                     mask=(k[:, None] < K) & (cols[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
     tl.store(c_ptr + rows[:, None] * stride_cm + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
              mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def _launch_config(dtype: torch.dtype, gpu: bool) -> dict[str, Any]:
+    """Tiles of 16 in the interpreter (small tests cross tile edges), 128 x 128 on a GPU; `tl.dot` precision."""
+    blocks = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3) if gpu else \
+        dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)
+    return dict(blocks, GROUP_M=8, DOT_PRECISION=dot_precision(dtype))
+
+
+def _grid(m: int, n: int, cfg: dict[str, Any]) -> tuple[int]:
+    """One program per C tile, on axis 0 (the kernel orders them itself)."""
+    return check_grid((cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),))
 
 
 def _mm(a: Tensor, b: Tensor) -> Tensor:
     (m, k), n = a.shape, b.shape[1]
     c = torch.empty(m, n, dtype=a.dtype, device=a.device)
-    blocks = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3) if a.is_cuda else \
-        dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)
-    grid = (cdiv(m, blocks["BLOCK_M"]) * cdiv(n, blocks["BLOCK_N"]),)
-    _matmul[grid](a, b, c, m, n, k, *a.stride(), *b.stride(), *c.stride(), GROUP_M=8, **blocks)
+    cfg = _launch_config(a.dtype, a.is_cuda)
+    _matmul[_grid(m, n, cfg)](a, b, c, m, n, k, *a.stride(), *b.stride(), *c.stride(), **cfg)
     return c
 
 

@@ -28,7 +28,7 @@ def rope_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 @jit
 def _rope(x_ptr, cos_ptr, sin_ptr, y_ptr, seq_len, n_heads, half,
           INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    row = tl.program_id(0)  # one (batch, position) row: all heads at once
+    row = tl.program_id(0).to(tl.int64)  # one (batch, position) row: all heads at once; int64 before any product
     t = row % seq_len
     heads = tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, BLOCK_D)[None, :]
@@ -37,7 +37,7 @@ def _rope(x_ptr, cos_ptr, sin_ptr, y_ptr, seq_len, n_heads, half,
     sin = tl.load(sin_ptr + t * half + cols, mask=cols < half, other=0.0)
     if INVERSE:
         sin = -sin
-    offs = row.to(tl.int64) * n_heads * 2 * half + heads * 2 * half + cols
+    offs = (row * n_heads + heads) * 2 * half + cols
     x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, (x1 * cos - x2 * sin).to(y_ptr.dtype.element_ty), mask=mask)
@@ -79,6 +79,7 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.backend = check_backend(backend)
         self._cache: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
+        self._at: Optional[tuple[Tensor, torch.device, tuple[Tensor, Tensor]]] = None  # see cos_sin_at
 
     @classmethod
     def from_reference(cls, ref: nn.Module, backend: str) -> "RotaryEmbedding":
@@ -92,10 +93,15 @@ class RotaryEmbedding(nn.Module):
         return self._cache[key]
 
     def cos_sin_at(self, positions: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
-        """The tables for arbitrary token positions (T,) (a context-parallel rank's chunks), as `cos_sin`."""
+        """The tables for arbitrary token positions (T,) (a context-parallel rank's chunks), as `cos_sin`; the
+        last ones kept against the positions tensor itself, as `lit_lm.model.RotaryEmbedding.cos_sin_at` does."""
+        if self._at is not None and self._at[0] is positions and self._at[1] == device:
+            return self._at[2]
         inv_freq = self.theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
         angles = torch.outer(positions.to("cpu", torch.float64), inv_freq)
-        return angles.cos().float().to(device), angles.sin().float().to(device)
+        tables = angles.cos().float().to(device), angles.sin().float().to(device)
+        self._at = (positions, device, tables)
+        return tables
 
     def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         cos, sin = self.cos_sin(q.shape[1], q.device) if positions is None else self.cos_sin_at(positions, q.device)

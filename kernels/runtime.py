@@ -69,6 +69,25 @@ def use_triton(backend: str, x: torch.Tensor) -> bool:
     return True
 
 
+# CUDA's grid limits: 2^31 - 1 programs on axis 0, 65,535 on axes 1 and 2. A large product (batch x heads) therefore
+# goes on axis 0; every launch in kernels/ uses a 1-D grid.
+MAX_GRID = (2**31 - 1, 65_535, 65_535)
+
+
+def check_grid(grid: tuple[int, ...]) -> tuple[int, ...]:
+    """`grid`, or a ValueError if an axis is outside CUDA's limits (a GPU would refuse the launch)."""
+    if not 1 <= len(grid) <= 3 or any(not 0 < n <= limit for n, limit in zip(grid, MAX_GRID)):
+        raise ValueError(f"grid {grid} is outside CUDA's limits {MAX_GRID}")
+    return grid
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`input_precision` of `tl.dot` for operands of `dtype`: "ieee" for fp32, since Triton's default ("tf32")
+    rounds fp32 operands to 10 mantissa bits on Ampere and later, 1e-3 relative error, and the fp32 path is the one
+    that must match PyTorch to 1e-5; 16-bit operands run on tensor cores either way ("tf32" is ignored for them)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
