@@ -4,6 +4,12 @@ Forward keeps only 1/rms per row (fp32). Backward recomputes x_hat = x * rstd an
     dx = rstd * (dy*w - x_hat * mean(dy*w * x_hat)),
 while the weight gradient dw = sum_rows(dy * x_hat) is reduced without atomics: a fixed number of persistent
 programs each sum their slice of rows into a private fp32 partial row, and the partials are added afterwards.
+
+Wide rows: a row of up to FORWARD_MAX_BLOCK (BACKWARD_MAX_BLOCK) columns sits in registers as one block. A wider
+one is walked in column chunks, twice, as Triton's layer-norm tutorial does: a first pass sums the squares
+(forward) or dy*w * x (backward), the second normalises; the second read of a row comes from L1/L2, not DRAM.
+The backward's partial dw row then no longer fits in registers and is accumulated in memory (read-add-write of
+the program's own row: still one writer per element).
 """
 
 from __future__ import annotations
@@ -17,6 +23,17 @@ from kernels.runtime import cdiv, check_backend, jit, next_power_of_2, num_progr
 
 tl: Any = None  # triton.language, bound by `kernels.runtime.jit` at the first launch
 
+# Register budget. An SM has 65,536 32-bit registers, so a block of 32 * num_warps threads may use at most
+# 65536 / (32 * num_warps) per thread (and never more than 255). With ELEMENTS_PER_THREAD columns per thread each
+# row-wide fp32 tensor costs 16 registers. The forward holds x and w (+ pointers): 45 registers (fp32 input; 42
+# bf16), under the 64 of 32 warps (1024 threads), so a 16384 row is one block. The backward also holds dy and the
+# dw partial (and x_hat, dy*w): 170 registers (154 bf16) for a 4096 block over 8 warps (255 allowed), while 8192
+# over 16 warps (128 allowed) spilled 56 bytes, hence its smaller block. Figures from ptxas for sm_90
+# (`kernels/ttir.py`); tests/test_kernels.py checks there are no spills.
+FORWARD_MAX_BLOCK = 16384
+BACKWARD_MAX_BLOCK = 4096
+ELEMENTS_PER_THREAD = 16
+
 
 def rmsnorm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """The PyTorch definition the kernel must match (statistics in fp32 whatever the input dtype)."""
@@ -25,39 +42,82 @@ def rmsnorm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (y * weight.float()).to(x.dtype)
 
 
+def _launch_config(n_cols: int, max_block: int) -> dict[str, Any]:
+    """BLOCK columns at a time (the whole row when it fits: ONE_BLOCK) and warps for ELEMENTS_PER_THREAD columns
+    per thread (4 to 32 warps, the most a GPU block holds)."""
+    block = min(next_power_of_2(n_cols), max_block)
+    num_warps = min(max(block // (32 * ELEMENTS_PER_THREAD), 4), 32)
+    return dict(BLOCK=block, ONE_BLOCK=n_cols <= block, num_warps=num_warps)
+
+
 @jit
-def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK: tl.constexpr):
+def _rmsnorm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    x_row, y_row = x_ptr + row * n_cols, y_ptr + row * n_cols
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    if ONE_BLOCK:  # the row stays in registers: one read
+        mask = cols < n_cols
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_row + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+    else:  # pass 1: sum of squares, chunk by chunk; pass 2: normalise
+        sum_sq = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            x = tl.load(x_row + start + cols, mask=start + cols < n_cols, other=0.0).to(tl.float32)
+            sum_sq += x * x
+        rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
+        for start in range(0, n_cols, BLOCK):
+            mask = start + cols < n_cols
+            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_row + start + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + row, rstd)
-    tl.store(y_ptr + row * n_cols + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @jit
 def _rmsnorm_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows, n_cols, rows_per_program,
-                 BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
+                 BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    dw_row = dw_partial_ptr + pid * n_cols  # this program's partial sum of dy * x_hat (zeros from the host)
     first = pid * rows_per_program
-    offs = first.to(tl.int64) * n_cols + cols  # int64: rows * cols may exceed 2^31
-    for row in range(first, tl.minimum(first + rows_per_program, n_rows)):
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row)
-        x_hat = x * rstd
-        dyw = dy * w
-        dx = rstd * (dyw - x_hat * (tl.sum(dyw * x_hat, axis=0) / n_cols))
-        tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        dw += dy * x_hat
-        offs += n_cols
-    tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=mask)
+    if ONE_BLOCK:  # w, the partial dw and each row in registers
+        mask = cols < n_cols
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        dw = tl.zeros((BLOCK,), dtype=tl.float32)
+        for row in range(first, tl.minimum(first + rows_per_program, n_rows)):
+            x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + row)
+            x_hat = x * rstd
+            dyw = dy * w
+            dx = rstd * (dyw - x_hat * (tl.sum(dyw * x_hat, axis=0) / n_cols))
+            tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            dw += dy * x_hat
+        tl.store(dw_row + cols, dw, mask=mask)
+    else:
+        for row in range(first, tl.minimum(first + rows_per_program, n_rows)):
+            rstd = tl.load(rstd_ptr + row)
+            # pass 1: c = mean(dy*w * x_hat) over the whole row
+            dot = tl.zeros((BLOCK,), dtype=tl.float32)
+            for start in range(0, n_cols, BLOCK):
+                mask = start + cols < n_cols
+                x = tl.load(x_ptr + row * n_cols + start + cols, mask=mask, other=0.0).to(tl.float32)
+                dy = tl.load(dy_ptr + row * n_cols + start + cols, mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+                dot += dy * w * x
+            c = tl.sum(dot, axis=0) * rstd / n_cols
+            # pass 2: dx, and dy * x_hat added to this program's dw row
+            for start in range(0, n_cols, BLOCK):
+                mask = start + cols < n_cols
+                x_hat = tl.load(x_ptr + row * n_cols + start + cols, mask=mask, other=0.0).to(tl.float32) * rstd
+                dy = tl.load(dy_ptr + row * n_cols + start + cols, mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + start + cols, mask=mask, other=0.0).to(tl.float32)
+                dx = rstd * (dy * w - x_hat * c)
+                tl.store(dx_ptr + row * n_cols + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+                dw = tl.load(dw_row + start + cols, mask=mask, other=0.0)
+                tl.store(dw_row + start + cols, dw + dy * x_hat, mask=mask)
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -68,8 +128,7 @@ class RMSNormFunction(torch.autograd.Function):
         n_rows, n_cols = x2.shape
         y = torch.empty_like(x2)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        block = next_power_of_2(n_cols)
-        _rmsnorm_fwd[(n_rows,)](x2, weight, y, rstd, n_cols, eps, BLOCK=block)
+        _rmsnorm_fwd[(n_rows,)](x2, weight, y, rstd, n_cols, eps, **_launch_config(n_cols, FORWARD_MAX_BLOCK))
         ctx.save_for_backward(x2, weight, rstd)
         return y.view(shape)
 
@@ -81,9 +140,9 @@ class RMSNormFunction(torch.autograd.Function):
         dx = torch.empty_like(x2)
         programs = min(num_programs(x2), n_rows)
         rows_per_program = cdiv(n_rows, programs)
-        dw_partial = torch.empty(programs, n_cols, dtype=torch.float32, device=x2.device)
+        dw_partial = torch.zeros(programs, n_cols, dtype=torch.float32, device=x2.device)
         _rmsnorm_bwd[(programs,)](dy2, x2, weight, rstd, dx, dw_partial, n_rows, n_cols, rows_per_program,
-                                  BLOCK=next_power_of_2(n_cols))
+                                  **_launch_config(n_cols, BACKWARD_MAX_BLOCK))
         return dx.view(dy.shape), dw_partial.sum(0).to(weight.dtype), None
 
 
