@@ -21,12 +21,16 @@ if not interpreting():  # triton was imported before this line, in compiled mode
 
 import torch
 
-from kernels.attention import attention_reference, flash_attention
+from kernels import matmul as matmul_module
+from kernels import rmsnorm as rmsnorm_module
+from kernels.attention import _attn_bwd_delta, _grid, _launch_config, _program, _strides, attention_reference, \
+    flash_attention
 from kernels.cross_entropy import cross_entropy, cross_entropy_reference
 from kernels.gelu import gelu, gelu_reference
 from kernels.matmul import matmul, matmul_reference
 from kernels.rmsnorm import rmsnorm, rmsnorm_reference
 from kernels.rope import RotaryEmbedding, rope, rope_reference
+from kernels.runtime import cdiv, dot_precision
 from kernels.softmax import softmax, softmax_reference
 from kernels.swiglu import swiglu, swiglu_reference
 from strategies.cp import block_backward, block_backward_reference, block_forward, block_forward_reference
@@ -63,6 +67,32 @@ def test_rmsnorm(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     x = torch.randn(shape)
     w = 1 + 0.1 * torch.randn(shape[-1])
     assert_matches(lambda x, w: rmsnorm(x, w, 1e-5), lambda x, w: rmsnorm_reference(x, w, 1e-5), [x, w], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [12288, 16000, 16384, 20000])
+def test_rmsnorm_wide_rows(d: int, dtype: torch.dtype) -> None:
+    """Real hidden sizes: the forward holds up to 16384 columns in one block and walks wider rows in chunks
+    (20000: two, the last masked); the backward walks 4096-column chunks (12288: three full ones, 16000: a masked
+    tail) with its dw partials in memory. 5 rows over 4 programs: a program sums two rows, one none."""
+    x = torch.randn(5, d)
+    w = 1 + 0.1 * torch.randn(d)
+    assert_matches(lambda x, w: rmsnorm(x, w, 1e-5), lambda x, w: rmsnorm_reference(x, w, 1e-5), [x, w], dtype)
+
+
+@pytest.mark.parametrize("d", [37, 4096, 12288, 16000, 16384, 20000])
+def test_rmsnorm_launch_config_fits_a_gpu_block(d: int) -> None:
+    """Warps a GPU block can hold (at most 32, 1024 threads), a power-of-2 block covering the row in whole chunks,
+    16 columns per thread at wide rows (the register budget in kernels/rmsnorm.py); rows up to 16384 are one block
+    forward, rows past 4096 are chunked backward."""
+    for max_block in (rmsnorm_module.FORWARD_MAX_BLOCK, rmsnorm_module.BACKWARD_MAX_BLOCK):
+        cfg = rmsnorm_module._launch_config(d, max_block)
+        block, warps = cfg["BLOCK"], cfg["num_warps"]
+        assert block & (block - 1) == 0 and block <= max_block and 4 <= warps <= 32
+        assert cfg["ONE_BLOCK"] == (d <= block) and (cfg["ONE_BLOCK"] or block == max_block)
+        assert block <= 32 * warps * rmsnorm_module.ELEMENTS_PER_THREAD
+    assert rmsnorm_module._launch_config(d, rmsnorm_module.FORWARD_MAX_BLOCK)["ONE_BLOCK"] == (d <= 16384)
+    assert rmsnorm_module._launch_config(d, rmsnorm_module.BACKWARD_MAX_BLOCK)["ONE_BLOCK"] == (d <= 4096)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -153,6 +183,57 @@ def test_flash_attention_tile_matches_the_cp_reference(m: int, n: int, offset: i
     grads = block_backward(q, k, v, do, final_lse, delta, offset, w, backend="triton")
     for grad, ref in zip(grads, block_backward_reference(q, k, v, do, final_lse, delta, offset, w)):
         torch.testing.assert_close(grad, ref, **TOLERANCE[torch.float32])
+
+
+CUDA_GRID_LIMITS = (2**31 - 1, 65_535, 65_535)  # programs per grid axis 0, 1, 2
+
+
+@pytest.mark.parametrize("b,h,t,block", [
+    (1024, 128, 4096, 128),  # B x H = 131,072: past axis 1's 65,535
+    (1023, 131, 1000, 64),  # odd everything, a tail row block
+    (1, 65_537, 17, 16),
+    (7, 3, 1, 16),  # a single row
+])
+def test_attention_grid_respects_cuda_limits_and_covers_each_block_once(b: int, h: int, t: int, block: int) -> None:
+    """The launch grid fits CUDA's per-axis limits at any B x H, and its program ids decode (as the kernels do) to
+    every (row block, batch x head) pair exactly once."""
+    grid = _grid(t, block, b * h)
+    assert 1 <= len(grid) <= 3 and all(0 < n <= limit for n, limit in zip(grid, CUDA_GRID_LIMITS))
+    row_blocks = cdiv(t, block)
+    row_block, bh = _program(torch.arange(grid[0]), t, block)
+    assert 0 <= row_block.min() and row_block.max() < row_blocks and 0 <= bh.min() and bh.max() < b * h
+    hits = torch.bincount(bh * row_blocks + row_block, minlength=row_blocks * b * h)
+    assert hits.numel() == row_blocks * b * h and bool((hits == 1).all())
+
+
+def test_launch_grids_refuse_what_cuda_would() -> None:
+    with pytest.raises(ValueError, match="CUDA"):
+        _grid(2**20, 16, 2**20)  # 2^36 programs
+    cfg = matmul_module._launch_config(torch.bfloat16, gpu=True)
+    assert matmul_module._grid(2**20, 2**17, cfg) == (2**13 * 2**10,)  # tokens x vocab logits: one axis
+    with pytest.raises(ValueError, match="CUDA"):
+        matmul_module._grid(2**26, 2**20, cfg)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy: padded tail rows divide by 0, masked afterwards
+def test_attention_programs_map_back_to_their_row_block_and_head() -> None:
+    """One kernel, launched on `_grid` and nothing else, writes every (batch, head, row) exactly where it belongs:
+    3 batches x 5 heads x 3 row blocks of 16 (37 rows: a tail). A wrong decoding leaves NaNs or misplaced rows."""
+    o, do = torch.randn(2, 3, 5, 37, 16)
+    delta = torch.full((3, 5, 37), float("nan"))
+    cfg = _launch_config(16, torch.float32, gpu=False)
+    _attn_bwd_delta[_grid(37, cfg["BLOCK_M"], 3 * 5)](o, do, delta, *_strides(o, do), 5, 37, 16,
+                                                       BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"])
+    torch.testing.assert_close(delta, (o * do).sum(-1), **TOLERANCE[torch.float32])
+
+
+def test_dot_precision_is_ieee_for_fp32_only() -> None:
+    """fp32 operands must not be rounded to TF32 (10 mantissa bits) on a GPU; 16-bit ones keep Triton's default.
+    That the kernels pass it to every `tl.dot` is checked on the built IR (tests/test_kernels_build.py)."""
+    assert dot_precision(torch.float32) == "ieee"
+    assert dot_precision(torch.bfloat16) == dot_precision(torch.float16) == "tf32"
+    assert _launch_config(64, torch.float32, gpu=True)["DOT_PRECISION"] == "ieee"
+    assert _launch_config(64, torch.bfloat16, gpu=True)["DOT_PRECISION"] == "tf32"
 
 
 def test_flash_attention_rejects_bad_shapes() -> None:
