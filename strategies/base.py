@@ -88,7 +88,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import _init_optim_state
@@ -203,6 +203,7 @@ class BaseStrategy(ParallelStrategy):
         # seconds from yaml (`trainer.strategy.init_args.timeout: 600`), or a timedelta from Python
         self._timeout = timedelta(seconds=timeout) if isinstance(timeout, (int, float)) else timeout
         self._layout: Optional[ParallelLayout] = None
+        self._described = False
         self._sync_enabled = True
 
     # -- processes and groups ---------------------------------------------------------------------------------
@@ -268,10 +269,19 @@ class BaseStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self.process_group_backend, timeout=self._timeout,
                               device_id=device_id)
         self._layout = ParallelLayout.get(self.parallel_dims(dist.get_world_size()), timeout=self._timeout)
+        if not self._described:  # once per process: Lightning sets the environment up again for validate/test
+            self._described = True
+            rank_zero_info(f"lit-lm layout: {self.describe_layout()}")
 
     def parallel_dims(self, world: int) -> ParallelDims:
         """Hook: the sizes of the parallel dimensions on `world` ranks (validated). The base: data parallel only."""
         return ParallelDims.of(world)
+
+    def describe_layout(self) -> str:
+        """Hook: the resolved layout in one line, printed once at start (rank 0), so a run says which layout ran."""
+        d = self.layout.dims
+        return (f"{dist.get_world_size()} ranks = pp {d.pp} × dp_replicate {d.dp_replicate} × dp_shard {d.dp_shard} "
+                f"× cp {d.cp} × tp {d.tp}, ep {d.ep}")
 
     # -- precision --------------------------------------------------------------------------------------------
     @property

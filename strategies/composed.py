@@ -212,6 +212,18 @@ class ComposedStrategy(BaseStrategy):
         return ParallelDims.of(world, pp=self.pp_size, dp_replicate=self.replicate_size, cp=self.cp_size,
                                tp=self.tp_size, ep=self.ep_size)
 
+    @override
+    def describe_layout(self) -> str:
+        parts = [super().describe_layout(), f"ZeRO stage {self.zero_stage}"]
+        if self.pp_size > 1:
+            parts.append(f"schedule {self.schedule_name} ({self.microbatches} microbatches, {self.virtual_stages} "
+                         "virtual stages)")
+        if self.cp_size > 1:
+            parts.append(f"cp {self.cp_method}")
+        if self.tp_size > 1:
+            parts.append(f"sequence parallel {'on' if self.sequence_parallel else 'off'}")
+        return "; ".join(parts)
+
     @property
     def _dense_group(self) -> str:
         """The layout group dense gradients are reduced over: every rank that saw other tokens (dp, and cp: its

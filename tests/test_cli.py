@@ -73,6 +73,10 @@ def test_zero2_on_two_ranks_resumes_exactly_on_one(tmp_path):
     full = run_cli("fit", *base, "--trainer.devices", "2", "--data.init_args.batch_size", "2", *ckpt_every,
                    cwd=tmp_path, warnings="default")
     assert full.returncode == 0, full.stderr[-3000:]
+    # the resolved layout, said once at start (not again for the validations inside fit)
+    said = (full.stdout + full.stderr).count("lit-lm layout: 2 ranks = pp 1 × dp_replicate 1 × dp_shard 2 × cp 1 × "
+                                             "tp 1, ep 1; ZeRO stage 2")
+    assert said == 1, full.stdout[-3000:]
     ckpt = tmp_path / "run/checkpoints/at_step=4.ckpt"
     assert (ckpt / "meta.pt").is_file()  # a sharded (DCP) checkpoint directory
     resumed = run_cli("fit", *base, "--trainer.devices", "1", "--data.init_args.batch_size", "4",
