@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -145,14 +145,44 @@ def all_to_all(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup]
                                   async_op=async_op)
 
 
-def send(tensor: Tensor, dst: int, group: Optional[dist.ProcessGroup] = None) -> dist.Work:
-    COMM_LOG.add("send", group, tensor.numel(), tensor.element_size())
-    return dist.isend(tensor, dst, group=group)
+@dataclass(frozen=True)
+class P2P:
+    """One point-to-point op of a batch: send `tensor` to global rank `peer` ("send"), or receive into it ("recv")."""
+
+    op: str
+    tensor: Tensor
+    peer: int
 
 
-def recv(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup] = None) -> dist.Work:
-    COMM_LOG.add("recv", group, tensor.numel(), tensor.element_size())
-    return dist.irecv(tensor, src, group=group)
+def p2p_batch(ops: Sequence[P2P], group: Optional[dist.ProcessGroup] = None, label: str = "") -> list[Any]:
+    """Post `ops` together as one batch (`batch_isend_irecv`) and return one handle per op, to wait where needed.
+
+    Why batches: NCCL runs a rank's point-to-point ops on one stream in the order they are issued, and a send
+    completes only once its peer has posted the matching recv. Two ranks that each post a lone send to the other
+    before their recv wait for each other forever (a ring's every rank does). A batch is one fused operation whose
+    sends and recvs progress together. Between two ranks in one direction, ops still match in issue order (no
+    tags). Where the backend fuses the batch (NCCL), one handle stands for all of it and is each op's handle."""
+    if not ops:
+        return []
+    for o in ops:
+        if o.op not in ("send", "recv"):
+            raise ValueError(f"a point-to-point op is 'send' or 'recv', got {o.op!r}")
+        COMM_LOG.add(o.op, group, o.tensor.numel(), o.tensor.element_size(), label)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend if o.op == "send" else dist.irecv, o.tensor, o.peer, group)
+                                    for o in ops])
+    return works if len(works) == len(ops) else [_Batch(works)] * len(ops)
+
+
+class _Batch:
+    """The handle of a fused batch: waits for all of it."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
 
 
 def scalar_all_reduce(value: Tensor, group: Optional[dist.ProcessGroup] = None,

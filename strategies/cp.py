@@ -225,11 +225,14 @@ def attend_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tenso
 
 # -- the ring ---------------------------------------------------------------------------------------------
 def _ring_pass(t: Tensor, group: Optional[dist.ProcessGroup]) -> tuple[Tensor, list[dist.Work]]:
-    """Start sending `t` to the next rank of the ring and receiving the previous rank's into a new buffer."""
+    """Start sending `t` to the next rank of the ring and receiving the previous rank's into a new buffer (on
+    t's device), as ONE batch: posted as a lone send then a lone recv, every rank's send would wait on NCCL for
+    a recv queued behind its neighbour's own send (`comm.p2p_batch`; tests/test_p2p_order.py replays it)."""
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     me = ranks.index(dist.get_rank())
     received = torch.empty_like(t)
-    works = [comm.send(t, ranks[(me + 1) % len(ranks)], group), comm.recv(received, ranks[me - 1], group)]
+    works = comm.p2p_batch([comm.P2P("send", t, ranks[(me + 1) % len(ranks)]),
+                            comm.P2P("recv", received, ranks[me - 1])], group, "cp ring")
     return received, works
 
 

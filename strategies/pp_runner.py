@@ -4,9 +4,12 @@
     loss, ce = runner.run(inputs, targets, train=True)   # every rank: the batch loss, from the last stage
     runner.stats                                         # busy / wall seconds of that step, per-action times
 
-Messages are non-blocking: RECV posts an irecv into a buffer whose shape and dtype the model's protocol gives
-(`pipeline_activation`), the compute action that needs it waits on it; SEND posts an isend and moves on (all
-sends are waited at the end of the step). The schedule pairs sends and recvs by order, so no tags are needed.
+Messages are non-blocking and batched: each run of consecutive SEND/RECV actions of the schedule is posted as one
+`batch_isend_irecv` (`Schedule.issue_order`, `comm.p2p_batch`); a RECV's buffer (shape and dtype from the model's
+protocol, `pipeline_activation`; on the data's device) is waited by the compute action that needs it, sends at
+the end of the step. The schedule pairs sends and recvs by order, so no tags are needed, and its messages follow
+one global order, so NCCL, which runs a rank's point-to-point ops in issue order, cannot deadlock on them
+(tests/test_p2p_order.py replays every schedule on a strict model of it).
 
 The loss is the mean of the microbatch losses (each backward starts from loss / m): with equal microbatches this
 is the whole batch's mean, so gradients match one-process training (exactly when no target is ignored). A stage
@@ -35,7 +38,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from strategies import comm
 from strategies.plan import PipelineModel
-from strategies.pp_schedules import Action, Schedule
+from strategies.pp_schedules import Action, Schedule, is_message
 
 
 class _AttachLoss(torch.autograd.Function):
@@ -92,7 +95,7 @@ class PipelineRunner:
         """One pass of the schedule (forward-only when not `train`) over `inputs`/`targets` split into the
         schedule's microbatches; returns (mean loss, mean ce), broadcast from the last stage to every rank."""
         sched = self.schedule if train else self.schedule.forward_only()
-        m, p = sched.microbatches, sched.stages
+        m = sched.microbatches
         xs, ys = inputs.chunk(m), targets.chunk(m)
         shape, dtype = self.model.pipeline_activation(xs[0].shape[0], xs[0].shape[1] // self.seq_shards)
         slots: dict[tuple[int, int], _Slot] = {}
@@ -102,41 +105,65 @@ class PipelineRunner:
         # each microbatch's backward starts from loss_scale / m (loss_scale: 1 / gradient-accumulation steps)
         self._grad_scale = loss_scale / m
         self.stats = StepStats(start=time.perf_counter())
-        start = self.stats.start
         with torch.enable_grad() if train else torch.no_grad():
-            for a in sched.actions[self.rank]:
-                slot = slots.setdefault((a.mb, a.chunk), _Slot())
-                stage = sched.stage(self.rank, a.chunk)
-                if a.op.startswith("RECV"):
-                    buf = torch.empty(shape, dtype=dtype, device=inputs.device)
-                    peer = (stage - 1 if a.op == "RECV_F" else stage + 1) % p
-                    recvs[(a.op[-1], a.mb, a.chunk)] = (buf, comm.recv(buf, self._global(peer), self.group))
-                elif a.op.startswith("SEND"):
-                    tensor = slot.output.detach() if a.op == "SEND_F" else slot.input_grad
-                    if tensor.shape != shape or tensor.dtype != dtype:
-                        raise RuntimeError(f"stage {stage} sends {tuple(tensor.shape)} {tensor.dtype}, but the "
-                                           f"model's pipeline_activation() promised {tuple(shape)} {dtype}")
-                    peer = (stage + 1 if a.op == "SEND_F" else stage - 1) % p
-                    sends.append((tensor, comm.send(tensor.contiguous(), self._global(peer), self.group)))
+            for step in sched.issue_order(self.rank):
+                if is_message(step[0]):
+                    sends += self._post(sched, step, slots, recvs, shape, dtype, inputs.device)
                 else:
-                    t0, self._waited = time.perf_counter(), 0.0
-                    if a.op == "F":
-                        self._forward(a, slot, stage, xs, ys, recvs, train, totals)
-                    elif a.op == "B":
-                        self._backward_input(a, slot, stage, recvs, sched.has_weight_pass(stage))
-                    else:
-                        self._backward_weight(slot)
-                    t0, t1 = t0 + self._waited, time.perf_counter()  # waiting for a message is idle time
-                    self.stats.busy += t1 - t0
-                    self.stats.events.append((a, t0 - start, t1 - start))
-                if a == self._last_use(sched, a, stage, train):
-                    slot.input = slot.output = None  # free this microbatch's activations (and autograd graph)
+                    self._compute(sched, step[0], slots.setdefault((step[0].mb, step[0].chunk), _Slot()), xs, ys,
+                                  recvs, train, totals)
+                for a in step:
+                    if a == self._last_use(sched, a, sched.stage(self.rank, a.chunk), train):
+                        slot = slots[(a.mb, a.chunk)]
+                        slot.input = slot.output = None  # free this microbatch's activations (and autograd graph)
             for _, work in sends:
                 work.wait()
-        self.stats.wall = time.perf_counter() - start
+        self.stats.wall = time.perf_counter() - self.stats.start
         # the last stage holds (loss, ce), the others their auxiliary losses: the sum is every rank's answer
         comm.all_reduce(totals, self.group, label="pp step loss")
         return totals[0] / m, totals[1] / m
+
+    def _post(self, sched: Schedule, messages: tuple[Action, ...], slots: dict[tuple[int, int], _Slot],
+              recvs: dict, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> list[tuple[Tensor, Any]]:
+        """Post a run of consecutive SEND/RECV actions as one batch. Each recv's (buffer, handle) goes to `recvs`,
+        for the compute action that needs it to wait; the sends' are returned, to wait at the end of the step."""
+        ops, keys = [], []
+        for a in messages:
+            peer = self._global(sched.peer_stage(self.rank, a) % sched.stages)
+            if a.op.startswith("RECV"):
+                ops.append(comm.P2P("recv", torch.empty(shape, dtype=dtype, device=device), peer))
+                keys.append((a.op[-1], a.mb, a.chunk))
+                continue
+            slot = slots[(a.mb, a.chunk)]
+            tensor = slot.output.detach() if a.op == "SEND_F" else slot.input_grad
+            if tensor.shape != shape or tensor.dtype != dtype:
+                raise RuntimeError(f"stage {sched.stage(self.rank, a.chunk)} sends {tuple(tensor.shape)} "
+                                   f"{tensor.dtype}, but the model's pipeline_activation() promised {tuple(shape)} "
+                                   f"{dtype}")
+            ops.append(comm.P2P("send", tensor.contiguous(), peer))
+            keys.append(None)
+        sends = []
+        for op, key, work in zip(ops, keys, comm.p2p_batch(ops, self.group, "pp")):
+            if key is None:
+                sends.append((op.tensor, work))
+            else:
+                recvs[key] = (op.tensor, work)
+        return sends
+
+    def _compute(self, sched: Schedule, a: Action, slot: _Slot, xs: tuple[Tensor, ...], ys: tuple[Tensor, ...],
+                 recvs: dict, train: bool, totals: Tensor) -> None:
+        """Run F, B or W; the time spent waiting for a message counts as idle, the rest as busy."""
+        stage = sched.stage(self.rank, a.chunk)
+        t0, self._waited = time.perf_counter(), 0.0
+        if a.op == "F":
+            self._forward(a, slot, stage, xs, ys, recvs, train, totals)
+        elif a.op == "B":
+            self._backward_input(a, slot, stage, recvs, sched.has_weight_pass(stage))
+        else:
+            self._backward_weight(slot)
+        t0, t1 = t0 + self._waited, time.perf_counter()
+        self.stats.busy += t1 - t0
+        self.stats.events.append((a, t0 - self.stats.start, t1 - self.stats.start))
 
     @staticmethod
     def _last_use(sched: Schedule, a: Action, stage: int, train: bool) -> Action:

@@ -20,7 +20,10 @@ gradient). The order is played on a unit-time simulation (F = 1, B = 2, or B = W
 free of deadlock (or raises), gives the theoretical bubble and fixes where the messages go: a send right after the
 action that produced it, and the receiver posts its recv at the time of that send. So between any two ranks, recvs
 are posted in exactly the order sends are issued: the non-blocking point-to-point messages pair up by order alone
-(no tags), whatever the real timing.
+(no tags), whatever the real timing. And all messages follow one global order, (time, sending rank, the sender's
+order), of which each rank's are a part: where a rank's point-to-point ops run one after another and a send waits
+for its receive (NCCL's stream), the earliest unfinished message always has both ends at the head, so none
+deadlocks. `Schedule.issue_order` is how a runner posts them: runs of consecutive messages as one batch.
 """
 
 from __future__ import annotations
@@ -66,6 +69,23 @@ class Schedule:
     def place(self, stage: int) -> tuple[int, int]:
         """(rank, chunk) running a global stage."""
         return stage % self.stages, stage // self.stages
+
+    def peer_stage(self, rank: int, message: Action) -> int:
+        """The stage at the other end of a SEND/RECV: activations go to the next stage, gradients to the previous."""
+        s = self.stage(rank, message.chunk)
+        return s + 1 if message.op in ("SEND_F", "RECV_B") else s - 1
+
+    def issue_order(self, rank: int) -> list[tuple[Action, ...]]:
+        """What rank's runner issues, in order: each compute action alone, each run of consecutive SEND/RECV
+        actions together, posted as ONE batch (`comm.p2p_batch`). The one place that order is decided: the runner
+        follows it and tests/test_p2p_order.py replays it on a strict model of NCCL (see the module docstring)."""
+        steps: list[tuple[Action, ...]] = []
+        for a in self.actions[rank]:
+            if is_message(a) and steps and is_message(steps[-1][0]):
+                steps[-1] += (a,)
+            else:
+                steps.append((a,))
+        return steps
 
     def forward_only(self) -> "Schedule":
         """The same order without backward: dropping actions only removes dependencies, so it stays valid."""
@@ -116,15 +136,18 @@ class Schedule:
                         raise ValueError(f"rank {rank}: {comm}{mb}.{chunk} missing, extra or on the wrong side of "
                                          f"{compute}")
             for a in acts:
-                if a.op.startswith(("SEND", "RECV")):
-                    s = self.stage(rank, a.chunk)
-                    other = s + 1 if a.op in ("SEND_F", "RECV_B") else s - 1  # the stage at the other end
+                if is_message(a):
+                    s, other = self.stage(rank, a.chunk), self.peer_stage(rank, a)
                     receiver = other if a.op.startswith("SEND") else s
                     book, key = (sent, (rank, other % self.stages)) if a.op.startswith("SEND") else \
                         (received, (other % self.stages, rank))
                     book.setdefault(key, []).append((a.op[-1], a.mb, receiver))
         if sent != received:
             raise ValueError(f"sends and recvs do not pair up in order: sent {sent}, received {received}")
+
+
+def is_message(a: Action) -> bool:
+    return a.op.startswith(("SEND", "RECV"))
 
 
 def bubble_theory(name: str, stages: int, microbatches: int, chunks: int = 1) -> float:
