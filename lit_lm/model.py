@@ -47,6 +47,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.theta = theta
         self._cache: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
+        self._at: Optional[tuple[Tensor, torch.device, tuple[Tensor, Tensor]]] = None  # see cos_sin_at
 
     def cos_sin(self, seq_len: int, device: torch.device, offset: int = 0) -> tuple[Tensor, Tensor]:
         key = (seq_len, offset, device)
@@ -56,10 +57,16 @@ class RotaryEmbedding(nn.Module):
 
     def cos_sin_at(self, positions: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
         """fp32 (T, D/2) tables for arbitrary token positions (T,), e.g. a context-parallel rank's zigzag chunks;
-        built in fp64 like the contiguous tables, so a position gets the same angle whichever rank holds it."""
+        built in fp64 like the contiguous tables, so a position gets the same angle whichever rank holds it.
+        The last tables are kept against the positions tensor itself: context parallelism passes the same one
+        every step (`strategies.cp.zigzag_batch`), so they are built once, not on the host per layer per step."""
+        if self._at is not None and self._at[0] is positions and self._at[1] == device:
+            return self._at[2]
         inv_freq = self.theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
         angles = torch.outer(positions.to("cpu", torch.float64), inv_freq)  # (T, D/2)
-        return angles.cos().float().to(device), angles.sin().float().to(device)
+        tables = angles.cos().float().to(device), angles.sin().float().to(device)
+        self._at = (positions, device, tables)
+        return tables
 
     @staticmethod
     def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

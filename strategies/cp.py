@@ -24,6 +24,7 @@ Plain torch.distributed through `strategies.comm`; no Lightning.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -48,11 +49,27 @@ def check_seq_len(seq_len: int, cp: int) -> int:
     return seq_len // (2 * cp)
 
 
-def zigzag_positions(seq_len: int, rank: int, cp: int) -> Tensor:
-    """The sequence positions (2c,) that cp rank `rank` holds: chunks `rank` and 2·cp−1−`rank`, in that order."""
+Runs = tuple[tuple[int, int], ...]  # (first position, count) per run of consecutive positions, in the tokens' order
+
+
+def zigzag_runs(seq_len: int, rank: int, cp: int) -> Runs:
+    """The positions cp rank `rank` holds, as runs: chunks `rank` and 2·cp−1−`rank` (one run when they touch,
+    cp = 1). Plain integers from (seq_len, rank, cp) alone: the step plans its tiles without reading a tensor."""
     c = check_seq_len(seq_len, cp)
     first, second = rank * c, (2 * cp - 1 - rank) * c
-    return torch.cat((torch.arange(first, first + c), torch.arange(second, second + c)))
+    return ((first, 2 * c),) if second == first + c else ((first, c), (second, c))
+
+
+def zigzag_positions(seq_len: int, rank: int, cp: int) -> Tensor:
+    """The sequence positions (2c,) that cp rank `rank` holds: chunks `rank` and 2·cp−1−`rank`, in that order."""
+    return torch.cat([torch.arange(first, first + n) for first, n in zigzag_runs(seq_len, rank, cp)])
+
+
+@functools.lru_cache(maxsize=64)
+def _positions_on(seq_len: int, rank: int, cp: int, device: torch.device) -> Tensor:
+    """`zigzag_positions` on `device`, made once: the same tensor every step, so the model's RoPE tables for it
+    are built once (they are cached against it) rather than per layer per step. Never modify it in place."""
+    return zigzag_positions(seq_len, rank, cp).to(device)
 
 
 def zigzag_split(x: Tensor, rank: int, cp: int, dim: int = 1) -> Tensor:
@@ -79,17 +96,21 @@ def zigzag_gather(x: Tensor, group: Optional[dist.ProcessGroup] = None, dim: int
 
 
 def zigzag_batch(inputs: Tensor, targets: Tensor, group: Optional[dist.ProcessGroup] = None
-                 ) -> tuple[Tensor, Tensor, Tensor, float]:
-    """A cp rank's (inputs, targets, positions, loss_weight) from the whole (B, T) batch every cp peer was given.
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A cp rank's (inputs, targets, positions, loss_weight) from the whole (B, T) batch every cp peer was given,
+    all on the batch's device (no host sync: the weight stays a tensor, the positions are cached).
 
     A rank's loss is the mean over its own valid targets; times `loss_weight` (cp · local valid / all valid),
     the mean over the cp ranks is the mean over the whole sequence, even when some targets are ignored (-100),
-    and so is the gradient once the data-parallel sync averages it over the cp ranks too."""
+    and so is the gradient once the data-parallel sync averages it over the cp ranks too. (No valid target at
+    all: weight 1.)"""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     local_targets = zigzag_split(targets, rank, cp)
-    valid = int((targets != -100).sum())
-    weight = cp * int((local_targets != -100).sum()) / valid if valid else 1.0
-    return zigzag_split(inputs, rank, cp), local_targets, zigzag_positions(inputs.shape[1], rank, cp), weight
+    valid = (targets != -100).sum()
+    local_valid = (local_targets != -100).sum()
+    weight = torch.where(valid > 0, cp * local_valid / valid.clamp(min=1), 1.0)
+    positions = _positions_on(inputs.shape[1], rank, cp, inputs.device)
+    return zigzag_split(inputs, rank, cp), local_targets, positions, weight
 
 
 # -- blockwise attention with log-sum-exp (the PyTorch reference; the kernel seam) -------------------------------
@@ -158,21 +179,25 @@ def block_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, del
     return dq.float().view(b, hk, g, m, d), dk.float(), dv.float()
 
 
-def block_plan(q_pos: Tensor, k_pos: Tensor, window: int, chunk: int) -> Iterator[tuple[slice, slice, int]]:
-    """The tiles to compute, (query rows, keys, offset), for each run of `chunk` query rows: the keys some row of
-    the run sees (causal, within `window`), cut where key positions jump, so both sides of a tile are consecutive
-    positions and query row i sits `offset` + i positions after its first key. Key positions increase along the
-    keys, so the keys a run sees are one range; runs that see none are skipped (causal block skipping)."""
-    for start in range(0, len(q_pos), chunk):
-        qp = q_pos[start:start + chunk]
-        lo = int(torch.searchsorted(k_pos, qp[0] - window + 1))
-        hi = int(torch.searchsorted(k_pos, qp[-1], right=True))
-        if lo >= hi:
-            continue
-        jumps = (torch.nonzero(k_pos[lo + 1:hi] - k_pos[lo:hi - 1] != 1).flatten() + lo + 1).tolist()
-        edges = [lo, *jumps, hi]
-        for a, b in zip(edges, edges[1:]):
-            yield slice(start, start + len(qp)), slice(a, b), int(qp[0] - k_pos[a])
+def block_plan(q_runs: Runs, k_runs: Runs, window: int, chunk: int) -> Iterator[tuple[slice, slice, int]]:
+    """The tiles to compute, (query rows, keys, offset), for each piece of at most `chunk` query rows of a run:
+    within each run of keys, the keys some row of the piece sees (causal, within `window`), so both sides of a
+    tile are consecutive positions and query row i sits `offset` + i positions after its first key. Pieces that
+    see no key of a run are skipped (causal block skipping). Key runs must increase in position.
+
+    Integer arithmetic on the runs only: nothing here reads a tensor, so planning a tile never waits for the
+    device. A piece of rows at positions [p, p + n) sees key positions [p − window + 1, p + n − 1]."""
+    row = 0
+    for q_first, q_len in q_runs:
+        for start in range(0, q_len, chunk):
+            n, p = min(chunk, q_len - start), q_first + start
+            key = 0
+            for k_first, k_len in k_runs:
+                lo, hi = max(k_first, p - window + 1), min(k_first + k_len, p + n)  # seen positions [lo, hi)
+                if lo < hi:
+                    yield slice(row + start, row + start + n), slice(key + lo - k_first, key + hi - k_first), p - lo
+                key += k_len
+        row += q_len
 
 
 def merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
@@ -203,18 +228,18 @@ class Call:
         return dist.get_world_size(self.group)
 
 
-def attend(q: Tensor, kv: Tensor, q_pos: Tensor, k_pos: Tensor, call: Call, out: Tensor, lse: Tensor) -> None:
+def attend(q: Tensor, kv: Tensor, q_pos: Runs, k_pos: Runs, call: Call, out: Tensor, lse: Tensor) -> None:
     """Merge the attention of queries q at `q_pos` on kv = stack(k, v) at `k_pos` into (out, lse), tile by tile."""
-    for rows, keys, offset in block_plan(q_pos, k_pos, call.window, len(q_pos) // 2):
+    for rows, keys, offset in block_plan(q_pos, k_pos, call.window, q.shape[-2] // 2):
         block_out, block_lse = block_forward(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], offset,
                                              call.window, call.backend)
         merge_into(out[..., rows, :], lse[..., rows], block_out, block_lse)
 
 
-def attend_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor, q_pos: Tensor, k_pos: Tensor,
+def attend_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor, q_pos: Runs, k_pos: Runs,
                     call: Call, dq: Tensor, dkv: Tensor) -> None:
     """Add this (queries, keys) pair's gradients to dq and dkv = stack(dk, dv), tile by tile."""
-    for rows, keys, offset in block_plan(q_pos, k_pos, call.window, len(q_pos) // 2):
+    for rows, keys, offset in block_plan(q_pos, k_pos, call.window, q.shape[-2] // 2):
         dq_b, dk_b, dv_b = block_backward(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :],
                                           do[..., rows, :], lse[..., rows], delta[..., rows], offset, call.window,
                                           call.backend)
@@ -244,13 +269,13 @@ def _wait(works: list[dist.Work]) -> None:
 def ring_forward(q: Tensor, kv: Tensor, call: Call) -> tuple[Tensor, Tensor]:
     """q (B, Hkv, G, L, D), kv = stack(k, v) (2, B, Hkv, L, D) of this rank -> (out, lse) over the whole ring."""
     rank, cp = call.rank, call.cp
-    q_pos = zigzag_positions(call.seq_len, rank, cp)
+    q_pos = zigzag_runs(call.seq_len, rank, cp)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
     for step in range(cp):
         if step < cp - 1:
             next_kv, works = _ring_pass(kv, call.group)
-        attend(q, kv, q_pos, zigzag_positions(call.seq_len, (rank - step) % cp, cp), call, out, lse)
+        attend(q, kv, q_pos, zigzag_runs(call.seq_len, (rank - step) % cp, cp), call, out, lse)
         if step < cp - 1:
             _wait(works)
             kv = next_kv
@@ -262,14 +287,14 @@ def ring_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
     """(dq, dkv) fp32: K/V go around the ring again, each with the dK/dV accumulator of the ranks it has visited;
     the accumulator makes one extra hop to come home."""
     rank, cp = call.rank, call.cp
-    q_pos = zigzag_positions(call.seq_len, rank, cp)
+    q_pos = zigzag_runs(call.seq_len, rank, cp)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     in_flight: Optional[tuple[Tensor, list[dist.Work]]] = None  # a dK/dV accumulator on its way to this rank
     for step in range(cp):
         if step < cp - 1:
             next_kv, kv_works = _ring_pass(kv, call.group)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        attend_backward(q, kv, do, lse, delta, q_pos, zigzag_positions(call.seq_len, (rank - step) % cp, cp), call,
+        attend_backward(q, kv, do, lse, delta, q_pos, zigzag_runs(call.seq_len, (rank - step) % cp, cp), call,
                         dq, dkv)
         if in_flight is not None:  # what the ranks before added to this block's gradient
             _wait(in_flight[1])
@@ -288,10 +313,10 @@ def ring_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
 # -- all-gather -------------------------------------------------------------------------------------------
 def allgather_forward(q: Tensor, kv: Tensor, call: Call) -> tuple[Tensor, Tensor]:
     full = zigzag_gather(kv, call.group, dim=-2)  # stack(k, v) of the whole sequence
-    q_pos = zigzag_positions(call.seq_len, call.rank, call.cp)
+    q_pos = zigzag_runs(call.seq_len, call.rank, call.cp)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
-    attend(q, full, q_pos, torch.arange(call.seq_len), call, out, lse)
+    attend(q, full, q_pos, ((0, call.seq_len),), call, out, lse)
     return out, lse
 
 
@@ -299,10 +324,10 @@ def allgather_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Te
                        ) -> tuple[Tensor, Tensor]:
     rank, cp = call.rank, call.cp
     full = zigzag_gather(kv, call.group, dim=-2)  # stack(k, v) of the whole sequence
-    q_pos = zigzag_positions(call.seq_len, rank, cp)
+    q_pos = zigzag_runs(call.seq_len, rank, cp)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_full = torch.zeros(full.shape, dtype=torch.float32, device=q.device)
-    attend_backward(q, full, do, lse, delta, q_pos, torch.arange(call.seq_len), call, dq, dkv_full)
+    attend_backward(q, full, do, lse, delta, q_pos, ((0, call.seq_len),), call, dq, dkv_full)
     shares = torch.cat([zigzag_split(dkv_full, r, cp, dim=-2) for r in range(cp)])  # rank r's share r-th
     dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
     comm.reduce_scatter(dkv, shares, call.group)

@@ -19,8 +19,8 @@ from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.model import RotaryEmbedding, Transformer
 from strategies.comm import COMM_LOG
 from strategies.cp import (METHODS, ContextParallelAttention, block_plan, comm_theory, context_attention,
-                           parallelize_context, saved_bytes_theory, zigzag_batch, zigzag_gather, zigzag_merge,
-                           zigzag_positions, zigzag_split)
+                           parallelize_context, saved_bytes_theory, tile_mask, zigzag_batch, zigzag_gather,
+                           zigzag_merge, zigzag_positions, zigzag_runs, zigzag_split)
 from strategies.tp_layers import SavedActivations, TPGroup, parallelize_model
 from strategies.zero_engine import ZeroEngine
 
@@ -51,13 +51,59 @@ def test_ring_skips_the_blocks_no_query_sees(window: int | None) -> None:
     c = seq_len // (2 * cp)
     work = []
     for rank in range(cp):
-        q_pos = zigzag_positions(seq_len, rank, cp)
-        plans = (block_plan(q_pos, zigzag_positions(seq_len, src, cp), window or seq_len, c) for src in range(cp))
+        q_pos = zigzag_runs(seq_len, rank, cp)
+        plans = (block_plan(q_pos, zigzag_runs(seq_len, src, cp), window or seq_len, c) for src in range(cp))
         work.append(sum((rows.stop - rows.start) * (keys.stop - keys.start) for plan in plans for rows, keys, _ in plan))
     if window is None:  # own block: 3 of its 4 c×c tiles; every other step: 2 of 4 (no skipping: 4·cp tiles)
         assert work == [(2 * cp + 1) * c * c] * cp
     else:
         assert max(work) < (2 * cp + 1) * c * c
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_block_plan_tiles_exactly_the_pairs_attention_sees(cp: int) -> None:
+    """From integers alone (the runs of positions): the tiles, each masked as `tile_mask` masks it, cover every
+    (query, key) pair with 0 <= q − k < window once and no other, for every (rank, K/V block) of the ring and for
+    the all-gather's whole sequence; both sides of a tile are consecutive positions, `offset` apart, and every key
+    of a tile is seen by some row of it (no wasted columns)."""
+    seq_len, c = 4 * cp, 2
+    for window, rank in itertools.product((seq_len, 1, 3, 5), range(cp)):
+        q_runs, q_pos = zigzag_runs(seq_len, rank, cp), zigzag_positions(seq_len, rank, cp)
+        assert torch.equal(torch.cat([torch.arange(a, a + n) for a, n in q_runs]), q_pos)
+        for k_runs in [zigzag_runs(seq_len, src, cp) for src in range(cp)] + [((0, seq_len),)]:
+            k_pos = torch.cat([torch.arange(a, a + n) for a, n in k_runs])
+            covered = torch.zeros(len(q_pos), len(k_pos), dtype=torch.int64)
+            for rows, keys, offset in block_plan(q_runs, k_runs, window, c):
+                qp, kp = q_pos[rows], k_pos[keys]
+                assert torch.equal(qp, qp[0] + torch.arange(len(qp))) and torch.equal(kp, kp[0] + torch.arange(len(kp)))
+                assert offset == qp[0] - kp[0]
+                mask = tile_mask(len(qp), len(kp), offset, window, torch.device("cpu"))
+                assert mask is None or bool(mask.any(0).all()), "a tile holds keys no row of it sees"
+                covered[rows, keys] += torch.ones(len(qp), len(kp), dtype=torch.int64) if mask is None else mask
+            distance = q_pos[:, None] - k_pos[None, :]
+            assert torch.equal(covered, ((distance >= 0) & (distance < window)).long()), (window, rank, k_runs)
+
+
+def test_zigzag_batch_stays_on_the_device_and_reuses_its_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No host sync per step: the loss weight is a tensor (cp · local valid / all valid, 1 when nothing is valid),
+    and the positions are one tensor across steps, so the model's RoPE tables for them are built once."""
+    import strategies.cp as context
+
+    monkeypatch.setattr(context, "dist", type("FakeDist", (), {"get_rank": staticmethod(lambda group=None: 1),
+                                                               "get_world_size": staticmethod(lambda group=None: 2)}))
+    inputs = torch.arange(16).view(2, 8)
+    targets = inputs.clone()
+    targets[0, :5] = -100  # 11 valid targets, 5 of them on rank 1 (positions 2, 3, 4, 5)
+    x, y, positions, weight = zigzag_batch(inputs, targets)
+    assert isinstance(weight, torch.Tensor) and weight.item() == pytest.approx(2 * 5 / 11)
+    assert torch.equal(positions, zigzag_positions(8, 1, 2)) and torch.equal(x, inputs[:, positions])
+    assert zigzag_batch(inputs, targets)[2] is positions
+    assert zigzag_batch(inputs, torch.full_like(targets, -100))[3].item() == 1.0
+    rope = RotaryEmbedding(8)
+    tables = rope.cos_sin_at(positions, positions.device)
+    assert rope.cos_sin_at(positions, positions.device) is tables  # cached against the tensor, not rebuilt
+    fresh = rope.cos_sin_at(positions.clone(), positions.device)
+    assert fresh is not tables and all(torch.equal(a, b) for a, b in zip(fresh, tables))
 
 
 def test_rope_positions_follow_the_tokens() -> None:
