@@ -106,12 +106,8 @@ class Done:
 
 
 def all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup] = None, op: dist.ReduceOp = dist.ReduceOp.SUM,
-               async_op: bool = False, label: str = "", arena: Any = None) -> Optional[Any]:
-    """With `arena` (a `strategies.shm.SharedArena` of `group` holding `tensor`): through shared memory, at once."""
+               async_op: bool = False, label: str = "") -> Optional[dist.Work]:
     COMM_LOG.add("all_reduce", group, tensor.numel(), tensor.element_size(), label)
-    if arena is not None:
-        arena.all_reduce(tensor, op)
-        return Done() if async_op else None
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
