@@ -17,7 +17,7 @@ import statistics
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -72,10 +72,10 @@ class Case:
 
 
 def build(kernel: str, dims: tuple[int, ...], device: torch.device) -> Case:
-    gen = torch.Generator(device="cpu").manual_seed(zlib.crc32(repr((kernel, dims)).encode()))  # same on every run
+    gen = torch.Generator(device=device).manual_seed(zlib.crc32(repr((kernel, dims)).encode()))  # same every run
 
     def randn(*shape: int) -> Tensor:
-        return torch.randn(*shape, generator=gen).to(device)
+        return torch.randn(*shape, generator=gen, device=device)
 
     shape = "x".join(map(str, dims))
     if kernel == "rmsnorm":
@@ -103,9 +103,9 @@ def build(kernel: str, dims: tuple[int, ...], device: torch.device) -> Case:
                     flash_attention, attention_reference, flops_fwd=flops, flops_bwd=5 * flops // 2)
     if kernel == "cross_entropy":
         m, v = dims
-        targets = torch.randint(0, v, (m,), generator=gen)
+        targets = torch.randint(0, v, (m,), generator=gen, device=device)
         targets[::7] = IGNORE_INDEX  # ignored rows, as padding gives
-        return Case(kernel, shape, [randn(m, v), targets.to(device)], [True, False],
+        return Case(kernel, shape, [randn(m, v), targets], [True, False],
                     lambda x, t: cross_entropy(x, t, 1e-4), lambda x, t: cross_entropy_reference(x, t, 1e-4),
                     elems_fwd=m * v, elems_bwd=2 * m * v)
     if kernel in ("softmax", "gelu"):
@@ -170,8 +170,11 @@ def parity(case: Case, dtype: torch.dtype, inject: bool = False) -> dict[str, An
                 passed=all(r["pass"] for r in tensors), tensors=tensors)
 
 
-def cases(kernels: list[str], dry_run: bool, device: torch.device) -> list[Case]:
-    return [build(k, dims, device) for k in kernels for dims in SHAPES[k]["dry" if dry_run else "gpu"]]
+def cases(kernels: list[str], dry_run: bool, device: torch.device) -> Iterator[Case]:
+    """One case at a time: on a GPU the realistic shapes' inputs take gigabytes together."""
+    for kernel in kernels:
+        for dims in SHAPES[kernel]["dry" if dry_run else "gpu"]:
+            yield build(kernel, dims, device)
 
 
 def run_parity(report: Any, kernels: list[str], dry_run: bool, device: torch.device, inject: Optional[str]) -> str:

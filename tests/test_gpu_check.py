@@ -81,7 +81,7 @@ def test_every_section_passes_and_names_the_machine(dry_run: tuple) -> None:
         assert section["section"] == name and section["dry_run"] is True
         assert section["status"] == ("skipped" if name == "sync_debug" else "ok"), section.get("error")
         machine = section["machine"]
-        for key in ("device_name", "torch", "triton", "cuda", "date", "cpu_model"):
+        for key in ("device_name", "torch", "triton", "cuda", "date", "time_utc", "cpu", "cpu_flags", "commit"):
             assert key in machine
         assert machine["device_name"] == "cpu" and machine["triton_interpret"] is True
 
@@ -159,6 +159,15 @@ def test_a_failing_kernel_fails_the_run(env: dict[str, str], tmp_path: Path) -> 
         out0 = next(t for t in row["tensors"] if t["tensor"] == "out0")
         assert not row["passed"] and not out0["pass"] and out0["max_abs_err"] == pytest.approx(1.0, abs=0.05)
         assert all(t["pass"] for t in row["tensors"] if t["tensor"] != "out0")  # the gradients are untouched
+
+
+def test_a_section_over_its_budget_is_stopped_and_the_next_one_runs(env: dict[str, str], tmp_path: Path) -> None:
+    result = run(env, "--dry-run", "--out", str(tmp_path), "--sections", "sync_debug", "kernels", "--kernels", "gelu",
+                 "--inject-hang", "sync_debug", "--budget", "sync_debug=5")
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    data = load(tmp_path)
+    assert data["sync_debug"]["status"] == "timeout" and "budget of 5.0 s" in data["sync_debug"]["error"]
+    assert data["kernels"]["status"] == "ok" and data["summary"]["failed"] == ["sync_debug"]
 
 
 def test_a_dry_run_never_writes_docs_gpu(env: dict[str, str]) -> None:
