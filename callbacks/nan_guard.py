@@ -4,7 +4,8 @@ One bad batch (a spike, a corrupt sample) should not poison the weights or the o
 every step is non-finite has diverged and should stop with a message rather than burn the budget. The decision
 is global: each rank checks its loss and the gradients its optimizer holds (a ZeRO shard, a TP slice, a pipeline
 stage), and one max-all-reduce over the world makes every rank skip or stop together, or sharded ranks would
-drift apart.
+drift apart. The checks stay on the device until one read of both flags per optimizer step: the callback
+decides on the host whether to skip, so it costs one host sync per step (opt-in; tests/test_host_sync.py).
 
     policy="skip"  skip the bad step (gradients zeroed, parameters and optimizer state untouched); stop once
                    `max_consecutive` steps in a row were bad
@@ -15,7 +16,7 @@ A skipped step still counts as a step (global_step and the LR schedule advance),
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -43,24 +44,28 @@ class NanGuard(L.Callback):
         self.max_consecutive = max_consecutive
         self.consecutive = 0  # bad steps in a row
         self.skipped = 0  # bad steps skipped in the whole run
-        self._loss_bad = False
+        self._loss_bad: Optional[Tensor] = None  # on the device: any non-finite loss since the last step
 
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Tensor) -> None:
-        self._loss_bad = self._loss_bad or not bool(torch.isfinite(loss.detach()).all())
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._loss_bad = bad if self._loss_bad is None else self._loss_bad | bad
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule,
                                  optimizer: Optimizer) -> None:
+        """The flags stay on the device up to one read per step (the skip is decided on the host)."""
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        grads_bad = bool(grads) and not bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
-        flags = torch.tensor([float(self._loss_bad), float(grads_bad)], device=pl_module.device)
-        self._loss_bad = False
+        no = torch.zeros((), dtype=torch.bool, device=pl_module.device)
+        grads_bad = ~torch.isfinite(torch.stack(torch._foreach_norm(grads))).all() if grads else no
+        flags = torch.stack([no if self._loss_bad is None else self._loss_bad, grads_bad.to(no.device)]).float()
+        self._loss_bad = None
         if dist.is_initialized() and dist.get_world_size() > 1:
             flags = comm.scalar_all_reduce(flags, op=dist.ReduceOp.MAX)
-        if not flags.any():
+        loss_bad, grads_bad = flags.tolist()  # the one host read
+        if not (loss_bad or grads_bad):
             self.consecutive = 0
             return
         self.consecutive += 1
-        what = " and ".join(name for name, bad in zip(("loss", "gradients"), flags.tolist()) if bad)
+        what = " and ".join(name for name, bad in (("loss", loss_bad), ("gradients", grads_bad)) if bad)
         if self.policy == "stop" or self.consecutive >= self.max_consecutive:
             raise NonFiniteError(
                 f"NanGuard: non-finite {what} at step {trainer.global_step} ({self.consecutive} bad step(s) in a row, "

@@ -6,6 +6,10 @@ whole run, `step N/max_steps`, and, when stdout is not a terminal (a SLURM log, 
 nothing until the end, prints a plain line every `every_n_steps` steps instead:
 
     step 120/400 | loss 4.3121 | lr 2.91e-03 | 5,123 tokens/s | grad_norm 0.8312 | eta 2m13s
+
+The bar's metrics and the line are read from the device, so they are refreshed at logging steps (the bar) and
+at the line's steps only: between them a step runs without a host sync (align `every_n_steps` with the trainer's
+`log_every_n_steps`). tokens/s is `LanguageModel`'s, measured over the last logging interval.
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
 from torch.optim import Optimizer
 
+from callbacks.throughput import logs_this_batch
 from strategies.base import BaseStrategy
 from strategies.clip import clip_grad_norm_, local_grad_shards
+
+SHOWN = ("train_loss", "tokens_per_s")  # logged by LanguageModel every step / interval, shown by the bar
 
 
 class StepProgress(RichProgressBar):
@@ -40,8 +47,13 @@ class StepProgress(RichProgressBar):
         return "train (steps)"
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        """Lightning's progress-bar metrics plus the loss and tokens/s, which `LanguageModel` logs without
+        `prog_bar` (Lightning would read a prog_bar metric on the host every step)."""
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
+        for key in SHOWN:
+            if key in trainer.callback_metrics and key not in metrics:
+                metrics[key] = float(trainer.callback_metrics[key])
         return metrics
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -63,7 +75,8 @@ class StepProgress(RichProgressBar):
         if not self.is_disabled and self.train_progress_bar_id is None:
             self._initialize_train_progress_bar_id()
         self._update(self.train_progress_bar_id, trainer.global_step)
-        self._update_metrics(trainer, pl_module)
+        if logs_this_batch(trainer):  # metrics are host reads: at logging steps only, not every step
+            self._update_metrics(trainer, pl_module)
         self.refresh()
         step = trainer.global_step
         if self._prints(trainer, step) and step != self._printed and trainer.is_global_zero:

@@ -36,6 +36,21 @@ def data_parallel_size(trainer: L.Trainer) -> int:
     return (getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1)
 
 
+def logs_this_batch(trainer: L.Trainer) -> bool:
+    """Whether Lightning writes the step metrics at the end of this training batch: every `log_every_n_steps`
+    optimizer steps, at the last micro-batch of an accumulation window. Metrics that need a host read (a
+    device value made a float, a synchronised clock) are reduced on these batches only, so the steps in
+    between run without one (tests/test_host_sync.py). Lightning's own `LearningRateMonitor` asks the same."""
+    return trainer._logger_connector.should_update_logs and not trainer.fit_loop._should_accumulate()
+
+
+def synchronized_clock(device: torch.device) -> float:
+    """perf_counter once the device has finished the work queued so far (on CUDA: kernels run asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak CUDA memory allocated by tensors, or on CPU the process's peak resident set size."""
     if device.type == "cuda":
@@ -68,16 +83,10 @@ class Throughput(L.Callback):
         if self.peak_flops is None and pl_module.device.type == "cuda":
             self.peak_flops = peak_flops_for(torch.cuda.get_device_name(pl_module.device))
 
-    @staticmethod
-    def _now(device: torch.device) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if self._start is None:
-            self._start = self._now(pl_module.device)
+            self._start = synchronized_clock(pl_module.device)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -86,7 +95,7 @@ class Throughput(L.Callback):
         self._batches += 1
         if self._batches < self.window:
             return
-        now = self._now(pl_module.device)
+        now = synchronized_clock(pl_module.device)
         tokens_per_sec = self._tokens / (now - self._start)
         cfg = pl_module.model.config
         flops = flops_per_token(cfg.num_params(include_embedding=False, active=True), cfg.n_layers, cfg.d_model,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict
 from typing import Any, Optional
 
@@ -13,7 +12,7 @@ from torch import Tensor
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
-from callbacks.throughput import data_parallel_size, flops_per_token
+from callbacks.throughput import data_parallel_size, flops_per_token, logs_this_batch, synchronized_clock
 
 from lit_lm.checkpoints import with_tied_head
 from lit_lm.config import ConfigError, ModelConfig
@@ -62,7 +61,11 @@ class LanguageModel(L.LightningModule):
                                    "min_lr_ratio": min_lr_ratio, "kernels": self.kernels})
         self.model: Optional[Transformer] = None
         self.val_loss = MeanMetric()
-        self._step_started: Optional[float] = None
+        self._interval: Optional[float] = None  # when the current logging interval began (synchronised clock)
+        self._interval_tokens = 0
+        self._paused: Optional[float] = None  # when a validation inside the interval began
+        self._moe_sum: Optional[Tensor] = None  # MoE statistics summed over the interval's batches, on the device
+        self._moe_batches = 0
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -89,6 +92,7 @@ class LanguageModel(L.LightningModule):
             with_tied_head(checkpoint["state_dict"], self.config.tie_embeddings, prefix="model.")
 
     def on_fit_start(self) -> None:
+        self._interval, self._interval_tokens, self._moe_sum, self._moe_batches = None, 0, None, 0
         cfg, seq_len = self.config, self.config.max_seq_len
         flops = flops_per_token(cfg.num_params(include_embedding=False), cfg.n_layers, cfg.d_model, seq_len)
         rank_zero_info(f"[lit-lm] model: {cfg.num_params() / 1e6:.2f}M parameters, {cfg.n_layers} layers x d_model "
@@ -104,11 +108,24 @@ class LanguageModel(L.LightningModule):
         return batch[:, :-1], batch[:, 1:]
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        """The loss, logged every step as a device tensor (no host read: `prog_bar` would make Lightning read it
+        every step; `StepProgress` shows it at logging steps); the MoE statistics are summed on the device and
+        logged as their mean over each logging interval, read once."""
         x, y = self._split(batch, batch_idx)
         loss, _ = self.model.loss(x, y)
-        self.log("train_loss", loss.detach(), prog_bar=True, sync_dist=True)
-        self.log_dict(moe_metrics(self.model))  # this rank's routing (no sync: E scalars per layer per step)
+        self.log("train_loss", loss.detach(), sync_dist=True)
+        self._log_moe_metrics()
         return loss
+
+    def _log_moe_metrics(self) -> None:
+        names, values = moe_metrics(self.model)  # this rank's routing (unsynced)
+        if not names:
+            return
+        self._moe_sum = values if self._moe_sum is None else self._moe_sum + values
+        self._moe_batches += 1
+        if logs_this_batch(self.trainer):
+            self.log_dict(dict(zip(names, (self._moe_sum / self._moe_batches).tolist())))  # the interval's read
+            self._moe_sum, self._moe_batches = None, 0
 
     def _eval_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         x, y = self._split(batch, batch_idx)
@@ -143,13 +160,28 @@ class LanguageModel(L.LightningModule):
 
     # -- throughput and lr ---------------------------------------------------------------------------------
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._step_started = time.perf_counter()
+        if self._interval is None:
+            self._interval = synchronized_clock(self.device)
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        elapsed = time.perf_counter() - self._step_started
-        tokens = (batch.shape[1] - 1) * batch.shape[0] * data_parallel_size(self.trainer)
-        self.log("tokens_per_s", tokens / max(elapsed, 1e-9), prog_bar=True)
+        """tokens/s over the logging interval (data loading and optimizer steps included; validations not): the
+        clock is read with the device synchronised, once per interval, so it measures kernels run, not launched."""
+        self._interval_tokens += (batch.shape[1] - 1) * batch.shape[0] * data_parallel_size(self.trainer)
         self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+        if not logs_this_batch(self.trainer):
+            return
+        now = synchronized_clock(self.device)
+        self.log("tokens_per_s", self._interval_tokens / max(now - self._interval, 1e-9))
+        self._interval, self._interval_tokens = now, 0
+
+    def on_validation_start(self) -> None:
+        if self._interval is not None:  # inside a fit's interval: its time is not the interval's
+            self._paused = synchronized_clock(self.device)
+
+    def on_validation_end(self) -> None:
+        if self._paused is not None:
+            self._interval += synchronized_clock(self.device) - self._paused
+            self._paused = None
 
     # -- optimisation --------------------------------------------------------------------------------------
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:

@@ -12,7 +12,8 @@ stacked tensors (E, ...), so an expert-parallel shard is a slice along dim 0 und
 
 Load balancing: the Switch auxiliary loss, the router z-loss, and DeepSeek-V3's auxiliary-loss-free balancing (a
 per-expert bias added to the scores for *selection only*, nudged after every optimizer step towards the mean load;
-`update_router_bias`). Each layer keeps its last statistics in `stats` for logging (`moe_metrics`).
+`update_router_bias`). Each layer keeps its last statistics in `stats` (detached, on the device) for logging
+(`moe_metrics`: one vector for all layers, which `LanguageModel` averages over a logging interval).
 
 Global-batch balancing (`moe_balance: global`, the default): under data parallelism each rank routes its share of
 the batch, but the load fractions f_i of the Switch loss and the capacity are about the *global* batch. With a
@@ -227,14 +228,16 @@ def update_router_bias(model: nn.Module, all_reduce_sum: Callable[[Tensor], Tens
         m.step_counts.zero_()
 
 
-def moe_metrics(model: nn.Module) -> dict[str, Tensor]:
-    """`moe/<layer>/<stat>` for logging: load per expert, max/mean load, dropped fraction, aux and z-loss."""
-    out: dict[str, Tensor] = {}
+def moe_metrics(model: nn.Module) -> tuple[list[str], Tensor]:
+    """`moe/<layer>/<stat>` names and their values from the last forward, as one detached vector on the device:
+    load per expert, max/mean load, dropped fraction, aux and z-loss. One vector, so that a caller can sum it
+    over the steps of a logging interval and read it once (`LanguageModel`); empty for a dense model."""
+    names: list[str] = []
+    values: list[Tensor] = []
     for name, m in moe_layers(model).items():
         layer = name.split(".")[-2]  # blocks.<i>.mlp
         for key, value in m.stats.items():
-            if key == "load":
-                out.update({f"moe/{layer}/load_e{e}": v for e, v in enumerate(value)})
-            else:
-                out[f"moe/{layer}/{key}"] = value
-    return out
+            names += [f"moe/{layer}/load_e{e}" for e in range(value.numel())] if key == "load" else [
+                f"moe/{layer}/{key}"]
+            values.append(value.float().reshape(-1))
+    return names, torch.cat(values) if values else torch.zeros(0)
