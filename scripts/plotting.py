@@ -1,4 +1,4 @@
-"""What the scripts' pictures share: matplotlib on a file backend (no display), small low-dpi PNGs (the README's are
+"""What the scripts' pictures share: matplotlib on a file backend (no display), small low-dpi PNGs (the docs' are
 committed), one figure per file."""
 
 from __future__ import annotations
