@@ -1,4 +1,5 @@
-"""Fused RMSNorm: y = x / sqrt(mean(x^2) + eps) * w, one read of x forward, one read of (x, dy) backward.
+"""Fused RMSNorm: y = x / sqrt(mean(x^2) + eps) * w, one read of x forward, one read of (x, dy) backward
+(rows up to 16384 and 4096 columns; wider rows below).
 
 Forward keeps only 1/rms per row (fp32). Backward recomputes x_hat = x * rstd and, per row,
     dx = rstd * (dy*w - x_hat * mean(dy*w * x_hat)),
@@ -28,8 +29,8 @@ tl: Any = None  # triton.language, bound by `kernels.runtime.jit` at the first l
 # row-wide fp32 tensor costs 16 registers. The forward holds x and w (+ pointers): 45 registers (fp32 input; 42
 # bf16), under the 64 of 32 warps (1024 threads), so a 16384 row is one block. The backward also holds dy and the
 # dw partial (and x_hat, dy*w): 170 registers (154 bf16) for a 4096 block over 8 warps (255 allowed), while 8192
-# over 16 warps (128 allowed) spilled 56 bytes, hence its smaller block. Figures from ptxas for sm_90
-# (`kernels/ttir.py`); tests/test_kernels.py checks there are no spills.
+# over 16 warps (128 allowed) spilled 56 bytes (bf16), hence its smaller block. Figures from ptxas for sm_90
+# (`kernels/ttir.py`); tests/test_kernels_build.py checks there are no spills.
 FORWARD_MAX_BLOCK = 16384
 BACKWARD_MAX_BLOCK = 4096
 ELEMENTS_PER_THREAD = 16
