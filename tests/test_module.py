@@ -8,6 +8,7 @@ import torch
 
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.module import LanguageModel, warmup_cosine
+from lit_lm.moe import moe_metrics
 
 CFG = ModelConfig(vocab_size=61, d_model=32, n_layers=1, n_heads=4, max_seq_len=16)
 
@@ -62,3 +63,54 @@ def test_checkpoint_hyperparameters_are_plain_and_reload(tmp_path):
     assert ckpt["hyper_parameters"]["config"]["d_model"] == 32
     restored = LanguageModel.load_from_checkpoint(path)
     assert restored.config == module.config and restored.hparams.lr == 1e-3
+
+
+class _Metrics(L.pytorch.loggers.Logger):
+    """Every `log_metrics` call, by step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: dict[int, dict[str, float]] = {}
+
+    name, version = "memory", 0
+
+    @property
+    def experiment(self) -> None:
+        return None
+
+    def log_hyperparams(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.rows.setdefault(step, {}).update(metrics)
+
+
+class _MoEStats(L.Callback):
+    """Each batch's MoE statistics vector, as the layers left it."""
+
+    def __init__(self) -> None:
+        self.batches: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: object) -> None:
+        self.batches.append(moe_metrics(module.model)[1].clone())
+
+
+def test_interval_metrics_are_means_over_the_logging_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With log_every_n_steps=2: the MoE statistics logged at a logging step are the mean of the interval's two
+    batches (read once), and tokens/s is the interval's tokens over its (synchronised) clock, 1 s a read here."""
+    clock = iter(float(t) for t in range(100))
+    monkeypatch.setattr("lit_lm.module.synchronized_clock", lambda device: next(clock))
+    config = ModelConfig(**{**CFG.__dict__, "n_layers": 2, "moe_experts": 4, "moe_top_k": 2, "moe_d_ff": 16,
+                            "moe_first_dense": 1})
+    logger, stats = _Metrics(), _MoEStats()
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, log_every_n_steps=2, logger=logger, callbacks=[stats],
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(LanguageModel(config, warmup_steps=1), torch.utils.data.DataLoader(torch.randint(0, 61, (8, 17)),
+                                                                                   batch_size=2))
+    names = moe_metrics(trainer.lightning_module.model)[0]
+    assert sorted(logger.rows) == [1, 3]  # the steps that log (0-based), after batches 1 and 3
+    for step, batches in ((1, stats.batches[0:2]), (3, stats.batches[2:4])):
+        assert not torch.equal(*batches)  # so the last batch's values would not pass for the mean
+        mean = torch.stack(batches).mean(0)
+        torch.testing.assert_close(torch.tensor([logger.rows[step][n] for n in names]), mean)
+        assert logger.rows[step]["tokens_per_s"] == 2 * 2 * 16 / 1.0  # 2 batches of 2 x 16 tokens in 1 s
