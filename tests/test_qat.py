@@ -125,7 +125,7 @@ def test_kernel_equals_the_exact_integer_reference_at_the_extremes(bits: int, gr
 
 
 def test_ste_gradient_is_identity_inside_the_range_and_zero_outside() -> None:
-    scale, zero_point = act_qparams(-1.0, 1.0)  # 7 bits: s = 2/127, z = 64, the grid [-64 s, 63 s] ~ [-1.008, 0.992]
+    scale, zero_point = export_act(-1.0, 1.0)  # 7 bits: s = 2/127, z = 64, the grid [-64 s, 63 s] ~ [-1.008, 0.992]
     x = torch.tensor([-3.0, -0.5, 0.0, 0.3, 0.99, 2.0], requires_grad=True)
     fake_quant_act(x, scale, zero_point).sum().backward()
     assert x.grad.tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]

@@ -162,12 +162,12 @@ def check_bits(bits: int, owner: str) -> int:
 def pack_bits(values: Tensor, bits: int) -> Tensor:
     """Unsigned `bits`-bit integers -> a dense uint8 stream (what an exported low-bit weight costs)."""
     flat = values.reshape(-1).to(torch.int64)
-    planes = (flat[:, None] >> torch.arange(bits)) & 1  # (n, bits), least significant first
+    planes = (flat[:, None] >> torch.arange(bits, device=flat.device)) & 1  # (n, bits), least significant first
     stream = planes.reshape(-1)
     stream = torch.cat([stream, stream.new_zeros(-len(stream) % 8)]).view(-1, 8)
-    return (stream << torch.arange(8)).sum(-1).to(torch.uint8)
+    return (stream << torch.arange(8, device=flat.device)).sum(-1).to(torch.uint8)
 
 
 def unpack_bits(packed: Tensor, bits: int, numel: int) -> Tensor:
-    stream = ((packed.to(torch.int64)[:, None] >> torch.arange(8)) & 1).reshape(-1)[: numel * bits]
-    return (stream.view(numel, bits) << torch.arange(bits)).sum(-1)
+    stream = ((packed.to(torch.int64)[:, None] >> torch.arange(8, device=packed.device)) & 1).reshape(-1)
+    return (stream[: numel * bits].view(numel, bits) << torch.arange(bits, device=packed.device)).sum(-1)

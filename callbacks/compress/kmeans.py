@@ -6,7 +6,8 @@ At `start_step` each selected weight is clustered (1-D k-means on the global ten
 optimizer step a centroid becomes the mean of its cluster's updated weights (the gradient of a shared weight is
 the sum of its members'). Assignments are fixed. The means are sums and counts over each rank's part, all-reduced
 over the groups the strategy names (tp, then ZeRO's dp rows of the tp slice): exact for whole, ZeRO-, TP- and
-TP-then-ZeRO-sharded weights alike, without a gather.
+TP-then-ZeRO-sharded weights alike, without a gather. Codebooks and assignments live on the weights' device (a
+checkpoint keeps them on CPU and they move back at the start of training).
 Exported: bits per weight (packed) plus 2^bits fp32 centroids per layer.
 """
 
@@ -23,13 +24,15 @@ from callbacks.compress.core import DEFAULT_EXCLUDE, all_reduce_, check_bits, ga
 
 
 def kmeans_1d(values: Tensor, k: int, iterations: int = 20) -> tuple[Tensor, Tensor]:
-    """(centroids (k,), assignment like values (int64)): Lloyd's algorithm from linearly spaced centroids."""
+    """(centroids (k,), assignment like values (int64)), on values' device: Lloyd's algorithm from linearly spaced
+    centroids."""
     flat = values.detach().float().reshape(-1)
-    centroids = torch.linspace(flat.min().item(), flat.max().item(), k)
+    lo, hi = flat.min(), flat.max()
+    centroids = lo + (hi - lo) * torch.linspace(0.0, 1.0, k, device=flat.device)
     for _ in range(iterations):
         assign = (flat[:, None] - centroids[None]).abs().argmin(1)
-        sums = torch.zeros(k).index_add_(0, assign, flat)
-        counts = torch.zeros(k).index_add_(0, assign, torch.ones_like(flat))
+        sums = flat.new_zeros(k).index_add_(0, assign, flat)
+        counts = flat.new_zeros(k).index_add_(0, assign, torch.ones_like(flat))
         centroids = torch.where(counts > 0, sums / counts.clamp(min=1), centroids)
     return centroids, (flat[:, None] - centroids[None]).abs().argmin(1).view(values.shape)
 
@@ -50,6 +53,10 @@ class KMeansQuantization(L.Callback):
         warn_if_never_reached(trainer, "KMeansQuantization", self.start_step, trainer.max_steps)
         self._weights = select(owned_weights(trainer, pl_module), self.include, self.exclude, "KMeansQuantization")
         self._last_step = trainer.global_step
+        for ws in self._weights:  # restored from a checkpoint on CPU: to the weight's device
+            if ws.name in self.codebooks:
+                self.codebooks[ws.name] = self.codebooks[ws.name].to(ws.local.device)
+                self.assignments[ws.name] = self.assignments[ws.name].to(ws.local.device)
         self._snap(trainer)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -71,14 +78,13 @@ class KMeansQuantization(L.Callback):
     def _update_centroids(self) -> None:
         k = 2 ** self.bits
         for ws in self._weights:
-            assign = local_part(self.assignments[ws.name], ws).reshape(-1).to(ws.local.device)
+            assign = local_part(self.assignments[ws.name], ws).reshape(-1)
             stats = torch.zeros(2, k, device=ws.local.device)
             stats[0].index_add_(0, assign, ws.local.detach().float().reshape(-1))
             stats[1].index_add_(0, assign, torch.ones_like(assign, dtype=torch.float32))
             all_reduce_(stats, ws.groups)
-            old = self.codebooks[ws.name]
-            sums, counts = stats.cpu()
-            self.codebooks[ws.name] = torch.where(counts > 0, sums / counts.clamp(min=1), old)
+            sums, counts = stats
+            self.codebooks[ws.name] = torch.where(counts > 0, sums / counts.clamp(min=1), self.codebooks[ws.name])
 
     def _snap(self, trainer: L.Trainer) -> None:
         """Every weight := its centroid (the local part, and the replica the forward reads)."""
@@ -90,9 +96,9 @@ class KMeansQuantization(L.Callback):
         return sum(-(-a.numel() * self.bits // 8) + c.numel() * 4
                    for a, c in zip(self.assignments.values(), self.codebooks.values()))
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"codebooks": merged_over_ranks(dict(self.codebooks)),
-                "assignments": merged_over_ranks({k: v.to(torch.uint8) for k, v in self.assignments.items()})}
+    def state_dict(self) -> dict[str, Any]:  # saved on CPU (a checkpoint loads on any machine)
+        return {"codebooks": merged_over_ranks({k: v.to("cpu", copy=True) for k, v in self.codebooks.items()}),
+                "assignments": merged_over_ranks({k: v.to("cpu", torch.uint8) for k, v in self.assignments.items()})}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.codebooks = dict(state_dict["codebooks"])

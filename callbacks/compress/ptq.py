@@ -120,7 +120,7 @@ def mse_weight_scale(w: Tensor, bits: int, group_size: Optional[int] = None, gri
     absmax = weight_scale(w, bits, group_size)
     rows = w.detach().float().reshape(*absmax.shape, -1)
     best, best_err = absmax, torch.full_like(absmax, math.inf)
-    for r in torch.arange(1, grid + 1).tolist():
+    for r in range(1, grid + 1):
         scale = absmax * r / grid
         err = (fake_quant_weight(rows, scale, bits) - rows).pow(2).sum(-1)
         better = err < best_err

@@ -151,14 +151,14 @@ ACT_QMAX = 127
 def act_qparams(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
     """Asymmetric scale (float32) and zero point (int32) of 7-bit activation codes 0..ACT_QMAX for the ranges
     [lo, hi] (elementwise, on their device), each widened to contain 0 (exact zero padding)."""
-    lo, hi = torch.as_tensor(lo).float().clamp(max=0.0), torch.as_tensor(hi).float().clamp(min=0.0)
+    lo, hi = lo.float().clamp(max=0.0), hi.float().clamp(min=0.0)
     scale = ((hi - lo) / ACT_QMAX).clamp(min=1e-8)
     return scale, torch.round(-lo / scale).clamp(0, ACT_QMAX).to(torch.int32)
 
 
 def export_act(lo: float | Tensor, hi: float | Tensor) -> tuple[float, int]:
     """`act_qparams` of one range as the Python numbers `IntLinear` keeps (at export: not per step)."""
-    scale, zero_point = act_qparams(torch.as_tensor(lo), torch.as_tensor(hi))
+    scale, zero_point = act_qparams(torch.as_tensor(lo, device="cpu"), torch.as_tensor(hi, device="cpu"))
     return float(scale), int(zero_point)
 
 
@@ -374,9 +374,10 @@ class QAT(L.Callback):
             if self.group_size is not None and (ws.global_shape[1] % self.group_size or local_in % self.group_size):
                 raise ConfigError(f"QAT.group_size={self.group_size} must divide the input dimension of {name} "
                                   f"({ws.global_shape[1]}, {local_in} on this rank)")
-            self.observers.setdefault(name, torch.full((2,), float("nan")))
+            # on CPU, as a checkpoint restores them; `_on` moves them to the data's device at their first use
+            self.observers.setdefault(name, torch.full((2,), float("nan"), device="cpu"))
             if self.ttq:
-                self.ttq_scales.setdefault(name, torch.full((4, 2), float("nan")))
+                self.ttq_scales.setdefault(name, torch.full((4, 2), float("nan"), device="cpu"))
             self._weights[name] = ws
             module = root.get_submodule(name)
             module.forward = types.MethodType(self._forward_fn(name, ws.param_splits), module)
