@@ -6,8 +6,9 @@ a mix fail on CPU instead:
 - `meta` data: the weights on the `meta` device, where every op runs without values; a CPU tensor combined with them
   raises, and so does a `.cpu()` / `.item()` of them (k-means runs entirely on meta);
 - `meta` by default: real CPU data under `torch.device("meta")`, so that a tensor made without `device=` (zeros,
-  arange, linspace, tensor, full) lands on meta and the maths that combines it with the data raises (PTQ's range
-  search reads `.item()`s, which meta data cannot give; QAT's fake quantization has no meta kernels);
+  arange, linspace, tensor, full) lands on meta and the maths that combines it with the data raises, or the result
+  is on meta (PTQ's range search reads `.item()`s, which meta data cannot give; QAT's fake quantization has no meta
+  kernels; pruning's masks, bit packing and k-means are checked here too);
 - no host reads: a torch function mode that refuses `.cpu()`, `.item()`, `.tolist()` and a tensor's truth value or
   Python number inside a training step of QAT (activations and TTQ) and of k-means.
 """
@@ -25,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from callbacks.compress import PTQ, QAT, KMeansQuantization
 from callbacks.compress.core import pack_bits, select, unpack_bits
 from callbacks.compress.kmeans import kmeans_1d
+from callbacks.compress.pruning import UnitGroup, magnitude_masks, nm_mask
 from callbacks.compress.ptq import choose_range
 from callbacks.compress.qat import IntLinear
 from strategies.base import whole_weights
@@ -100,6 +102,10 @@ def test_tensors_made_inside_follow_the_data() -> None:
         assert torch.equal(unpack_bits(pack_bits(values, 3), 3, 37), values)
         centroids, assignment = kmeans_1d(weights, 4)
         assert centroids.device.type == assignment.device.type == "cpu"
+        w = weights.view(8, 8)
+        keep = UnitGroup("m", (("w", 0, 2),)).keep_units({"w": w}, 0.5, "l2")
+        masks = [keep, *magnitude_masks([w], 0.5), nm_mask(w, 2, 4)]
+        assert [m.device.type for m in masks] == ["cpu"] * 3 and int(keep.sum()) == 2
         for method in ("minmax", "percentile", "mse", "kl"):
             lo, hi = choose_range(weights.double().sort().values, counts, method, percentile=99.0, grid=16)
             assert weights.min() <= lo < hi <= weights.max()

@@ -116,7 +116,7 @@ class UnitGroup:
             w = weights[name].detach().float().movedim(dim, 0)
             units = w.reshape(w.shape[0] // size, -1)
             scores = scores + (units.abs().sum(1) if norm == "l1" else units.pow(2).sum(1))
-        keep = torch.ones(len(scores), dtype=torch.bool)
+        keep = torch.ones(len(scores), dtype=torch.bool, device=scores.device)
         keep[torch.argsort(scores, stable=True)[: round(sparsity * len(scores))]] = False
         return keep
 
