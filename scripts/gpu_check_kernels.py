@@ -138,8 +138,8 @@ def _evaluate(fn: Callable[..., Any], inputs: list[Tensor], diff: list[bool]) ->
     args = [x.detach().clone().requires_grad_() if d else x for x, d in zip(inputs, diff)]
     outs = as_tuple(fn(*args))
     live = [o for o in outs if o.requires_grad]
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    cotangents = [torch.randn(o.shape, generator=gen).to(o.device) for o in live]
+    gen = torch.Generator(device=live[0].device).manual_seed(1)
+    cotangents = [torch.randn(o.shape, generator=gen, device=o.device) for o in live]
     grads = torch.autograd.grad(live, [a for a, d in zip(args, diff) if d],
                                 [c.to(o.dtype) for c, o in zip(cotangents, live)])
     return [o.detach().float() for o in outs], [g.float() for g in grads]

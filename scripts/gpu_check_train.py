@@ -95,6 +95,40 @@ class SyncDebug(L.Callback):
             torch.cuda.set_sync_debug_mode(0)
 
 
+class SyncSites:
+    """Within the block, every warning about a synchronising CUDA operation (what sync debug mode "warn" emits) is
+    counted by call site, the Python `file:line` the warning names, with the message and a short stack; other
+    warnings go on as before."""
+
+    def __init__(self) -> None:
+        self.sites: dict[str, dict[str, Any]] = {}
+        self._catch = warnings.catch_warnings()
+
+    @property
+    def count(self) -> int:
+        return sum(site["count"] for site in self.sites.values())
+
+    def __enter__(self) -> "SyncSites":
+        self._catch.__enter__()
+        warnings.simplefilter("always")  # every occurrence, not the first per location
+        shown = warnings.showwarning
+
+        def record(message: Any, category: type, filename: str, lineno: int, file: Any = None,
+                   line: Any = None) -> None:
+            if "synchroniz" not in str(message):
+                return shown(message, category, filename, lineno, file, line)
+            stack = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
+            site = self.sites.setdefault(f"{filename}:{lineno}", dict(count=0, message=str(message)[:300], stack=[
+                f"{f.filename}:{f.lineno} {f.name}" for f in stack[-6:]]))
+            site["count"] += 1
+
+        warnings.showwarning = record
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._catch.__exit__(*exc)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -178,23 +212,12 @@ def run_sync_debug(report: Any, dry_run: bool, device: torch.device) -> str:
     the count and the distinct call sites (file:line of the Python caller, with a short stack) are recorded."""
     config, shape = fit_shapes(dry_run)
     shape["steps"] = 2 if dry_run else 8
-    sites: dict[str, dict[str, Any]] = {}
-
-    def record(message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
-        if "synchroniz" not in str(message):
-            return
-        site = sites.setdefault(f"{filename}:{lineno}", dict(count=0, message=str(message)[:300], stack=[
-            f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack()[-8:-1]]))
-        site["count"] += 1
-
     debug = SyncDebug(start=1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
+    with SyncSites() as syncs:
         run = fit(config, "lm_ddp", True, "32-true" if dry_run else "bf16-mixed", device=device,
                   callbacks=(debug,), **shape)
     report.update(model=vars(config), **shape, fit=run, mode_applied=debug.applied, from_step=debug.start,
-                  sync_count=sum(s["count"] for s in sites.values()), distinct_sites=len(sites), sites=sites)
+                  sync_count=syncs.count, distinct_sites=len(syncs.sites), sites=syncs.sites)
     if not debug.applied:
         report.update(note="skipped on CPU: torch.cuda.set_sync_debug_mode needs CUDA (the fit and the hook that "
                            "would set it still ran)")
@@ -204,8 +227,8 @@ def run_sync_debug(report: Any, dry_run: bool, device: torch.device) -> str:
 
 def mfu_shapes(dry_run: bool) -> tuple[ModelConfig, dict[str, int]]:
     if dry_run:
-        return (ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=32),
-                dict(steps=2, warmup=1, batch=2, seq_len=32))
+        return (ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=16),
+                dict(steps=2, warmup=1, batch=2, seq_len=16))  # the interpreter's attention costs T^2
     # ~1.04B parameters, Llama-style (head_dim 128, SwiGLU d_ff 5504, untied 32k vocabulary)
     return (ModelConfig(vocab_size=32000, d_model=2048, n_layers=18, n_heads=16, max_seq_len=2048),
             dict(steps=13, warmup=3, batch=4, seq_len=2048))

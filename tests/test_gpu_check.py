@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +135,26 @@ def test_sync_debug_is_skipped_on_cpu_after_running_the_fit(dry_run: tuple) -> N
     section = dry_run[1]["sync_debug"]
     assert section["mode_applied"] is False and "skipped on CPU" in section["note"]
     assert len(section["fit"]["losses"]) == section["steps"] and section["sync_count"] == 0
+
+
+def test_sync_sites_counts_each_synchronising_call_site(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the sync debug mode emits on a GPU: a UserWarning naming the Python line that synced (stacklevel 1)."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from gpu_check_train import SyncSites
+
+    def item() -> None:
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+
+    shown = warnings.showwarning
+    with SyncSites() as syncs:
+        item()
+        item()
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        warnings.warn("unrelated", UserWarning, stacklevel=1)  # shown as usual, not counted
+    assert syncs.count == 3 and len(syncs.sites) == 2
+    twice = next(site for site in syncs.sites.values() if site["count"] == 2)
+    assert twice["stack"][-1].endswith(" item") and "synchronizing" in twice["message"]
+    assert warnings.showwarning is shown  # restored after the block
 
 
 def test_mfu_is_model_flops_over_peak(dry_run: tuple) -> None:
