@@ -5,9 +5,9 @@ scale = absmax / (2^(bits-1) - 1), recomputed from the current weight at every f
 {-a, 0, +a}: TWN (Li & Liu 2016: per channel, threshold 0.7 * mean|w|, a = mean |w| over the weights above it, the
 scale minimising the L2 error for that mask) or TTQ (Zhu et al. 2017: per layer, threshold `ttq_threshold` * max|w|,
 separate positive and negative scales W_p, W_n learned from the loss). `bits: 1` is binary {-a, +a}: sign(w) with
-a = mean |w| per channel. Activations (the input of
-each quantized linear): 7-bit asymmetric per tensor (uint8 codes 0..127, not 0..255: `ACT_QMAX` says why), range
-from EMA min/max observers that stop at `freeze_observers_step`. Both use the straight-through estimator: the rounding's gradient is taken as 1 inside
+a = mean |w| per channel. Activations (the input of each quantized linear): 7-bit asymmetric per tensor (uint8
+codes 0..127, not 0..255: `ACT_QMAX` says why), range from EMA min/max observers that stop at
+`freeze_observers_step`. Both use the straight-through estimator: the rounding's gradient is taken as 1 inside
 the representable range and 0 outside (torch's fake_quantize ops), so weights and activations learn to sit
 where the integer grid can represent them. (Ternary and binary weights pass the gradient through unclipped; TTQ
 scales it by W_p, 1, W_n on the positive, zero and negative weights, as the paper does.)
@@ -174,19 +174,21 @@ def quantize_act(x: Tensor, scale: float, zero_point: int) -> Tensor:
 
 
 class IntLinear(nn.Module):
-    """An exported linear: packed integer weight codes, fp32 scales, optional activation parameters (7-bit codes in uint8), and an
-    integer-matmul reference forward: y = s_x * sum_g s_w[o, g] * sum_{i in g} (x_q[i] - z_x) * w_q[o, i]. Binary
-    codes are stored as 1 bit, ternary as 2; TTQ's negative codes take `neg_scale` (its W_n) instead of `scale`.
+    """An exported linear: packed integer weight codes, fp32 scales, optional activation parameters (7-bit codes in
+    uint8), and an integer-matmul reference forward: y = s_x * sum_g s_w[o, g] * sum_{i in g} (x_q[i] - z_x) *
+    w_q[o, i]. Binary codes are stored as 1 bit, ternary as 2; TTQ's negative codes take `neg_scale` (its W_n)
+    instead of `scale`.
 
     With quantized activations on CPU every width runs PyTorch's fbgemm kernel instead
     (`quantized::linear_with_input_q_dq_qweight_dq_output_fp32`: uint8 x int8, the same quantization of the input,
-    fp32 out; its input is first clamped to the 7-bit grid, which the kernel's uint8 rounding would not do), so the export is faster, not only smaller. fbgemm has int8 weights with
-    one scale per output row and no sub-byte matmul, so at the first forward the codes are unpacked to int8 (4-, 2-
-    and 1-bit codes are int8 values too) and prepacked once: one kernel call per input group (its slice of x against
-    that group's codes, the group's scales per row), the calls summed; TTQ's negative codes are extra rows with W_n
-    as their scale, added to the positive rows' output. The stored weight stays packed; in memory the prepacked one
-    is int8. The kernel quantizes x as round(x * (1 / s_x)) like `fake_quant_act` (the reference's rounding), but
-    its vector and scalar paths may differ from it by one level at a rounding boundary.
+    fp32 out; its input is first clamped to the 7-bit grid, which the kernel's uint8 rounding would not do), so the
+    export is faster, not only smaller. fbgemm has int8 weights with one scale per output row and no sub-byte
+    matmul, so at the first forward the codes are unpacked to int8 (4-, 2- and 1-bit codes are int8 values too) and
+    prepacked once: one kernel call per input group (its slice of x against that group's codes, the group's scales
+    per row), the calls summed; TTQ's negative codes are extra rows with W_n as their scale, added to the positive
+    rows' output. The stored weight stays packed; in memory the prepacked one is int8. The kernel quantizes x as
+    round(x * (1 / s_x)) like `fake_quant_act` (the reference's rounding), but its vector and scalar paths may
+    differ from it by one level at a rounding boundary.
     """
 
     def __init__(self, codes: Tensor, scale: Tensor, bits: int, act: Optional[tuple[float, int]],
@@ -288,7 +290,7 @@ class QAT(L.Callback):
             channel; TTQ has one pair per layer).
         ternary: for bits 2: twn (threshold 0.7 mean|w|, optimal scale) or ttq (learned positive and negative
             scales). ttq_threshold: TTQ's threshold as a fraction of max|w|. scale_lr: Adam's lr for TTQ's scales.
-        activations: also fake-quantize each linear's input (int8, per tensor).
+        activations: also fake-quantize each linear's input (7-bit codes, per tensor).
         start_step: first optimizer step trained with fake quantization (before it the float model trains).
         freeze_observers_step: from this step on the activation ranges stay fixed (None: never).
         ema_decay: observer update lo <- decay * lo + (1 - decay) * batch_min (the first batch sets it).
