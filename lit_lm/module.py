@@ -165,13 +165,15 @@ class LanguageModel(L.LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """tokens/s over the logging interval (data loading and optimizer steps included; validations not): the
-        clock is read with the device synchronised, once per interval, so it measures kernels run, not launched."""
+        clock is read with the device synchronised, once per interval, so it measures kernels run, not launched.
+        The lr too is logged at logging steps only: Lightning copies a logged Python number to the device, a
+        blocking copy on CUDA."""
         self._interval_tokens += (batch.shape[1] - 1) * batch.shape[0] * data_parallel_size(self.trainer)
-        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         if not logs_this_batch(self.trainer):
             return
         now = synchronized_clock(self.device)
         self.log("tokens_per_s", self._interval_tokens / max(now - self._interval, 1e-9))
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self._interval, self._interval_tokens = now, 0
 
     def on_validation_start(self) -> None:

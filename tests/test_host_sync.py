@@ -3,7 +3,8 @@
 On a GPU, reading a device value on the host (`.item()`, `.tolist()`, `bool(t)`, `.cpu()`, ...) or running an op
 whose output shape depends on the data (`nonzero`, a boolean-mask index, `repeat_interleave` without
 `output_size`; `bincount` and `one_hot`, which read the input's max back) waits for every kernel queued before it:
-the CPU stops running ahead and the GPU idles while the next kernels are launched. On the CPU none of this costs
+the CPU stops running ahead and the GPU idles while the next kernels are launched. So does `torch.tensor(data,
+device=...)` (a blocking copy from pageable host memory: Lightning's `self.log` of a Python number). On the CPU none of this costs
 anything, so nothing would notice a new one; this test does.
 
 `SyncCounter` is a `TorchFunctionMode`: every torch call made in Python while it is active (the backward's Python
@@ -76,6 +77,9 @@ def _is_sync(func: Callable, args: tuple, kwargs: dict) -> Optional[str]:
         index = args[1] if isinstance(args[1], tuple) else (args[1],)
         if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
             return f"boolean mask {name}"
+    if name in ("tensor", "as_tensor") and kwargs.get("device") not in (None, "cpu") \
+            and not isinstance(args[0] if args else kwargs.get("data"), torch.Tensor):
+        return "Python data copied to the device"  # a blocking host-to-device copy from pageable memory
     if name == "to" and "cpu" in (*args[1:2], kwargs.get("device")):  # spelled out; see the module docstring
         return "to('cpu')"
     return None
@@ -153,9 +157,10 @@ class Allowed:
 
 
 ALLOWED = (
-    Allowed("lightning/pytorch/loops/training_epoch_loop.py (_broadcast_sigterm_tensor): item",
-            "Lightning (2.5+) broadcasts rank 0's SIGTERM flag every step of a distributed run and reads it; not "
-            "ours to change (a strategy cannot opt out)", 1),
+    *(Allowed(f"lightning/pytorch/loops/training_epoch_loop.py (_broadcast_sigterm_tensor): {what}",
+              "Lightning (2.5+) makes rank 0's SIGTERM flag a device tensor every step of a distributed run, "
+              "broadcasts it and reads it; not ours to change (a strategy cannot opt out)", 1)
+      for what in ("Python data copied to the device", "item")),
     Allowed("strategies/flat_step.py (flat_step) <- torch/optim/optimizer.py (_get_value): item",
             "not a device sync: torch's optimizers keep `step` a CPU tensor (unless capturable or fused) and read "
             "it for the bias correction, once per flat shard", None),
