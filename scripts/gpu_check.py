@@ -35,9 +35,9 @@ KERNEL_NAMES = ["rmsnorm", "swiglu", "attention", "cross_entropy", "rope", "soft
 FAILED = ("failed", "error", "timeout")
 
 
-def machine_record() -> dict[str, Any]:
+def machine_record(device: Any) -> dict[str, Any]:
     """What ran the section: `scripts/machine.py`'s record (CPU model and flags, cores, GPU, torch, CUDA, date)
-    plus what a GPU result also needs: the device name, triton and cuDNN, the UTC time, the commit, and whether
+    plus what a GPU result also needs: the name of the device the section ran on, triton and cuDNN, the UTC time, the commit, and whether
     the Triton interpreter was on."""
     import torch
 
@@ -55,7 +55,8 @@ def machine_record() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         commit = None
     record = machine()
-    return {**record, "device_name": record["gpu"] or "cpu", "triton": triton_version,
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {**record, "device_name": name, "triton": triton_version,
             "cudnn": torch.backends.cudnn.version() if record["gpu"] else None,
             "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "host": platform.node(), "commit": commit, "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1"}
@@ -87,11 +88,9 @@ def run_section(args: argparse.Namespace) -> int:
     """In the section's own process: run it, record its status (or the exception) in its JSON."""
     import torch
 
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    if not args.dry_run and device.type != "cuda":
-        raise SystemExit("gpu_check: no CUDA device; use --dry-run to run the steps on the CPU")
+    device = torch.device("cpu" if args.dry_run else "cuda")  # a dry-run stays on the CPU even beside a GPU
     report = Report(Path(args.out) / f"{args.section}.json", section=args.section, status="running",
-                    dry_run=args.dry_run, budget_s=budget(args, args.section), machine=machine_record())
+                    dry_run=args.dry_run, budget_s=budget(args, args.section), machine=machine_record(device))
     t0 = time.perf_counter()
     if args.inject_hang == args.section:
         time.sleep(3600)
@@ -146,9 +145,11 @@ def run_all(args: argparse.Namespace, forwarded: list[str]) -> int:
         try:
             rc = child.wait(timeout=limit)
         except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)  # the section and anything it started (compile workers)
-            child.wait()
             rc = None
+        finally:  # over budget, or this process interrupted: the section and anything it started (compile workers)
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
         data = json.loads(path.read_text()) if path.exists() else dict(section=section, dry_run=args.dry_run,
                                                                           budget_s=limit)
         if rc is None:
@@ -215,6 +216,12 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
     if args.section:
         return run_section(args)
+    if not args.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():  # before anything is written to docs/gpu
+            print("gpu_check: no CUDA device here; --dry-run runs the same steps on the CPU", file=sys.stderr)
+            return 2
     return run_all(args, [*without_sections(argv), "--out", str(Path(args.out).resolve())])
 
 

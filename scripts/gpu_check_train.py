@@ -8,6 +8,7 @@ GPU, gloo on the CPU), its gradient sync and its optimizer step.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import time
@@ -78,7 +79,7 @@ class StepTimer(L.Callback):
 
 class SyncDebug(L.Callback):
     """From step `start` on, `torch.cuda.set_sync_debug_mode("warn")`: every host synchronisation warns. The first
-    step is left out (one-off checks, e.g. the token-id range, sync by design). Only where CUDA exists."""
+    step is left out (one-off checks, e.g. the token-id range, sync by design). Only when training on CUDA."""
 
     def __init__(self, start: int) -> None:
         self.start = start
@@ -86,12 +87,12 @@ class SyncDebug(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if trainer.global_step == self.start and torch.cuda.is_available():
+        if trainer.global_step == self.start and pl_module.device.type == "cuda":
             torch.cuda.set_sync_debug_mode("warn")
             self.applied = True
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if torch.cuda.is_available():
+        if self.applied:
             torch.cuda.set_sync_debug_mode(0)
 
 
@@ -154,6 +155,10 @@ def fit(config: ModelConfig, strategy: str, kernels: bool, precision: str, steps
     t0 = time.perf_counter()
     trainer.fit(module, DataLoader(tokens, batch_size=batch))
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
+    del trainer, module
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the next fit starts from an empty device
     return dict(strategy=strategy, kernels=list(KERNELS) if kernels else [], precision=precision,
                 process_group_backend=backend, seconds=time.perf_counter() - t0, losses=recorder.values())
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from lit_lm.estimate import flops_per_token
 
@@ -189,6 +190,12 @@ def test_a_section_over_its_budget_is_stopped_and_the_next_one_runs(env: dict[st
     data = load(tmp_path)
     assert data["sync_debug"]["status"] == "timeout" and "budget of 5.0 s" in data["sync_debug"]["error"]
     assert data["kernels"]["status"] == "ok" and data["summary"]["failed"] == ["sync_debug"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="here the GPU run would start")
+def test_without_a_gpu_the_real_run_refuses_and_writes_nothing(env: dict[str, str], tmp_path: Path) -> None:
+    result = run(env, "--out", str(tmp_path / "gpu"))
+    assert result.returncode == 2 and "no CUDA device" in result.stderr and not (tmp_path / "gpu").exists()
 
 
 def test_a_dry_run_never_writes_docs_gpu(env: dict[str, str]) -> None:
