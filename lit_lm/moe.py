@@ -100,8 +100,12 @@ class GroupedExperts(nn.Module):
 def grouped_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """Rows offs[e-1]:offs[e] of `x` (n, in) times w[e]^T, w (E, out, in): F.linear per expert segment.
 
-    `torch._grouped_mm` wants rows of 16 bytes multiples: other widths are zero-padded (exact, and a copy of
-    the weights per call, so pick multiples of 8 for bf16, 4 for fp32)."""
+    Under autocast both run in the autocast dtype, as F.linear would (torch does not autocast `_grouped_mm`):
+    bf16 is its one-kernel path on CUDA sm90+; other dtypes and devices take torch's fallback, a loop over the
+    groups that reads `offs` on the host. `torch._grouped_mm` wants rows of 16 bytes multiples: other widths are
+    zero-padded (exact, and a copy of the weights per call, so pick multiples of 8 for bf16, 4 for fp32)."""
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
     w = w.to(x.dtype)
     align = 16 // x.element_size()
     pad_in, pad_out = -w.shape[2] % align, -w.shape[1] % align
