@@ -2,14 +2,19 @@
 one process, and refusing one whose model differs from the config.
 
 Two formats exist: a single `torch.save` file (Lightning's own strategies) and a sharded directory (lit-lm's
-strategies, `strategies/checkpoint.py`). Both hold the model's hyper-parameters and the data module's state,
-which includes the tokenizer, so a checkpoint alone is enough to generate text.
+strategies, `strategies/checkpoint.py`). Both hold the model's hyper-parameters, the data module's settings
+(`datamodule_hyper_parameters`, saved by the CLI) and its state, which includes the tokenizer, so a checkpoint
+alone is enough to generate text or to rebuild the run's data (`data_from_checkpoint`) for the offline tools.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import pickle
 import uuid
+import zipfile
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -20,10 +25,17 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_lm.config import ConfigError, ModelConfig
+from lit_lm.data import TextDataModule
 from lit_lm.tokenizer import BPETokenizer
 from strategies import checkpoint as sharded
 
 CHECKPOINTS = "checkpoints"  # <default_root_dir>/checkpoints: one folder per run, the same across restarts
+DATA_SETTINGS = "datamodule_hyper_parameters"  # Lightning's key for the data module's init args
+# The data settings that decide which tokens the model sees and in which windows: a config that sets one of them
+# to another value than the run's would evaluate the model on other data (or other token ids), so it is refused.
+# The rest (batch_size, data_dir, seed, workers) only say how to read the same data and may be overridden.
+DATA_IDENTITY = ("files", "text_field", "vocab_size", "seq_len", "val_fraction", "corpus_mb", "tokenizer_dir",
+                 "skip_missing_text")
 PathLike = Union[str, Path]
 
 
@@ -68,22 +80,46 @@ def prepare_run(trainer: Trainer, ckpt_path: Optional[str], config: Optional[Mod
 def read_checkpoint(path: PathLike) -> dict[str, Any]:
     """Any lit-lm checkpoint as Lightning's checkpoint dict with whole tensors, on one process."""
     path = Path(path)
+    _check_is_checkpoint(path)
+    if path.is_dir():
+        return sharded.read_whole(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, RuntimeError) as e:
+        raise _not_a_checkpoint(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+
+
+def _not_a_checkpoint(path: Path, why: str) -> ConfigError:
+    return ConfigError(f"{path} is not a checkpoint: {why} (ckpt_path); give a .ckpt file or directory a run "
+                       f"wrote under <default_root_dir>/{CHECKPOINTS}/, or `last`")
+
+
+def _check_is_checkpoint(path: Path) -> None:
     if not path.exists():
         raise ConfigError(f"checkpoint {path} does not exist (ckpt_path); give a .ckpt file or directory a run "
                           f"wrote under <default_root_dir>/{CHECKPOINTS}/, or `last`")
-    if path.is_dir():
-        return sharded.read_whole(path)
-    return torch.load(path, map_location="cpu", weights_only=False)
+    if path.is_dir() and not sharded.is_sharded_checkpoint(path):
+        raise _not_a_checkpoint(path, f"a directory without {sharded.META}")
+    if path.is_file() and not zipfile.is_zipfile(path):
+        raise _not_a_checkpoint(path, "not a file torch.save wrote")
 
 
 def read_hyper_parameters(path: PathLike) -> dict[str, Any]:
     """The model's hyper-parameters without reading the tensors (memory-mapped for a file)."""
+    return read_meta(path).get("hyper_parameters", {})
+
+
+def read_meta(path: PathLike) -> dict[str, Any]:
+    """Everything of a checkpoint but its tensors' data, cheaply: a directory's `meta.pt`, or a file loaded
+    memory-mapped (its tensors are not read until used)."""
     path = Path(path)
-    if sharded.is_sharded_checkpoint(path):
-        return sharded.read_meta(path).get("hyper_parameters", {})
-    if not path.is_file():
-        return read_checkpoint(path)  # raises with the message for a missing or foreign path
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("hyper_parameters", {})
+    _check_is_checkpoint(path)
+    if path.is_dir():
+        return sharded.read_meta(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, RuntimeError) as e:
+        raise _not_a_checkpoint(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
 
 
 def check_architecture(path: PathLike, config: ModelConfig) -> None:
@@ -119,6 +155,72 @@ def tokenizer_from(checkpoint: dict[str, Any]) -> BPETokenizer:
             return BPETokenizer.from_state_dict(value["tokenizer"], "the checkpoint's tokenizer")
     raise ConfigError("the checkpoint holds no tokenizer (it predates lit-lm storing one); pass --tokenizer_dir "
                       "with the run's data_dir/cache/<hash>/tokenizer")
+
+
+def data_settings(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The run's data module init args. Checkpoints written before the CLI saved them hold only what the model
+    shares with the data (the vocabulary and the window length); the other settings take their defaults."""
+    saved = checkpoint.get(DATA_SETTINGS)
+    if saved:
+        return dict(saved)
+    config = checkpoint.get("hyper_parameters", {}).get("config", {})
+    return {k: config[m] for k, m in (("vocab_size", "vocab_size"), ("seq_len", "max_seq_len")) if m in config}
+
+
+def check_config(checkpoint: dict[str, Any], config: dict[str, Any], source: str) -> None:
+    """Refuse a config (a parsed yaml: `model:` and `data:` sections) that disagrees with the checkpoint, in one
+    line naming the first field that differs."""
+    saved = data_settings(checkpoint)
+    data = ((config.get("data") or {}).get("init_args") or {})
+    for name in DATA_IDENTITY:
+        if name in data and name in saved and data[name] != saved[name]:
+            raise ConfigError(f"{source} sets {name}={data[name]!r} but the checkpoint's run used {saved[name]!r} "
+                              f"(data.init_args.{name}); drop the config (the checkpoint has the run's settings) "
+                              "or give the run's own config")
+    model = (((config.get("model") or {}).get("init_args") or {}).get("config") or {})
+    stored = checkpoint.get("hyper_parameters", {}).get("config", {})
+    for name in (n for n in model if n in stored and n != "max_seq_len" and model[n] != stored[n]):
+        raise ConfigError(f"{source} sets {name}={model[name]!r} but the checkpoint's model has {stored[name]!r} "
+                          f"(model.init_args.config.{name}); drop the config (the checkpoint has the run's model) "
+                          "or give the run's own config")
+
+
+def data_from_checkpoint(checkpoint: dict[str, Any], **overrides: Any) -> TextDataModule:
+    """The run's data module, set up, with the checkpoint's tokenizer: its settings from the checkpoint
+    (`overrides` may change how the data is read, e.g. batch_size or data_dir). When the run's token cache is
+    gone or was made by another tokenizer (the corpus changed), the corpus is tokenized again with the
+    checkpoint's tokenizer, saved under `data_dir/checkpoint_tokenizers/<hash>` (once per tokenizer)."""
+    wrong = [k for k in overrides if k in DATA_IDENTITY and k != "tokenizer_dir"]
+    if wrong:
+        raise ConfigError(f"{wrong[0]} is the checkpoint's (data.init_args.{wrong[0]}); it cannot be overridden")
+    settings = {**data_settings(checkpoint), **overrides}
+    data = TextDataModule(**settings)
+    tokenizer = _stored_tokenizer(checkpoint)
+    if tokenizer is not None and not _cache_has(data, tokenizer):
+        state = tokenizer.state_dict()
+        digest = hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()[:16]
+        folder = data.data_dir / "checkpoint_tokenizers" / digest
+        if not (folder / "tokenizer.json").is_file():
+            tokenizer.save(folder)
+        data = TextDataModule(**{**settings, "tokenizer_dir": str(folder)})
+    data.setup("fit")
+    return data
+
+
+def _stored_tokenizer(checkpoint: dict[str, Any]) -> Optional[BPETokenizer]:
+    try:
+        return tokenizer_from(checkpoint)
+    except ConfigError:
+        return None  # an old checkpoint: the data's own tokenizer it is
+
+
+def _cache_has(data: TextDataModule, tokenizer: BPETokenizer) -> bool:
+    """Whether the data module's token cache exists and was written with `tokenizer`."""
+    cache = data.cache_dir
+    folder = Path(data.tokenizer_dir) if data.tokenizer_dir is not None else cache / "tokenizer"
+    if not (cache / "tokens.json").is_file() or not (folder / "tokenizer.json").is_file():
+        return False
+    return BPETokenizer.load(folder).state_dict() == tokenizer.state_dict()
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -9,21 +9,28 @@ Errors in the configuration or the input print one line (`lit-lm: error: ...`); 
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
+
+from jsonargparse import Namespace
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import strategies.registry  # noqa: F401  (registers lm_ddp, zero1/2/3, ... by name before any Trainer is built)
 from lit_lm import generate
 from lit_lm.checkpoints import prepare_run
+from lit_lm.config import ModelConfig
+from lit_lm.config_keys import config_files, unknown_keys
 from lit_lm.data import TextDataModule
-from lit_lm.errors import check_trainer_config, pop_debug_flag, reporting_errors, stop_other_ranks
+from lit_lm.errors import EXIT_CODE, check_trainer_config, pop_debug_flag, reporting_errors, stop_other_ranks
 from lit_lm.module import LanguageModel
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
+_DATA_FIELDS = tuple(inspect.signature(TextDataModule.__init__).parameters)[1:]
 
 
 class LitLMCLI(LightningCLI):
@@ -37,11 +44,23 @@ class LitLMCLI(LightningCLI):
         (`lightning_logs/version_N/metrics.csv`) and TensorBoard (`tensorboard/version_N`)."""
         cfg = self.config[self.subcommand].trainer
         check_trainer_config(cfg)
+        check_model_config(self.config[self.subcommand].model)
         if cfg.logger in (None, True):
             root = cfg.default_root_dir or "."
             cfg.logger = [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": root}},
                           {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
                            "init_args": {"save_dir": root, "name": "tensorboard", "default_hp_metric": False}}]
+
+    def instantiate_classes(self) -> None:
+        """Also keep the data module's settings in every checkpoint (`datamodule_hyper_parameters`), so the
+        offline tools rebuild the run's data from the checkpoint alone (`lit_lm.checkpoints.data_from_checkpoint`);
+        not logged (the config.yaml beside the logs has them)."""
+        super().instantiate_classes()
+        data = self.datamodule
+        if isinstance(data, TextDataModule) and not data.hparams:  # plain types: a checkpoint loads weights_only
+            values = {k: getattr(data, k) for k in _DATA_FIELDS}
+            data.save_hyperparameters({k: str(v) if isinstance(v, Path) else v for k, v in values.items()},
+                                      logger=False)
 
     def _parse_ckpt_path(self) -> None:
         """Lightning's version lets a single file's hyper-parameters replace the config (and cannot read a sharded
@@ -73,6 +92,24 @@ class LitLMCLI(LightningCLI):
             print(f"[lit-lm] checkpoint: {ckpt.last_model_path or ckpt.best_model_path}")
 
 
+def check_model_config(model: Any) -> None:
+    """Build the ModelConfig before jsonargparse does: its ConfigError then reaches the one-line report instead of
+    being wrapped in jsonargparse's union-type error (~80 lines)."""
+    config = getattr(getattr(model, "init_args", None), "config", None)
+    if isinstance(config, Namespace):
+        values = config.as_dict()
+        if set(values) <= {f.name for f in dataclasses.fields(ModelConfig)}:
+            ModelConfig(**values)
+
+
+def refuse_unknown_keys(argv: list[str], defaults: list[str]) -> None:
+    """Every misspelled key of the yaml files and the dotted options, one line each, exit 2."""
+    messages = unknown_keys(config_files(argv, defaults), argv)
+    if messages:
+        print("\n".join(f"lit-lm: error: {m}" for m in messages), file=sys.stderr, flush=True)
+        sys.exit(EXIT_CODE)
+
+
 def main(args: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if argv[:1] == ["plan"]:  # `lit-lm plan` (lit_lm.plan_cli) is not a LightningCLI subcommand: no Trainer
@@ -85,6 +122,8 @@ def main(args: Optional[list[str]] = None) -> None:
         if argv[:1] == ["generate"]:
             generate.main(argv[1:])
             return
+        if argv[:1] and argv[0] in SUBCOMMANDS:
+            refuse_unknown_keys(argv, defaults)
         LitLMCLI(
             LanguageModel,
             TextDataModule,

@@ -10,6 +10,7 @@ MoE layers, QK-norm and sliding-window attention (Llama has none of them).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,9 @@ def export_hf(checkpoint: dict[str, Any], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {hf_name(k): v.detach().to(torch.float32).contiguous() for k, v in state.items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    umask = os.umask(0)  # safetensors writes 0600 (a temporary file renamed): give it the mode open() would
+    os.umask(umask)
+    os.chmod(out_dir / "model.safetensors", 0o666 & ~umask)
     eot = tokenizer.special_tokens[EOT]
     (out_dir / "config.json").write_text(json.dumps(llama_config(cfg, eot), indent=1))
     (out_dir / "generation_config.json").write_text(json.dumps({"bos_token_id": eot, "eos_token_id": eot}))

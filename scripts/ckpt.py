@@ -4,9 +4,11 @@
     python scripts/ckpt.py convert runs/.../checkpoints/last.ckpt model.ckpt   # one plain torch.save file
     python scripts/ckpt.py export-hf runs/.../checkpoints/last.ckpt hf/        # a Hugging Face Llama model
 
-`inspect` reads only the DCP metadata, the marker and meta.pt (no tensor data), so it is instant on any size;
-`convert` is `strategies.checkpoint.to_single_file` and needs the whole state in CPU memory; `export-hf` (any
-checkpoint, file or directory) is `lit_lm.hf_export.export_hf`.
+Every command takes any checkpoint a run writes: a single file (`make train`, Lightning's strategies) or a
+sharded directory (lit-lm's strategies). `inspect` reads no tensor data: a directory's DCP metadata, marker and
+meta.pt, or a file memory-mapped, so it is instant on any size; `convert` writes the whole state as one plain
+torch.save file (`strategies.checkpoint.to_single_file` for a directory) and needs it in CPU memory; `export-hf`
+is `lit_lm.hf_export.export_hf`. Errors are one line (`lit-lm: error: ...`, exit 2; `--debug` for a traceback).
 """
 
 from __future__ import annotations
@@ -14,51 +16,80 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
+from typing import Any, Iterator
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from lit_lm.checkpoints import read_checkpoint
-from lit_lm.hf_export import export_hf
-from strategies.checkpoint import META, check_complete, is_sharded_checkpoint, read_meta, to_single_file
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lit_lm.checkpoints import read_checkpoint, read_meta  # noqa: E402
+from lit_lm.errors import pop_debug_flag, reporting_errors  # noqa: E402
+from lit_lm.hf_export import export_hf  # noqa: E402
+from strategies.checkpoint import check_complete, is_sharded_checkpoint, to_single_file  # noqa: E402
 
 
-def inspect(directory: Path) -> None:
-    if not is_sharded_checkpoint(directory):
-        raise SystemExit(f"{directory} is not a lit-lm sharded checkpoint (a directory with {META})")
-    marker = check_complete(directory)
-    print(f"{directory}\n  marker: {json.dumps(marker)}")
-    meta = read_meta(directory)
+def _tensors(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.dtype, list[int]]]:
+    """(dotted name, dtype, shape) of every tensor in a checkpoint dict, as DCP's metadata names them."""
+    if isinstance(value, torch.Tensor):
+        yield prefix, value.dtype, list(value.shape)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _tensors(item, f"{prefix}.{i}" if prefix else str(i))
+
+
+def inspect(path: Path) -> None:
+    meta = read_meta(path)  # raises one line for a path that is not a checkpoint
+    if is_sharded_checkpoint(path):
+        print(f"{path}\n  marker: {json.dumps(check_complete(path))}")
+        tensors = [(k, v.properties.dtype, list(v.size)) for k, v in
+                   dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+                   if isinstance(v, TensorStorageMetadata)]
+        files = sorted(p for p in path.iterdir() if p.is_file())
+    else:
+        print(f"{path}\n  a single file")
+        tensors, files = list(_tensors(meta)), [path]
     print(f"  epoch {meta.get('epoch')}, global_step {meta.get('global_step')}, "
           f"lightning {meta.get('pytorch-lightning_version')}")
-    tensors = {k: v for k, v in dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata.items()
-               if isinstance(v, TensorStorageMetadata)}
     total = 0
-    for name, md in sorted(tensors.items()):
-        nbytes = math.prod(md.size) * md.properties.dtype.itemsize
+    for name, dtype, size in sorted(tensors):
+        nbytes = math.prod(size) * dtype.itemsize
         total += nbytes
-        print(f"  {name:<70} {str(md.properties.dtype).removeprefix('torch.'):<9} {list(md.size)}  {nbytes:,} B")
-    files = sorted(p for p in directory.iterdir() if p.is_file())
+        print(f"  {name:<70} {str(dtype).removeprefix('torch.'):<9} {size}  {nbytes:,} B")
     print(f"  {len(tensors)} tensors, {total:,} bytes of tensor data in {len(files)} files "
           f"({sum(p.stat().st_size for p in files):,} bytes on disk)")
+
+
+def convert(path: Path, out_file: Path) -> None:
+    """One plain torch.save file, loadable by `LightningModule.load_from_checkpoint`."""
+    if is_sharded_checkpoint(path):
+        to_single_file(path, out_file)
+        return
+    checkpoint = read_checkpoint(path)  # raises one line for a path that is not a checkpoint
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(checkpoint, out_file)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("inspect", help="step, topology, tensors and sizes").add_argument("directory", type=Path)
-    convert = commands.add_parser("convert", help="one ordinary Lightning .ckpt file (torch.save)")
-    convert.add_argument("directory", type=Path)
-    convert.add_argument("out_file", type=Path)
+    commands.add_parser("inspect", help="step, topology, tensors and sizes").add_argument("checkpoint", type=Path)
+    to_file = commands.add_parser("convert", help="one ordinary Lightning .ckpt file (torch.save)")
+    to_file.add_argument("checkpoint", type=Path)
+    to_file.add_argument("out_file", type=Path)
     export = commands.add_parser("export-hf", help="safetensors + config.json + tokenizer for transformers")
     export.add_argument("checkpoint", type=Path)
     export.add_argument("out_dir", type=Path)
     args = parser.parse_args()
     if args.command == "inspect":
-        inspect(args.directory)
+        inspect(args.checkpoint)
     elif args.command == "convert":
-        to_single_file(args.directory, args.out_file)
+        convert(args.checkpoint, args.out_file)
         print(f"wrote {args.out_file}")
     else:
         export_hf(read_checkpoint(args.checkpoint), args.out_dir)
@@ -66,4 +97,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with reporting_errors(pop_debug_flag(None)[1]):
+        main()

@@ -1,29 +1,25 @@
-"""What the offline tools (ptq.py, sensitivity.py) share: a trained checkpoint as a model, the run's data module,
-batches drawn without loading a whole split, and the validation loss they compare."""
+"""What the offline tools (ptq.py, sensitivity.py) share: a trained checkpoint as a model, the run's data module
+(settings and tokenizer from the checkpoint; a `--config` may only agree with it), batches drawn without loading a
+whole split, and the validation loss they compare."""
 
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lit_lm.checkpoints import check_config, data_from_checkpoint, read_checkpoint  # noqa: E402
 from lit_lm.data import TextDataModule  # noqa: E402
 from lit_lm.module import LanguageModel  # noqa: E402
-from strategies.checkpoint import is_sharded_checkpoint, to_single_file  # noqa: E402
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """A plain checkpoint dict from a single-file Lightning checkpoint or a lit-lm sharded directory."""
-    if is_sharded_checkpoint(path):
-        with tempfile.TemporaryDirectory() as tmp:
-            to_single_file(path, Path(tmp) / "model.ckpt")
-            return torch.load(Path(tmp) / "model.ckpt", map_location="cpu", weights_only=False)
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return read_checkpoint(path)
 
 
 def build_model(ckpt: dict[str, Any], **overrides: Any) -> LanguageModel:
@@ -34,15 +30,16 @@ def build_model(ckpt: dict[str, Any], **overrides: Any) -> LanguageModel:
     return module.eval()
 
 
-def data_module(configs: list[Path]) -> TextDataModule:
-    """The data module of the run's config files (their `data.init_args`, later files win), set up: checkpoints
-    keep the model's hyper-parameters, not the data's."""
-    init_args: dict[str, Any] = {}
-    for path in configs:
-        init_args.update((yaml.safe_load(Path(path).read_text()).get("data") or {}).get("init_args") or {})
-    data = TextDataModule(**init_args)
-    data.setup("fit")
-    return data
+def data_module(ckpt: dict[str, Any], configs: Optional[list[Path]] = None) -> TextDataModule:
+    """The checkpoint's data module (its run's settings and tokenizer), set up. Each of `configs` (optional) must
+    agree with the checkpoint (else a one-line ConfigError names the field); its batch_size and data_dir apply."""
+    overrides: dict[str, Any] = {}
+    for path in configs or []:
+        config = yaml.safe_load(Path(path).read_text()) or {}
+        check_config(ckpt, config, str(path))
+        data = (config.get("data") or {}).get("init_args") or {}
+        overrides.update({k: data[k] for k in ("batch_size", "data_dir") if k in data})
+    return data_from_checkpoint(ckpt, **overrides)
 
 
 def batches(dataset: Any, batch_size: int, n: int, shuffle: bool = True) -> list[torch.Tensor]:

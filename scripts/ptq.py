@@ -3,14 +3,15 @@ QAT (the `QAT` callback fine-tuning the same checkpoint), in one table of valida
 
     python scripts/ptq.py --ckpt_path runs/default/.../last.ckpt [--method minmax percentile mse kl] \
         [--weights 8 4:64] [--weight-method mse] [--calib-batches 8] [--val-batches 25] \
-        [--qat-steps 100] [--config configs/default.yaml]
+        [--qat-steps 100] [--config RUN.yaml ...]
 
 `--weights`: one or more weight settings, each `BITS` (one scale per output channel) or `BITS:GROUP` (one per
 group of GROUP inputs); every setting gets its rows (each method, then QAT) in the one table.
 
-The checkpoint: a single-file Lightning checkpoint or a lit-lm sharded checkpoint directory (converted on the
-fly). The data module is built from the `data:` section of `--config` (the run's config; the default run's by
-default); calibration batches come from its training split (seeded shuffle), validation from its validation split.
+The checkpoint: a single-file Lightning checkpoint or a lit-lm sharded checkpoint directory. The model, the data
+settings and the tokenizer come from it (`lit_lm.checkpoints.data_from_checkpoint`); a `--config` is optional and
+refused in one line if it disagrees with the checkpoint (its batch_size and data_dir apply). Calibration batches
+come from the training split (seeded shuffle), validation from the validation split.
 Each method is evaluated on the exported model (`IntLinear`: packed integer weights, uint8 activations). The QAT
 row fine-tunes the float checkpoint for `--qat-steps` steps (lr x0.1, no warmup) with fake quantization of the same
 bits, observers frozen for the last quarter, and is evaluated exported too: it has had those extra steps of
@@ -32,8 +33,8 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from callbacks.compress import QAT  # noqa: E402
 from callbacks.compress.ptq import METHODS, PTQ  # noqa: E402
-from lit_lm.cli import DEFAULT_CONFIG  # noqa: E402
 from lit_lm.data import TextDataModule  # noqa: E402
+from lit_lm.errors import pop_debug_flag, reporting_errors  # noqa: E402
 from lit_lm.module import LanguageModel  # noqa: E402
 from offline import batches, build_model, data_module, load_checkpoint, val_loss  # noqa: E402
 
@@ -72,11 +73,12 @@ def main() -> None:
     parser.add_argument("--calib-batches", type=int, default=8)
     parser.add_argument("--val-batches", type=int, default=25)
     parser.add_argument("--qat-steps", type=int, default=100, help="0: no QAT row")
-    parser.add_argument("--config", type=Path, nargs="+", default=[DEFAULT_CONFIG])
+    parser.add_argument("--config", type=Path, nargs="+", default=[],
+                        help="the run's config files: optional, checked against the checkpoint")
     opts = parser.parse_args()
 
     ckpt = load_checkpoint(opts.ckpt_path)
-    data = data_module(opts.config)
+    data = data_module(ckpt, opts.config)
     calib = batches(data.train_set, data.batch_size, opts.calib_batches)
     val = batches(data.val_set, data.batch_size, opts.val_batches, shuffle=False)
     float_model = build_model(ckpt)
@@ -101,4 +103,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with reporting_errors(pop_debug_flag(None)[1]):
+        main()

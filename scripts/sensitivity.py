@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from callbacks.compress.core import DEFAULT_EXCLUDE, select  # noqa: E402
 from callbacks.compress.pruning import magnitude_masks  # noqa: E402
-from lit_lm.cli import DEFAULT_CONFIG  # noqa: E402
+from lit_lm.errors import pop_debug_flag, reporting_errors  # noqa: E402
 from offline import batches, build_model, data_module, load_checkpoint, val_loss  # noqa: E402
 from strategies.base import whole_weights  # noqa: E402
 
@@ -58,16 +58,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", type=Path, required=True,
                         help="a Lightning checkpoint of lit_lm's LanguageModel (one file or a sharded directory)")
-    parser.add_argument("--config", type=Path, nargs="+", default=[DEFAULT_CONFIG],
-                        help="the run's config files, for its data (default: the default run's)")
+    parser.add_argument("--config", type=Path, nargs="+", default=[],
+                        help="the run's config files: optional (the checkpoint holds the run's data settings and "
+                        "tokenizer), checked against the checkpoint")
     parser.add_argument("--out", default="runs/sensitivity")
     parser.add_argument("--sparsities", type=float, nargs="+", default=[0.25, 0.5, 0.75, 0.9])
     parser.add_argument("--val-batches", type=int, default=10)
     parser.add_argument("--target", type=float)
     parser.add_argument("--budget", type=float, default=0.05)
     opts = parser.parse_args()
-    module = build_model(load_checkpoint(opts.ckpt))
-    data = data_module(opts.config)
+    ckpt = load_checkpoint(opts.ckpt)
+    module = build_model(ckpt)
+    data = data_module(ckpt, opts.config)
     windows = batches(data.val_set, data.batch_size, opts.val_batches, shuffle=False)
     dense = val_loss(module, windows)
     weights = select(whole_weights(module), None, DEFAULT_EXCLUDE, "sensitivity")
@@ -95,4 +97,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with reporting_errors(pop_debug_flag(None)[1]):
+        main()

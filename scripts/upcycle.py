@@ -5,24 +5,28 @@
 
 Every expert of an upcycled block starts as the dense block's SwiGLU (moe_d_ff = d_ff, no shared experts) and the
 router gets the model's small router init, so before any training the MoE model computes exactly the dense
-function (the chosen experts are identical and the gates sum to 1). A sharded checkpoint directory is converted
-to a single file first. The output is a weights-only Lightning checkpoint (`state_dict` + `hyper_parameters`) for
-`LanguageModel.load_from_checkpoint` or as the starting weights of a new run.
+function (the chosen experts are identical and the gates sum to 1). Any checkpoint a run writes is read (a single
+file or a sharded directory). The output is a weights-only Lightning checkpoint (`state_dict` + `hyper_parameters`,
+with the run's data settings and tokenizer carried over, so `lit-lm generate` and the offline tools read it alone)
+for `LanguageModel.load_from_checkpoint` or as the starting weights of a new run.
 """
 
 from __future__ import annotations
 
 import argparse
-import tempfile
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from lit_lm.config import ModelConfig
-from lit_lm.model import Transformer
-from strategies.checkpoint import is_sharded_checkpoint, to_single_file
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lit_lm.checkpoints import DATA_SETTINGS, read_checkpoint  # noqa: E402
+from lit_lm.config import ModelConfig  # noqa: E402
+from lit_lm.data import TextDataModule  # noqa: E402
+from lit_lm.errors import pop_debug_flag, reporting_errors  # noqa: E402
+from lit_lm.model import Transformer  # noqa: E402
 
 
 def upcycle_state_dict(dense: dict[str, Tensor], moe_config: ModelConfig, prefix: str = "") -> dict[str, Tensor]:
@@ -52,12 +56,7 @@ def main() -> None:
     parser.add_argument("--bias-update", type=float, default=0.0)
     parser.add_argument("--aux-loss", type=float, default=0.0)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = args.dense
-        if is_sharded_checkpoint(path):
-            path = Path(tmp) / "dense.ckpt"
-            to_single_file(args.dense, path)
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    checkpoint = read_checkpoint(args.dense)
     hparams = checkpoint["hyper_parameters"]
     dense_config = ModelConfig(**hparams["config"])
     config = replace(dense_config, moe_experts=args.experts, moe_top_k=args.top_k, moe_every=args.every,
@@ -66,11 +65,13 @@ def main() -> None:
                      moe_aux_loss=args.aux_loss)
     state = upcycle_state_dict(checkpoint["state_dict"], config, prefix="model.")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"state_dict": state, "hyper_parameters": {**hparams, "config": asdict(config)},
+    data = {k: checkpoint[k] for k in (DATA_SETTINGS, TextDataModule.__qualname__) if k in checkpoint}
+    torch.save({"state_dict": state, "hyper_parameters": {**hparams, "config": asdict(config)}, **data,
                 "pytorch-lightning_version": checkpoint.get("pytorch-lightning_version")}, args.out)
     n_moe = sum(config.is_moe_layer(i) for i in range(config.n_layers))
     print(f"upcycled {n_moe}/{config.n_layers} blocks to {args.experts} experts (top-{args.top_k}) -> {args.out}")
 
 
 if __name__ == "__main__":
-    main()
+    with reporting_errors(pop_debug_flag(None)[1]):
+        main()
