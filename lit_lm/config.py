@@ -73,9 +73,12 @@ class ModelConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model config `{name}` must be a positive integer, got {getattr(self, name)}")
         if self.d_model % self.n_heads:
+            fits = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0 and self.d_model // h % 2 == 0]
+            near = min(fits or [1], key=lambda h: abs(h - self.n_heads))
             raise ConfigError(
-                f"model config `n_heads`={self.n_heads} must divide `d_model`={self.d_model}: "
-                f"pick n_heads from the divisors of d_model (e.g. {self.d_model // 64 or 1} for head_dim 64)"
+                f"model config `n_heads`={self.n_heads} must divide `d_model`={self.d_model} "
+                f"(model.init_args.config.n_heads); pick n_heads from the divisors of d_model, e.g. {near} "
+                f"(head_dim {self.d_model // near})"
             )
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
@@ -133,7 +136,10 @@ class ModelConfig:
         return round_up(self.vocab_size, self.vocab_multiple_of)
 
     def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
-        """Parameter count from the shapes alone (used for FLOPs and memory theory). `active`: an MoE layer counts
+        """Parameter count from the shapes alone: lit-lm's one definition of "the model's parameters", printed by
+        `fit` and `plan` and equal to the estimator's inventory and to `sum(p.numel() for p in model.parameters())`
+        (Lightning's summary): the embedding (padded rows) included, a tied head counted once. FLOPs use
+        `include_embedding=False` (6N counts matmuls; an embedding lookup is none). `active`: an MoE layer counts
         its router, shared experts and `moe_top_k` routed experts only (what one token's forward multiplies by)."""
         d, kv = self.d_model, self.n_kv_heads * self.head_dim
         attn = d * d * 2 + d * kv * 2 + (2 * self.head_dim if self.qk_norm else 0)

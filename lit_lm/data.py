@@ -253,8 +253,8 @@ class TextDataModule(L.LightningDataModule):
             if len(ds) < self.batch_size * dp:
                 raise ConfigError(f"the {split} split has {len(ds)} windows of seq_len {self.seq_len} ({n} tokens), "
                                   f"fewer than one batch of {self.batch_size} x {dp} data-parallel ranks "
-                                  "(data.init_args.val_fraction); raise val_fraction, lower batch_size or seq_len, "
-                                  "or add data")
+                                  f"(data.init_args.val_fraction); {'raise' if split == 'val' else 'lower'} "
+                                  "val_fraction, lower batch_size or seq_len, or add data")
 
     # -- loaders -------------------------------------------------------------------------------------------
     def _dp(self) -> tuple[int, int]:

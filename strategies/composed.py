@@ -278,6 +278,12 @@ class ComposedStrategy(BaseStrategy):
             if not isinstance(model, ContextParallelModel):
                 raise ConfigError(f"context_parallel_size={self.cp_size}: {type(module).__name__} holds no model "
                                   "with a context_parallel_plan() (strategies.plan.ContextParallelModel)")
+            data = getattr(getattr(module, "_trainer", None), "datamodule", None)  # refused here, not at step 1
+            seq_len = getattr(data, "seq_len", None)
+            if isinstance(seq_len, int) and seq_len % (2 * self.cp_size):
+                raise ConfigError(f"context_parallel_size={self.cp_size} splits each sequence into 2·cp="
+                                  f"{2 * self.cp_size} zigzag chunks, but seq_len is {seq_len} "
+                                  f"(data.init_args.seq_len); use a multiple of {2 * self.cp_size}, or another cp")
             context.parallelize_context(model, layout.group("cp"), self.cp_method)
             self._cp_model = model
         if self.ep_size > 1:

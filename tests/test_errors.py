@@ -76,8 +76,31 @@ def _truncated_meta(tmp_path: Path) -> tuple[list[str], str]:
     return ["validate", *tiny_args(tmp_path), "--ckpt_path", "last"], f"{ckpt / 'meta.pt'} cannot be read ("
 
 
+def _small_train_split(tmp_path: Path) -> tuple[list[str], str]:
+    """The advice for a train split too small is the opposite of the val split's: a smaller val_fraction."""
+    return ["fit", *_with(tmp_path, "--data.init_args.val_fraction", "0.95")], (
+        "the train split has 2 windows of seq_len 16 (43 tokens), fewer than one batch of 4 x 1 data-parallel ranks "
+        "(data.init_args.val_fraction); lower val_fraction, lower batch_size or seq_len, or add data")
+
+
+def _n_heads(tmp_path: Path) -> tuple[list[str], str]:
+    """Raised while jsonargparse builds the model: reported before, not inside its union-type error."""
+    return ["fit", *_with(tmp_path, "--model.init_args.config.n_heads", "5")], (
+        "model config `n_heads`=5 must divide `d_model`=32 (model.init_args.config.n_heads); pick n_heads from the "
+        "divisors of d_model, e.g. 4 (head_dim 8)")
+
+
+def _cp_seq_len(tmp_path: Path) -> tuple[list[str], str]:
+    """Refused at setup, not at the first step's zigzag split."""
+    return ["fit", *_with(tmp_path, "--data.init_args.seq_len", "18"), "--config",
+            str(REPO / "configs/strategies/cp.yaml"), "--trainer.devices", "2"], (
+        "context_parallel_size=2 splits each sequence into 2·cp=4 zigzag chunks, but seq_len is 18 "
+        "(data.init_args.seq_len); use a multiple of 4, or another cp")
+
+
 CASES = {f.__name__.lstrip("_"): f for f in (_binary_file, _missing_text, _small_val_split, _small_vocab,
-                                              _unknown_strategy, _pp_stages, _fp16, _truncated_meta)}
+                                              _unknown_strategy, _pp_stages, _fp16, _truncated_meta,
+                                              _small_train_split, _n_heads, _cp_seq_len)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -95,3 +118,32 @@ def test_bad_input_is_one_line(tmp_path, case):
 def test_debug_shows_the_traceback(tmp_path):
     done = run_cli("fit", *tiny_args(tmp_path), "--trainer.precision", "16-mixed", "--debug", cwd=tmp_path)
     assert done.returncode != 0 and "Traceback" in done.stderr and "ConfigError: fp16 precision" in done.stderr
+
+
+def test_every_unknown_key_is_one_line_with_the_nearest_key(tmp_path):
+    """Three typos in a yaml and one on the command line: four lines, each naming its key and the nearest known
+    one, before anything is parsed or trained (jsonargparse alone prints ~50 lines of usage for the first)."""
+    bad = tmp_path / "typos.yaml"
+    bad.write_text("trainer:\n  max_step: 3\nmodel:\n  init_args:\n    config:\n      n_layer: 2\n"
+                   "data:\n  init_args:\n    seq_lenn: 16\n")
+    done = run_cli("fit", *tiny_args(tmp_path), "--config", str(bad), "--data.init_args.batch_sise", "2", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"lit-lm: error: unknown key 'max_step' in {bad} (trainer.max_step); did you mean trainer.max_steps?",
+        f"lit-lm: error: unknown key 'n_layer' in {bad} (model.init_args.config.n_layer); did you mean "
+        "model.init_args.config.n_layers?",
+        f"lit-lm: error: unknown key 'seq_lenn' in {bad} (data.init_args.seq_lenn); did you mean "
+        "data.init_args.seq_len?",
+        "lit-lm: error: unknown key 'batch_sise' in the command line (data.init_args.batch_sise); did you mean "
+        "--data.init_args.batch_size?"]
+
+
+def test_the_repository_configs_have_no_unknown_key(tmp_path):
+    """The key check knows every key the shipped configs use (no false alarm), and the options the tests pass."""
+    from lit_lm.config_keys import unknown_keys
+
+    configs = sorted((REPO / "configs").rglob("*.yaml"))
+    assert len(configs) > 20
+    argv = [*tiny_args(tmp_path), "--trainer.callbacks.every_n_train_steps", "2", "--trainer.strategy.init_args.x",
+            "1", "--model.init_args.config.n_kv_heads", "2"]
+    assert unknown_keys(configs, argv) == []
