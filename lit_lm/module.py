@@ -21,6 +21,8 @@ from lit_lm.model import Transformer
 from lit_lm.moe import moe_layers, moe_metrics, update_router_bias
 from strategies.checkpoint import OPTIMIZER_FQNS
 
+SCHEDULE_HORIZON = "lit_lm_schedule_horizon"  # the checkpoint's key for the LR schedule's horizon (steps)
+
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """LR multiplier: linear warmup to 1 over `warmup_steps`, then cosine decay to `min_lr_ratio` at `total_steps`."""
@@ -39,17 +41,24 @@ class LanguageModel(L.LightningModule):
     Args:
         config: the model's shape (`model.init_args.config.*`; `vocab_size` is linked to the data's).
         lr, betas, eps, weight_decay: AdamW.
-        warmup_steps, min_lr_ratio: the schedule; it ends at the trainer's `max_steps` (or the epochs' steps).
+        warmup_steps, min_lr_ratio: the schedule; it ends at `schedule_steps`.
+        schedule_steps: the cosine's horizon. None: the trainer's `max_steps` (or the epochs' steps) when the run
+            first starts; a resume keeps the horizon its checkpoint was trained with, so `--ckpt_path last
+            --trainer.max_steps 800` after a 400-step run goes on at the floor LR instead of jumping back up the
+            cosine. Set it to change the horizon on purpose (the change is logged with the LR before and after).
         kernels: modules to swap for `kernels/` implementations (e.g. [rmsnorm, swiglu]); "auto" picks Triton
             on CUDA and the PyTorch references elsewhere.
     """
 
     def __init__(self, config: ModelConfig = ModelConfig(), lr: float = 3e-3, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.1, warmup_steps: int = 100, min_lr_ratio: float = 0.1,
-                 kernels: Optional[list[str]] = None) -> None:
+                 kernels: Optional[list[str]] = None, schedule_steps: Optional[int] = None) -> None:
         super().__init__()
         if isinstance(config, dict):  # from a checkpoint's hyper-parameters (stored as plain types)
             config = ModelConfig(**config)
+        if schedule_steps is not None and schedule_steps < 1:
+            raise ConfigError(f"model.init_args.schedule_steps={schedule_steps}: the LR schedule's horizon must be "
+                              ">= 1 step, or null for the trainer's max_steps")
         if lr <= 0 or warmup_steps < 0 or not 0 <= min_lr_ratio <= 1:
             raise ConfigError(f"model.init_args: need lr > 0, warmup_steps >= 0 and 0 <= min_lr_ratio <= 1; got "
                               f"lr={lr}, warmup_steps={warmup_steps}, min_lr_ratio={min_lr_ratio}")
@@ -58,8 +67,11 @@ class LanguageModel(L.LightningModule):
         # Plain types only, so `torch.load(weights_only=True)` (LightningCLI's ckpt parsing) can read them.
         self.save_hyperparameters({"config": asdict(config), "lr": lr, "betas": tuple(betas), "eps": eps,
                                    "weight_decay": weight_decay, "warmup_steps": warmup_steps,
-                                   "min_lr_ratio": min_lr_ratio, "kernels": self.kernels})
+                                   "min_lr_ratio": min_lr_ratio, "kernels": self.kernels,
+                                   "schedule_steps": schedule_steps})
         self.model: Optional[Transformer] = None
+        self._horizon: Optional[int] = None  # the LR schedule's, once known (the run's state: kept by checkpoints)
+        self._saved_horizon: Optional[int] = None  # the checkpoint's, when resuming
         self.val_loss = MeanMetric()
         self._interval: Optional[float] = None  # when the current logging interval began (synchronised clock)
         self._interval_tokens = 0
@@ -84,12 +96,36 @@ class LanguageModel(L.LightningModule):
         groups = [[[names.get(p) for p in g["params"]] for g in o.param_groups] for o in optimizers]
         if all(n is not None for o in groups for g in o for n in g):
             checkpoint[OPTIMIZER_FQNS] = groups
+        if self._horizon is not None:
+            checkpoint[SCHEDULE_HORIZON] = self._horizon
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Before the strict load: a sharded checkpoint names a tied head once, by the embedding's name. (lit-lm's
         strategies load the tensors themselves, before this hook, and pass no state_dict.)"""
         if "state_dict" in checkpoint:
             with_tied_head(checkpoint["state_dict"], self.config.tie_embeddings, prefix="model.")
+        self._saved_horizon = checkpoint.get(SCHEDULE_HORIZON)
+        self._horizon = None  # resolved again at the next scheduler step, against the checkpoint's
+
+    def schedule_horizon(self) -> int:
+        """The step at which the cosine reaches its floor: `schedule_steps` if set, else the horizon the run
+        started with (a checkpoint's), else the trainer's total steps. Resolved once, at the first scheduler step
+        (after a resume's checkpoint is loaded), and said when a resume keeps or changes it."""
+        if self._horizon is None:
+            total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
+            wanted, saved = self.hparams.get("schedule_steps"), self._saved_horizon
+            self._horizon = wanted or saved or total
+            if saved is not None and self._horizon != saved:
+                step = self.trainer.global_step
+                before, after = (warmup_cosine(step, self.hparams.warmup_steps, h, self.hparams.min_lr_ratio)
+                                 for h in (saved, self._horizon))
+                rank_zero_info(f"[lit-lm] LR schedule: horizon {saved} -> {self._horizon} steps (schedule_steps) at "
+                               f"step {step}: the LR multiplier moves from {before:.3g} to {after:.3g}")
+            elif saved is not None and saved != total:
+                rank_zero_info(f"[lit-lm] LR schedule: keeps the checkpoint's horizon of {saved} steps (the run now "
+                               f"ends at {total}; past step {saved} the LR stays at its floor). Set "
+                               "model.init_args.schedule_steps to change it")
+        return self._horizon
 
     def on_fit_start(self) -> None:
         self._interval, self._interval_tokens, self._moe_sum, self._moe_batches = None, 0, None, 0
@@ -204,9 +240,9 @@ class LanguageModel(L.LightningModule):
         hp = self.hparams
         groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps)
-        total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
+        self._horizon = None
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, total, hp.min_lr_ratio))
+            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, self.schedule_horizon(), hp.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 

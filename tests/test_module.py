@@ -114,3 +114,42 @@ def test_interval_metrics_are_means_over_the_logging_interval(monkeypatch: pytes
         mean = torch.stack(batches).mean(0)
         torch.testing.assert_close(torch.tensor([logger.rows[step][n] for n in names]), mean)
         assert logger.rows[step]["tokens_per_s"] == 2 * 2 * 16 / 1.0  # 2 batches of 2 x 16 tokens in 1 s
+
+
+class _LRs(L.Callback):
+    def __init__(self) -> None:
+        self.lrs: dict[int, float] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: object) -> None:
+        self.lrs[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def _fit_lrs(tmp_path, max_steps: int, ckpt_path=None, **module_kwargs: object) -> dict[int, float]:
+    """Steps of a tiny LanguageModel on random tokens, saving `last.ckpt`; the LR each step ran with."""
+    torch.manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.randint(0, CFG.vocab_size, (64, CFG.max_seq_len + 1)), batch_size=4)
+    lrs = _LRs()
+    trainer = L.Trainer(max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[lrs, L.pytorch.callbacks.ModelCheckpoint(tmp_path, save_last=True)],
+                        num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(LanguageModel(CFG, warmup_steps=2, **module_kwargs), data, ckpt_path=ckpt_path)
+    return lrs.lrs
+
+
+def test_resuming_with_more_steps_keeps_the_lr_continuous(tmp_path):
+    """The issue's case: a 6-step run resumed with max_steps 10. The schedule's horizon is the run's state, so the
+    resumed steps go on from the 6-step cosine (at its floor), not from a 10-step one re-stretched at step 6
+    (which would lift the LR); an explicit schedule_steps changes it, and the LR then follows the new cosine."""
+    first = _fit_lrs(tmp_path / "a", 6)
+    resumed = _fit_lrs(tmp_path / "a", 10, ckpt_path=str(tmp_path / "a" / "last.ckpt"))
+    floor = 3e-3 * 0.1
+    assert sorted(resumed) == [6, 7, 8, 9]
+    assert all(lr == pytest.approx(floor) for lr in resumed.values()), resumed
+    assert first[5] >= floor  # continuous: never above where the first run left it
+    stretched = _fit_lrs(tmp_path / "b", 6)  # the same run, then stretched on purpose
+    restarted = _fit_lrs(tmp_path / "b", 10, ckpt_path=str(tmp_path / "b" / "last.ckpt"), schedule_steps=10)
+    assert stretched == first
+    assert restarted[6] == pytest.approx(floor)  # the checkpoint's LR; the new horizon sets the next one
+    for step in (7, 8, 9):
+        assert restarted[step] == pytest.approx(3e-3 * warmup_cosine(step, 2, 10, 0.1))
+    assert restarted[7] > floor * 1.5
