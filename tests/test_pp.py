@@ -7,6 +7,7 @@ import copy
 import itertools
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,9 +15,10 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from dist_utils import TINY, fit_tiny, run_distributed
-from parity import Case, assert_parity, run_parity
+from parity import MOE, Case, assert_parity, run_parity
 from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
+from strategies import pp_runner
 from strategies.comm import COMM_LOG
 from strategies.pp import PipelineStrategy, split_layers
 from strategies.pp_runner import PipelineRunner
@@ -231,3 +233,38 @@ def test_harness_parity_pp() -> None:
                            Case(partial(pp2, schedule="zb_h1"), model=model, optimizer="adamw", trainer=CLIP,
                                 label="pp2 zb_h1 adamw clip")], 2):
         assert_parity(run)
+
+
+# -- MoE on the first stage: its auxiliary loss leaves the stage through `_AttachLoss`, not the last stage's loss ----
+# every block MoE (block 0 on stage 0) and no Switch loss: a pipeline computes routing statistics per microbatch (as
+# Megatron does), so only the per-token z-loss and the step-summed router-bias update can match one process exactly
+MOE_PP = dict(MOE, moe_aux_loss=0.0, moe_first_dense=0)
+
+
+def aux_loss_unweighted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-last stage starts its auxiliary loss's backward at 1, not at the 1/m each microbatch's loss gets on
+    the last stage: the first stage's router trains on m x its z-loss gradient."""
+    attach = pp_runner._AttachLoss
+    monkeypatch.setattr(pp_runner, "_AttachLoss",
+                        SimpleNamespace(apply=lambda output, aux, scale: attach.apply(output, aux, 1.0)))
+
+
+# the z-loss's gradient also flows through the router's input into everything before it on the stage, and the
+# harness reports the first parameter that differs (the embedding): the mutant's case freezes those, so its report
+# names the parameter the mutant is about
+BEFORE_ROUTER = tuple(f"model.{name}.weight" for name in (
+    "tok_embeddings", "blocks.0.attn_norm", *(f"blocks.0.attn.{w}" for w in ("wq", "wk", "wv", "wo")),
+    "blocks.0.mlp_norm"))
+
+
+def test_harness_parity_pp_moe_and_the_unweighted_aux_loss_mutant() -> None:
+    """pp2 with an MoE block on each stage against one process; the same run with the first stage's auxiliary
+    loss unweighted is reported at step 0 by the gradient of that stage's router (one launch for both)."""
+    pp2 = partial(PipelineStrategy, pipeline_parallel_size=2, microbatches=2, schedule="1f1b")
+    clean, mutant = run_parity([Case(pp2, model=MOE_PP, steps=2, global_batch=4, label="pp2 MoE"),
+                                Case(pp2, model=MOE_PP, steps=1, global_batch=4, frozen=BEFORE_ROUTER,
+                                     mutation=aux_loss_unweighted, label="pp2 MoE, aux loss unweighted")], 2)
+    assert_parity(clean)
+    with pytest.raises(AssertionError, match=r"unweighted: step 0 rank 0: gradient of model\.blocks\.0\.mlp\.router\."
+                                             r"weight differs"):
+        assert_parity(mutant)
