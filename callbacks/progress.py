@@ -3,9 +3,11 @@
 Lightning's bar counts the batches of the current epoch ("Epoch 0/-2" when only max_steps ends the run, "15/4"
 after a resume) and shows the logger's version as a metric (`v_num: 0.000`). This one shows one bar for the
 whole run, `step N/max_steps`, and, when stdout is not a terminal (a SLURM log, a pipe), where a bar draws
-nothing until the end, prints a plain line every `every_n_steps` steps instead:
+nothing until the end and then dumps its last frame into the log, draws no bar and prints plain lines instead: one
+every `every_n_steps` steps and one per validation during fit:
 
     step 120/400 | loss 4.3121 | lr 2.91e-03 | 5,123 tokens/s | grad_norm 0.8312 | eta 2m13s
+    validation at step 200 | val_loss 4.5012 | val_ppl 90.14
 
 The bar's metrics and the line are read from the device, so they are refreshed at logging steps (the bar) and
 at the line's steps only: between them a step runs without a host sync (align `every_n_steps` with the trainer's
@@ -20,11 +22,8 @@ from typing import Any, Optional
 
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
-from torch.optim import Optimizer
 
 from callbacks.throughput import logs_this_batch
-from strategies.base import BaseStrategy
-from strategies.clip import clip_grad_norm_, local_grad_shards
 
 SHOWN = ("train_loss", "tokens_per_s")  # logged by LanguageModel every step / interval, shown by the bar
 
@@ -35,8 +34,9 @@ class StepProgress(RichProgressBar):
         if every_n_steps <= 0:
             raise ValueError(f"StepProgress every_n_steps must be positive, got {every_n_steps}")
         self.every_n_steps = every_n_steps
+        if not sys.stdout.isatty():  # a log file: lines, not a bar's frames
+            self.disable()
         self._started: Optional[tuple[float, int]] = None  # (time, step) when this run's training began
-        self._grad_norm: Optional[float] = None
         self._printed = -1
 
     @property
@@ -64,12 +64,6 @@ class StepProgress(RichProgressBar):
         if self.train_progress_bar_id is None:  # one bar for all epochs
             super().on_train_epoch_start(trainer, pl_module)
 
-    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Optimizer
-                                 ) -> None:
-        """Lightning's own strategies log no gradient norm: measure it here, before clipping (a no-op clip)."""
-        if not isinstance(trainer.strategy, BaseStrategy) and self._prints(trainer, trainer.global_step + 1):
-            self._grad_norm = float(clip_grad_norm_(local_grad_shards(pl_module), float("inf")))
-
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not self.is_disabled and self.train_progress_bar_id is None:
@@ -83,6 +77,18 @@ class StepProgress(RichProgressBar):
             self._printed = step  # once per step, not per accumulated micro-batch
             print(self.line(trainer), flush=True)
 
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if sys.stdout.isatty() or trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        if trainer.is_global_zero:
+            print(self.validation_line(trainer), flush=True)
+
+    def validation_line(self, trainer: L.Trainer) -> str:
+        m = trainer.callback_metrics
+        values = [f"{key} {float(m[key]):.4f}" for key in sorted(m) if key.startswith("val_")]
+        return " | ".join([f"validation at step {trainer.global_step}", *values])
+
     def _prints(self, trainer: L.Trainer, step: int) -> bool:
         return not sys.stdout.isatty() and (step % self.every_n_steps == 0 or step == self.total_train_batches)
 
@@ -91,7 +97,7 @@ class StepProgress(RichProgressBar):
         parts = [f"step {step}/{total}"]
         for key, label, fmt in (("train_loss", "loss", ".4f"), ("lr", "lr", ".2e"),
                                 ("tokens_per_s", "tokens/s", ",.0f"), ("grad_norm", "grad_norm", ".4f")):
-            value = m.get(key) if key != "grad_norm" or self._grad_norm is None else self._grad_norm
+            value = m.get(key)
             if value is not None:
                 parts.append(f"{label} {float(value):{fmt}}")
         if self._started is not None and step > self._started[1]:

@@ -19,7 +19,9 @@ from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.generate import generate
 from lit_lm.model import Transformer
 from lit_lm.moe import moe_layers, moe_metrics, update_router_bias
+from strategies.base import BaseStrategy
 from strategies.checkpoint import OPTIMIZER_FQNS
+from strategies.clip import clip_grad_norm_, local_grad_shards
 
 SCHEDULE_HORIZON = "lit_lm_schedule_horizon"  # the checkpoint's key for the LR schedule's horizon (steps)
 
@@ -228,6 +230,25 @@ class LanguageModel(L.LightningModule):
         super().optimizer_step(*args, **kwargs)
         group = next((m.batch_group for m in moe_layers(self.model).values()), None)
         update_router_bias(self.model, lambda t: self.trainer.strategy.reduce(t, group, reduce_op="sum"))
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
+                                    gradient_clip_algorithm: Optional[str] = None) -> None:
+        """`grad_norm` (the pre-clip global norm) is logged every step on every strategy, clipped or not: lit-lm's
+        strategies log it when they clip by norm (their global norm over shards); otherwise it is measured here with
+        a no-op clip. Lightning's single-device and DDP strategies (whole gradients on every rank) clip through the
+        same function; other Lightning strategies (FSDP) keep their own clipping and log no norm."""
+        by_norm = bool(gradient_clip_val) and gradient_clip_algorithm in (None, "norm")
+        strategy = self.trainer.strategy
+        if isinstance(strategy, BaseStrategy):
+            if not by_norm:
+                strategy.clip_grad_norm_(float("inf"))  # logs the norm; clips nothing
+        elif isinstance(strategy, (L.pytorch.strategies.SingleDeviceStrategy, L.pytorch.strategies.DDPStrategy)):
+            norm = clip_grad_norm_(local_grad_shards(self), gradient_clip_val if by_norm else float("inf"))
+            self.log("grad_norm", norm)
+            if by_norm:
+                return
+        if gradient_clip_val:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> dict[str, Any]:
         decay, no_decay = [], []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from test_cli import REPO, run_cli
+from test_cli import REPO, read_metrics, run_cli
 from test_user_path import every_2_steps
 
 LINE = re.compile(r"^step (\d+)/(\d+) \| loss \d+\.\d{4} \| lr \d\.\d\de-\d\d \| tokens/s [\d,]+ \| "
@@ -27,6 +27,16 @@ def test_plain_lines_every_n_steps_and_across_a_resume(tmp_path):
         for meaningless in ("Total FLOPs", "v_num", "Epoch 0/-", "FLOPs: 0"):
             assert meaningless not in out
         assert "MFLOPs per trained token" in out
-    assert re.search(r"train \(steps\) .* 14/14", resumed.stdout)
+    # off a terminal no bar is drawn (its last frame used to be dumped into the log at the end), and every
+    # validation inside fit is a line of its own
+    for done in (first, resumed):
+        assert "train (steps)" not in done.stdout and "it/s" not in done.stdout
+    vals = re.findall(r"^validation at step (\d+) \| val_loss \d+\.\d{4} \| val_ppl \d+\.\d{4}$", first.stdout,
+                      re.M)
+    assert vals == [str(s) for s in range(2, 13, 2)], first.stdout
+    # the gradient norm is in the CSV on every strategy, the single-device run's included, at every logged step
+    for version in (0, 1):
+        rows = read_metrics(run, version)
+        assert all(r.get("grad_norm") for r in rows if r.get("train_loss")), rows
     assert len(list((run / "tensorboard").glob("version_*/events.out.tfevents.*"))) == 2
     assert (run / "lightning_logs/version_1/metrics.csv").is_file()
