@@ -6,7 +6,13 @@
         assert_parity(run)          # AssertionError naming the case, the step, the rank and the parameter
 
 Both sides train lit_lm's `LanguageModel` (so MoE auxiliary losses and the router bias update are in) on the same
-global batches, each dp replica reading its rows (tp and pp peers of a replica the same rows). Just before each
+global batches. Each rank reads its rows as a Lightning run does: through the strategy's own sampler settings
+(`trainer.strategy.distributed_sampler_kwargs` -> num_replicas, rank), with the micro-batch a user would set
+(global batch / dp); sampler rank r takes the r-th contiguous share of each global batch, so the dp ranks in order
+hold the one-process batch in its order (token-order effects such as MoE capacity drops stay comparable).
+`assert_parity` first checks that the dp replicas read disjoint rows that together make the one-process batch, and
+the tp, cp and pp peers of a replica the same rows (sampler settings from the wrong group are then reported even
+where they would not move the mean gradient). Just before each
 update (`on_before_optimizer_step`: after the gradient collectives, before clipping) every rank records
 
     loss        the logged `train_loss` of each micro-batch (the dp mean, through the strategy's `reduce`);
@@ -17,6 +23,12 @@ and after training the final parameters under global names. `assert_parity` chec
 against the same slice of the single-process gradient (relative to the parameter's gradient norm, see
 `_assert_grads`), that the parts
 cover every parameter, and the losses, norms and final parameters (all at 1e-5 for fp32).
+
+A case can start from a checkpoint (`resume`: a one-process run saved as one Lightning file): both sides resume
+from it (the reference through Lightning's own loading, the strategy through its `load_checkpoint`), and the state
+each rank starts from (every parameter and persistent buffer, e.g. the MoE router bias) is compared first.
+Clipping is compared with an independent reference: Lightning's own `Trainer(gradient_clip_val)` clips the
+one-process run with `torch.nn.utils.clip_grad_norm_`, and `GlobalNormClip` is replaced by `TorchNormClip` there.
 
 Why gradients and plain SGD: AdamW is invariant to a constant gradient factor and clipping every step hides one
 too, so a strategy that sums instead of averaging passes a loss/parameter comparison under AdamW almost exactly;
@@ -29,8 +41,11 @@ Single-process references are cached per (model, optimizer, data, trainer settin
 
 from __future__ import annotations
 
+import atexit
 import copy
 import math
+import shutil
+import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
@@ -40,6 +55,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
+from callbacks.clip import GlobalNormClip
 from dist_utils import TINY, rank_share, run_distributed, token_data
 from lit_lm.config import ModelConfig
 from lit_lm.module import LanguageModel
@@ -67,16 +83,29 @@ class Case:
     mutation: Optional[Callable[[pytest.MonkeyPatch], None]] = None  # applied in every worker, undone after
     callbacks: tuple[L.Callback, ...] = ()  # run on both sides; returned trained (e.g. to read what they recorded)
     label: str = ""
+    resume: Optional["Case"] = None  # a one-process run (same model) saved as one file; this run continues it
 
     def reference(self) -> "Case":
-        """The same run on one process."""
-        return replace(self, strategy=None, mutation=None, label="single")
+        """The same run on one process; `GlobalNormClip` there is torch's `clip_grad_norm_` (`TorchNormClip`)."""
+        callbacks = tuple(TorchNormClip(c.max_norm) if isinstance(c, GlobalNormClip) else c for c in self.callbacks)
+        return replace(self, strategy=None, mutation=None, callbacks=callbacks, label="single")
 
     @property
     def key(self) -> str:
         callbacks = [(type(c).__name__, sorted(vars(c).items())) for c in self.callbacks]
         return repr((sorted(self.model.items()), self.optimizer, self.steps, self.global_batch,
-                     sorted(self.trainer.items()), self.frozen, self.lr, callbacks))
+                     sorted(self.trainer.items()), self.frozen, self.lr, callbacks,
+                     self.resume.key if self.resume else None))
+
+
+class TorchNormClip(L.Callback):
+    """The one-process reference of `GlobalNormClip`: torch's own `clip_grad_norm_`, code the strategies never run."""
+
+    def __init__(self, max_norm: float) -> None:
+        self.max_norm = max_norm
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        torch.nn.utils.clip_grad_norm_(module.parameters(), self.max_norm)
 
 
 class ParityLM(LanguageModel):
@@ -103,25 +132,41 @@ class ParityLM(LanguageModel):
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.case.lr or 3e-3, eps=1e-6)
 
     def train_dataloader(self) -> DataLoader:
+        """This rank's rows as Lightning hands them out: which ones from the strategy's `distributed_sampler_kwargs`
+        (what lit_lm's data module reads), how many per batch from the layout (the user's micro-batch setting)."""
         strategy = self.trainer.strategy
-        dp_rank, dp = (strategy.layout.dp_rank, strategy.layout.dp_size) if isinstance(strategy, BaseStrategy) \
-            else (0, 1)
+        sampler = getattr(strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
+        dp = strategy.layout.dp_size if isinstance(strategy, BaseStrategy) else 1
         case = self.case
         windows = case.steps * case.trainer.get("accumulate_grad_batches", 1)
         tokens = token_data(windows * case.global_batch, case.model["max_seq_len"])
         tokens = tokens % case.model["vocab_size"]
-        return DataLoader(rank_share(tokens, case.global_batch, dp_rank, dp), batch_size=case.global_batch // dp)
+        local, replicas = case.global_batch // dp, sampler["num_replicas"]
+        return DataLoader(rank_share(tokens, local * replicas, sampler["rank"], replicas), batch_size=local)
 
 
 class Probe(L.Callback):
-    """Per micro-batch losses; per optimizer step the pre-clip global norm and this rank's gradient parts."""
+    """Per micro-batch losses and the rows read; per optimizer step the pre-clip global norm and this rank's gradient
+    parts; with `start`, the state training starts from (after a resume's load)."""
 
-    def __init__(self) -> None:
+    def __init__(self, start: bool = False) -> None:
         self.losses: list[float] = []
+        self.rows: list[torch.Tensor] = []
         self.steps: list[dict[str, Any]] = []
+        self.start: Optional[dict[str, torch.Tensor]] = {} if start else None
+        self.dp_rank, self.sampler = 0, {}
 
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        strategy = trainer.strategy
+        if isinstance(strategy, BaseStrategy):
+            self.dp_rank, self.sampler = strategy.layout.dp_rank, dict(strategy.distributed_sampler_kwargs)
+        if self.start is not None:
+            self.start = _state(trainer)
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: torch.Tensor,
+                           *args: Any) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
+        self.rows.append(batch.detach().cpu().clone())
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
         strategy = trainer.strategy
@@ -135,47 +180,73 @@ class Probe(L.Callback):
             for p in parts]})
 
 
-def _final_params(trainer: L.Trainer) -> dict[str, torch.Tensor]:
+def _state(trainer: L.Trainer) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer under its global name, whole, in fp32."""
     strategy = trainer.strategy
     state = strategy.lightning_module_state_dict() if isinstance(strategy, BaseStrategy) \
         else trainer.lightning_module.state_dict()
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().clone() for k, v in state.items()}
 
 
-def fit_case(case: Case, devices: int = 1) -> dict[str, Any]:
-    """Train `case` on this process (one of `devices` ranks); the per-step records and final parameters."""
+def fit_case(case: Case, devices: int = 1, ckpt_path: Optional[str] = None, save_to: Optional[str] = None
+             ) -> dict[str, Any]:
+    """Train `case` on this process (one of `devices` ranks), from `ckpt_path` (the saved `case.resume`) if given;
+    the per-step records and final parameters. `save_to`: write the trained run there as one Lightning file."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         if case.mutation is not None:
             case.mutation(monkeypatch)
         L.seed_everything(0, verbose=False)
-        module, probe, callbacks = ParityLM(case), Probe(), copy.deepcopy(list(case.callbacks))
+        module, callbacks = ParityLM(case), copy.deepcopy(list(case.callbacks))
+        probe = Probe(start=ckpt_path is not None)
         strategy = case.strategy() if case.strategy else "auto"
-        trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=case.steps,
+        trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy,
+                            max_steps=case.steps + (case.resume.steps if ckpt_path else 0),
                             callbacks=[probe, *callbacks], logger=False, enable_progress_bar=False,
                             enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
                             enable_checkpointing=False, **case.trainer)
-        trainer.fit(module)
-        return {"losses": probe.losses, "steps": probe.steps, "params": _final_params(trainer), "callbacks": callbacks}
+        trainer.fit(module, ckpt_path=ckpt_path)
+        if save_to is not None:
+            trainer.save_checkpoint(save_to)
+        return {"losses": probe.losses, "rows": probe.rows, "dp_rank": probe.dp_rank, "sampler": probe.sampler,
+                "start": probe.start, "steps": probe.steps, "params": _state(trainer), "callbacks": callbacks}
 
 
-def _fit_cases(cases: list[Case], devices: int) -> list[dict[str, Any]]:
-    return [fit_case(case, devices) for case in cases]
+def _fit_cases(cases: list[Case], devices: int, ckpt_paths: list[Optional[str]]) -> list[dict[str, Any]]:
+    return [fit_case(case, devices, path) for case, path in zip(cases, ckpt_paths)]
 
 
 _REFERENCES: dict[str, dict[str, Any]] = {}
+_SAVED: dict[str, str] = {}
+
+
+def saved_checkpoint(case: Optional[Case]) -> Optional[str]:
+    """`case` trained on one process and saved as one Lightning checkpoint file (once per session)."""
+    if case is None:
+        return None
+    if case.key not in _SAVED:
+        if not _SAVED:
+            atexit.register(shutil.rmtree, _SAVE_DIR, ignore_errors=True)
+        path = f"{_SAVE_DIR}/{len(_SAVED)}.ckpt"
+        fit_case(case.reference(), save_to=path)
+        _SAVED[case.key] = path
+    return _SAVED[case.key]
+
+
+_SAVE_DIR = tempfile.mkdtemp(prefix="parity-ckpt-")
 
 
 def reference(case: Case) -> dict[str, Any]:
     """The single-process run of `case` (cached for the session)."""
     if case.key not in _REFERENCES:
-        _REFERENCES[case.key] = fit_case(case.reference())
+        _REFERENCES[case.key] = fit_case(case.reference(), ckpt_path=saved_checkpoint(case.resume))
     return _REFERENCES[case.key]
 
 
 def run_parity(cases: list[Case], world_size: int) -> list[dict[str, Any]]:
     """Run every case on `world_size` ranks (one spawn for all) and its one-process reference here. Each result:
     {"case", "ranks": [per-rank records], "single": the reference records}."""
-    per_rank = run_distributed(_fit_cases, world_size, cases, world_size, init_process_group=False)
+    paths = [saved_checkpoint(case.resume) for case in cases]  # before the spawn: the workers read them
+    per_rank = run_distributed(_fit_cases, world_size, cases, world_size, paths, init_process_group=False)
     return [{"case": case, "ranks": [r[i] for r in per_rank], "single": reference(case)}
             for i, case in enumerate(cases)]
 
@@ -194,6 +265,9 @@ def assert_parity(run: dict[str, Any], rtol: float = 1e-5, params: bool = True, 
     for rank, got in enumerate(run["ranks"]):
         assert len(got["losses"]) == len(single["losses"]), f"{tag}: rank {rank} ran {len(got['losses'])} batches"
         assert len(got["steps"]) == len(single["steps"]) == case.steps, f"{tag}: rank {rank} optimizer steps"
+    _assert_rows(run, tag)
+    if single["start"] is not None:  # every parameter and persistent buffer
+        _assert_state(run, "start", rtol, tag, "restored", list(single["start"]))
     for k in range(case.steps):  # in training order: the first difference is reported, not its consequences
         for rank, got in enumerate(run["ranks"]):
             for b in range(k * accumulate, (k + 1) * accumulate):
@@ -207,13 +281,30 @@ def assert_parity(run: dict[str, Any], rtol: float = 1e-5, params: bool = True, 
     if grads:
         _assert_covered(run, tag)
     if params:
-        _assert_params(run, rtol, tag)
+        _assert_state(run, "params", rtol, tag, "final", [name for name, *_ in single["steps"][0]["grads"]])
+
+
+# a clip limit above every step's pre-clip norm (~0.75 at fp32 with the default cases): clipping must be a no-op
+CLIP_ABOVE = 2.0
 
 
 # bf16-mixed: a strategy against a one-process bf16-mixed run of the same seed, losses and pre-clip norms at
 # BF16_RTOL (bf16 matmuls sum in another order when split); the same tolerance must reject a run whose weights
 # never move (lr=1e-12), or it would show nothing
 BF16_RTOL = 2e-3
+
+
+# bf16-true: bf16 weights on both sides, but ZeRO updates fp32 master rows where the one process rounds every update
+# into its bf16 weights; at step 0 the weights are the same and a gradient differs by its bf16 rounding and
+# summation order only (measured: 2e-3 of the parameter's gradient norm; losses 1e-5, norms 4e-5), and two SGD steps
+# later by the master weights' rounding as well (measured: 4e-3, weights 2e-3). 1e-2 holds those, while a gradient
+# or norm off by a factor 2 is off by 1.0 = 100x the tolerance (test_parity_mutations.py has one: reported)
+BF16_TRUE_RTOL = 1e-2
+
+
+def bf16_true_case(strategy: Callable[[], Any], label: str, **kwargs: Any) -> Case:
+    """Two plain-SGD steps in bf16-true (compare with `assert_parity(run, rtol=BF16_TRUE_RTOL)`)."""
+    return Case(strategy, steps=2, trainer={"precision": "bf16-true"}, label=f"{label} bf16-true", **kwargs)
 
 
 def bf16_cases(strategy: Callable[[], Any], label: str, **kwargs: Any) -> list[Case]:
@@ -266,20 +357,43 @@ def _assert_covered(run: dict[str, Any], tag: str) -> None:
     assert not missing, f"{tag}: no rank holds (all of) the gradient of {missing}"
 
 
-def _assert_params(run: dict[str, Any], rtol: float, tag: str) -> None:
-    single = run["single"]["params"]
+def _assert_rows(run: dict[str, Any], tag: str) -> None:
+    """Per batch: the dp replicas read disjoint rows that together are the one-process batch; the ranks of one
+    replica (tp, cp, pp peers) the same rows."""
+    for b, expected in enumerate(run["single"]["rows"]):
+        replicas: dict[int, tuple[int, set[tuple[int, ...]]]] = {}
+        for rank, got in enumerate(run["ranks"]):
+            rows = {tuple(row.tolist()) for row in got["rows"][b]}
+            where = f"{tag}: batch {b}: rank {rank} (dp rank {got['dp_rank']}, sampler settings {got['sampler']})"
+            assert len(rows) == len(got["rows"][b]), f"{where} read a row twice"
+            peer, peer_rows = replicas.setdefault(got["dp_rank"], (rank, rows))
+            assert rows == peer_rows, f"{where} read other rows than rank {peer} of the same dp replica"
+        seen: dict[tuple[int, ...], int] = {}
+        for dp_rank, (rank, rows) in sorted(replicas.items()):
+            for row in rows:
+                assert row not in seen, (f"{tag}: batch {b}: dp ranks {seen[row]} and {dp_rank} read the same row "
+                                         f"(distributed_sampler_kwargs {run['ranks'][rank]['sampler']})")
+                seen[row] = dp_rank
+        assert set(seen) == {tuple(row.tolist()) for row in expected}, \
+            f"{tag}: batch {b}: the dp replicas read {len(seen)} rows, not the one-process batch of {len(expected)}"
+
+
+def _assert_state(run: dict[str, Any], key: str, rtol: float, tag: str, what: str, required: list[str]) -> None:
+    """The parameters and persistent buffers some rank returned (`key`: "params" after training, "start" after a
+    resume's load) against the one-process run's; `required`: the names some rank must return."""
+    single = run["single"][key]
     seen: set[str] = set()
     for rank, got in enumerate(run["ranks"]):
-        for name, value in got["params"].items():
+        for name, value in got[key].items():
             if name not in single:
                 continue
             seen.add(name)
             expected = single[name]
             err = (value - expected).norm().item()
             assert err <= rtol * expected.norm().item() + 1e-12, \
-                f"{tag}: rank {rank}: final {name} differs by {err:.3e} (norm {expected.norm().item():.3e})"
-    missing = [name for name, *_ in run["single"]["steps"][0]["grads"] if name not in seen]
-    assert not missing, f"{tag}: no rank returned the final value of {missing}"
+                f"{tag}: rank {rank}: {what} {name} differs by {err:.3e} (norm {expected.norm().item():.3e})"
+    missing = [name for name in required if name not in seen]
+    assert not missing, f"{tag}: no rank returned the {what} value of {missing}"
 
 
 def _fmt(index: tuple[slice, ...]) -> str:
