@@ -15,7 +15,7 @@ from torch import nn
 import strategies.registry  # noqa: F401  (registers lm_ddp)
 from callbacks.clip import GlobalNormClip
 from dist_utils import TinyLM, run_distributed
-from parity import Case, assert_parity, run_parity
+from parity import CLIP_ABOVE, Case, assert_parity, run_parity
 from strategies.comm import COMM_LOG
 from strategies.ddp import DataParallelStrategy, GradSync, _bucketize
 from strategies.zero_engine import model_state_bytes
@@ -185,19 +185,24 @@ class CommPerStep(L.Callback):
 
 DDP = partial(DataParallelStrategy, bucket_cap_mb=0.01)
 # SGD with the collectives counted; AdamW with Trainer clipping (small enough to clip every step) and accumulation;
-# AdamW with the clipping callback
+# AdamW with the clipping callback; SGD with a limit above every norm, by the Trainer and by the callback (clipping
+# must then leave the gradients alone: a coefficient not capped at 1 would scale them up, test_parity_mutations.py)
 CASES = [Case(DDP, callbacks=(CommPerStep(),), label="sgd"),
          Case(DDP, optimizer="adamw", trainer={"gradient_clip_val": 0.05, "accumulate_grad_batches": 2},
               label="adamw clip accumulate"),
-         Case(DDP, optimizer="adamw", callbacks=(GlobalNormClip(0.05),), label="adamw GlobalNormClip")]
+         Case(DDP, optimizer="adamw", callbacks=(GlobalNormClip(0.05),), label="adamw GlobalNormClip"),
+         Case(DDP, trainer={"gradient_clip_val": CLIP_ABOVE}, label="sgd, clip limit above the norm"),
+         Case(DDP, callbacks=(GlobalNormClip(CLIP_ABOVE),), label="sgd GlobalNormClip, limit above the norm")]
 
 
 def test_lm_ddp_matches_single_process() -> None:
     runs = run_parity(CASES, 2)
     for run in runs:
         assert_parity(run)
-    for run in runs[2:]:
+    for run in runs[2:3]:
         assert min(s["grad_norm"] for s in run["single"]["steps"]) > 0.05  # every step was clipped
+    for run in runs[3:]:
+        assert max(s["grad_norm"] for s in run["single"]["steps"]) < CLIP_ABOVE / 2  # no step was
 
     # accounting: the gradient all-reduces move the whole gradient (Φ elements) once per optimizer step
     module = TinyLM()

@@ -8,7 +8,7 @@ import zlib
 from contextlib import nullcontext
 from datetime import timedelta
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import lightning as L
 import pytest
@@ -20,7 +20,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dist_utils import Recorder, TinyLM, rank_share, run_distributed, token_data
-from parity import Case, assert_bf16_parity, assert_parity, bf16_cases, reference, run_parity
+from parity import (BF16_TRUE_RTOL, Case, assert_bf16_parity, assert_parity, bf16_cases, bf16_true_case, reference,
+                    run_parity)
 from strategies.comm import COMM_LOG
 from strategies.base import _unwrap
 from strategies.zero import ZeroStrategy
@@ -176,9 +177,14 @@ def test_zero_matches_single_process_with_theoretical_comm_and_memory() -> None:
     assert single.memory[-1]["total"] == pytest.approx(16 * phi, rel=0.05)
 
 
-# -- bf16-mixed against one bf16-mixed process, with a tolerance that rejects frozen weights ------------------
-def test_zero3_bf16_matches_single_bf16_and_rejects_frozen_weights() -> None:
-    assert_bf16_parity(*run_parity(bf16_cases(partial(ZeroStrategy, stage=3), "zero3"), 2))
+# -- bf16-mixed against one bf16-mixed process, with a tolerance that rejects frozen weights; bf16-true (ZeRO's fp32
+# master rows) against one bf16-true process at every stage --------------------------------------------------------
+def test_zero_bf16_matches_single_bf16_and_rejects_frozen_weights() -> None:
+    true_cases = [bf16_true_case(partial(ZeroStrategy, stage=s), f"zero{s}") for s in (1, 2, 3)]
+    mixed, frozen, *true = run_parity([*bf16_cases(partial(ZeroStrategy, stage=3), "zero3"), *true_cases], 2)
+    assert_bf16_parity(mixed, frozen)
+    for run in true:
+        assert_parity(run, rtol=BF16_TRUE_RTOL)
 
 
 # -- defects found by the harness -------------------------------------------------------------------------------
@@ -222,7 +228,8 @@ class ToyBlocks(nn.Module):
         return self.out(x).square().mean()
 
 
-def _toy_step(model: ToyBlocks, x: torch.Tensor, engine: ZeroEngine | None) -> dict[str, torch.Tensor]:
+def _toy_step(model: ToyBlocks, x: torch.Tensor, engine: ZeroEngine | None, gather: bool = True
+              ) -> dict[str, torch.Tensor]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     if engine is not None:
         engine.shard_optimizer(optimizer)
@@ -236,6 +243,8 @@ def _toy_step(model: ToyBlocks, x: torch.Tensor, engine: ZeroEngine | None) -> d
             engine.after_step()
     if engine is None:
         return {n: p.detach() for n, p in model.named_parameters()}
+    if not gather:
+        return {}
     out = {}
     for sp in engine.sharded_params():
         parts = [None] * dist.get_world_size()
@@ -268,6 +277,64 @@ def test_zero3_on_3_ranks_with_uneven_and_empty_shards() -> None:
     single = _toy_step(model, torch.randn(6, 5, generator=torch.Generator().manual_seed(1)), None)
     for name, value in single.items():
         torch.testing.assert_close(toy[name], value, rtol=1e-5, atol=1e-6)
+
+
+# -- the ZeRO group a strict subgroup of the world: two dp groups of 2 in a world of 4 (dp2 x tp2's dp groups) -----
+DP_GROUPS = ([0, 2], [1, 3])  # rank = dp_rank * tp + tp_rank: each dp group interleaves with the other
+
+
+def _subgroup_worker(mutation: Callable[[pytest.MonkeyPatch], None] | None) -> dict[int, dict[str, tuple]]:
+    """Per stage: this rank's (group, rank in it, {fqn: (start, end, master rows)}) after two steps of ToyBlocks,
+    each dp group training on the same batch (its rows split by the rank in the group)."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # a mismatch fails instead of hanging
+    groups = [dist.new_group(ranks, timeout=timedelta(seconds=60)) for ranks in DP_GROUPS]
+    index = next(i for i, ranks in enumerate(DP_GROUPS) if dist.get_rank() in ranks)
+    group, rank = groups[index], DP_GROUPS[index].index(dist.get_rank())
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(1)).chunk(2)[rank]
+    out = {}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        if mutation is not None:
+            mutation(monkeypatch)
+        for stage in (1, 2, 3):
+            with torch.device("meta"):
+                model = ToyBlocks()
+            engine = ZeroEngine(model, stage=stage, group=group)
+            _toy_step(model, x, engine, gather=False)
+            out[stage] = (DP_GROUPS[index], rank, {sp.fqn: (sp.start, sp.end, sp.master.detach().clone())
+                                                   for sp in engine.sharded_params()})
+    return out
+
+
+def zero_subgroups(mutation: Callable[[pytest.MonkeyPatch], None] | None = None) -> list[dict]:
+    return run_distributed(_subgroup_worker, 4, mutation, init_process_group=False)
+
+
+def assert_zero_subgroups(per_rank: list[dict]) -> None:
+    """In each group the ranks, in group order, hold consecutive rows that make every parameter whole, with the
+    one-process values; the first difference names the stage, the group, the rank and the parameter."""
+    model = ToyBlocks()
+    for name, p in model.named_parameters():
+        model.init_parameter(name, p)
+    single = _toy_step(model, torch.randn(6, 5, generator=torch.Generator().manual_seed(1)), None)
+    for stage in (1, 2, 3):
+        for ranks in DP_GROUPS:
+            members = sorted((per_rank[r][stage][1], r, per_rank[r][stage][2]) for r in ranks)
+            for fqn, value in single.items():
+                row = 0
+                for _, r, shards in members:
+                    start, end, master = shards[fqn]
+                    where = f"zero{stage}, dp group {ranks}: rank {r}: {fqn} "
+                    assert start == row, f"{where}holds rows {start}:{end}, the group's next rows start at {row}"
+                    err = (master - value[start:end]).norm().item()
+                    assert err <= 1e-5 * value.norm().item(), f"{where}rows {start}:{end} differ by {err:.3e}"
+                    row = end
+                assert row == value.shape[0], \
+                    f"zero{stage}, dp group {ranks}: rank {r}: {fqn}: the group holds {row} of {value.shape[0]} rows"
+
+
+def test_zero_in_dp_subgroups_of_a_larger_world() -> None:
+    """The engine's rank is its rank in the group (a strict subgroup here), not the global one."""
+    assert_zero_subgroups(zero_subgroups())
 
 
 # -- reduce-scatters in one order on every rank, with a parameter used on one rank only ---------------------------
