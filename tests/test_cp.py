@@ -1,11 +1,14 @@
-"""Context parallelism (strategies/cp.py) against single-process attention and training, on gloo."""
+"""Context parallelism (strategies/cp.py) against single-process attention and training, on gloo; an odd ring (cp=3)
+through the strategy in the parity harness, where a ring turned around is reported (cp=2 cannot tell)."""
 
 from __future__ import annotations
 
 import importlib
 import itertools
 import sys
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,10 +17,13 @@ import torch.distributed as dist
 from torch import nn
 
 from dist_utils import TINY, run_distributed
+from parity import Case, assert_parity, run_parity
 from kernels.attention import attention_reference
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.model import RotaryEmbedding, Transformer
+from strategies import cp as context
 from strategies.comm import COMM_LOG
+from strategies.composed import ComposedStrategy
 from strategies.cp import (METHODS, ContextParallelAttention, block_plan, comm_theory, context_attention,
                            parallelize_context, saved_bytes_theory, tile_mask, zigzag_batch, zigzag_gather,
                            zigzag_merge, zigzag_positions, zigzag_runs, zigzag_split)
@@ -302,3 +308,34 @@ def test_transformer_loss_and_gradients_match_single_process(world: int) -> None
             assert abs(loss - ref_loss) < 1e-5, run
             for name, (grad, ref) in result["grads"].items():
                 torch.testing.assert_close(grad, ref, atol=1e-5, rtol=1e-5, msg=f"{run}: {name}")
+
+
+# -- an odd ring through the strategy (tests/parity.py): cp=3 against one process, and the ring turned around ------
+CP3_MODEL = dict(TINY, max_seq_len=12)  # divisible by 2·cp = 6: chunks of 2 tokens
+
+
+def ring_reversed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ring turned around: each rank sends its K/V (and dK/dV) to the previous rank and receives the next one's,
+    by reversing the member list `_ring_pass` computes its peers from. At cp=2 the previous and the next rank are
+    the same one, so only an odd (or larger) ring can tell."""
+    ranks = dist.get_process_group_ranks
+    monkeypatch.setattr(context, "dist", SimpleNamespace(**{**vars(dist),
+                                                            "get_process_group_ranks": lambda g: ranks(g)[::-1]}))
+
+
+def test_cp3_ring_matches_one_process_and_the_reversed_ring_is_reported() -> None:
+    """Three ranks (dp 1 x cp 3, ring attention) against one process, two steps; the same run with the ring
+    reversed is reported by the first loss and, the losses set aside, at step 0 by the gradient of a named parameter
+    (one launch for both)."""
+    cp3 = partial(ComposedStrategy, context_parallel_size=3)
+    clean, mutant = run_parity([Case(cp3, model=CP3_MODEL, steps=2, global_batch=2, label="cp3 ring"),
+                                Case(cp3, model=CP3_MODEL, steps=1, global_batch=2, mutation=ring_reversed,
+                                     label="cp3 ring, reversed")], 3)
+    assert_parity(clean)
+    # K/V blocks attended at the wrong positions move the first loss, which the harness checks before the gradients
+    with pytest.raises(AssertionError, match=r"cp3 ring, reversed: batch 0 rank \d: loss"):
+        assert_parity(mutant)
+    # the losses set aside, the report names the parameter whose gradient differs
+    same_losses = [{**rank, "losses": mutant["single"]["losses"]} for rank in mutant["ranks"]]
+    with pytest.raises(AssertionError, match=r"cp3 ring, reversed: step 0 rank \d: gradient of model\.\S+ differs"):
+        assert_parity({**mutant, "ranks": same_losses})

@@ -1,5 +1,6 @@
 """Pipeline parallelism: schedules as data, the runner without Lightning (every schedule, p = 2 and 4), then the
-`pp` strategy against one-process training (clipping, tied embeddings, dp x pp) and a pp=2 -> pp=1 resume."""
+`pp` strategy against one-process training (clipping, tied embeddings, dp x pp, MoE on the first stage) and a
+pp=2 -> pp=1 resume."""
 
 from __future__ import annotations
 
