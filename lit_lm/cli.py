@@ -27,6 +27,7 @@ from lit_lm.config_keys import config_files, unknown_keys
 from lit_lm.data import TextDataModule
 from lit_lm.errors import EXIT_CODE, check_trainer_config, pop_debug_flag, reporting_errors, stop_other_ranks
 from lit_lm.module import LanguageModel
+from lit_lm.quiet import silence_known_noise
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -115,6 +116,7 @@ def main(args: Optional[list[str]] = None) -> None:
     if argv[:1] == ["plan"]:  # `lit-lm plan` (lit_lm.plan_cli) is not a LightningCLI subcommand: no Trainer
         from lit_lm.plan_cli import main as plan
         return plan(argv[1:])
+    silence_known_noise()
     defaults = [str(DEFAULT_CONFIG)] if DEFAULT_CONFIG.is_file() else []
     args, debug = pop_debug_flag(args)
     argv = sys.argv[1:] if args is None else args
