@@ -7,6 +7,7 @@ ZeRO-3 x tp case is `ZeroStrategy(stage=3, tensor_parallel_size=2)`, as `configs
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from functools import partial
@@ -16,7 +17,7 @@ from typing import Any
 import lightning as L
 import pytest
 
-from parity import MOE, TINY, Case, assert_parity, run_parity
+from parity import CLIP_ABOVE, MOE, TINY, Case, assert_parity, run_parity
 from strategies.composed import ComposedStrategy
 from strategies.errors import ConfigError
 from strategies.pp import PipelineStrategy
@@ -28,6 +29,12 @@ from strategies.zero import ZeroStrategy
 # so only per-token losses (z-loss) and the step-summed bias update can match a one-process run exactly
 MOE_PP = dict(MOE, moe_aux_loss=0.0, moe_first_dense=0)
 DEEP = dict(TINY, n_layers=4)  # interleaved 1F1B needs pp x virtual_stages layers
+# a fine-tune of the MLPs and norms (embeddings, head and attention frozen): the norm gains, replicated over tp, are
+# ~3% of the squared gradient norm instead of 2e-4, so a norm that counts them on every tp rank is off by ~1.5%,
+# orders of magnitude above the 1e-5 tolerance (checked below), not 8x it
+NORMS_AND_MLPS = tuple(f"model.{name}" for name in ("tok_embeddings.weight", "lm_head.weight", *(
+    f"blocks.{i}.attn.{w}.weight" for i in range(TINY["n_layers"]) for w in ("wq", "wk", "wv", "wo"))))
+DP2_TP2 = partial(ComposedStrategy, tensor_parallel_size=2)
 
 FOUR_RANKS = {
     "tp2_pp2": Case(partial(PipelineStrategy, tensor_parallel_size=2, microbatches=2, activation_checkpointing="full"),
@@ -43,6 +50,11 @@ FOUR_RANKS = {
                             activation_checkpointing="full"), model=MOE_PP, optimizer="adamw",
                     label="ep2 x pp2 (MoE), full checkpointing"),
     "hsdp_zero3": Case(partial(ZeroStrategy, stage=3, data_parallel_replicate_size=2), label="HSDP 2 x 2 zero3"),
+    # clipping under dp x tp with a limit below every norm and one above (a no-op), and the norm with a large share
+    # of tp-replicated gradients
+    "dp2_tp2_clip_below": Case(DP2_TP2, trainer={"gradient_clip_val": 0.05}, label="dp2 x tp2, clipped"),
+    "dp2_tp2_clip_above": Case(DP2_TP2, trainer={"gradient_clip_val": CLIP_ABOVE}, label="dp2 x tp2, limit above"),
+    "dp2_tp2_norms_mlps": Case(DP2_TP2, frozen=NORMS_AND_MLPS, label="dp2 x tp2, MLPs and norms trained"),
 }
 
 
@@ -95,10 +107,21 @@ EIGHT_RANKS = {  # dp2 x tp2 x pp2, every schedule once
 }
 
 
-@pytest.mark.parametrize("names", [["tp2_pp2", "zero3_dp2_tp2", "zero1_dp2_pp2"], ["ep2_tp2", "ep2_pp2", "hsdp_zero3"]])
+@pytest.mark.parametrize("names", [["tp2_pp2", "zero3_dp2_tp2", "zero1_dp2_pp2", "dp2_tp2_clip_below"],
+                                   ["ep2_tp2", "ep2_pp2", "hsdp_zero3", "dp2_tp2_clip_above", "dp2_tp2_norms_mlps"]])
 def test_four_rank_compositions_match_one_process(names: list[str]) -> None:
-    for run in run_parity([FOUR_RANKS[n] for n in names], world_size=4):
+    for name, run in zip(names, run_parity([FOUR_RANKS[n] for n in names], world_size=4)):
         assert_parity(run)
+        norms = [step["grad_norm"] for step in run["single"]["steps"]]
+        if name == "dp2_tp2_clip_below":
+            assert min(norms) > 0.05  # clipped every step
+        if name == "dp2_tp2_clip_above":
+            assert max(norms) < CLIP_ABOVE / 2  # never clipped: an uncapped coefficient would scale by 2x or more
+        if name == "dp2_tp2_norms_mlps":  # counting the replicated norm gains twice: sqrt(1 + share) - 1 > 100 rtol
+            for step in run["single"]["steps"]:
+                squares = {n: g.square().sum().item() for n, _, _, g in step["grads"] if g is not None}
+                share = sum(v for n, v in squares.items() if n.endswith("norm.weight")) / sum(squares.values())
+                assert math.sqrt(1 + share) - 1 > 100 * 1e-5, share
 
 
 def test_context_parallel_on_two_ranks_matches_one_process() -> None:
