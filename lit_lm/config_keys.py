@@ -116,7 +116,7 @@ def config_files(argv: Sequence[str], defaults: Sequence[str | Path]) -> list[st
     """The yaml files a LightningCLI command line reads: the defaults, then every `--config FILE`."""
     files: list[str | Path] = list(defaults)
     for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
+        if arg in ("--config", "-c") and i + 1 < len(argv):
             files.append(argv[i + 1])
         elif arg.startswith("--config="):
             files.append(arg.removeprefix("--config="))
