@@ -178,9 +178,10 @@ class MoE(nn.Module):
             kept = kept_all[rank]
         tokens = order // self.top_k
         xs = x[tokens] if keep is None else torch.where(keep, x[tokens], 0)
-        y = self.experts(xs, kept) * r.gates.reshape(-1)[order, None].to(x.dtype)
-        if keep is not None:
-            y = torch.where(keep, y, 0)  # the experts' rows past the kept ones are garbage
+        y = self.experts(xs, kept)
+        if keep is not None:  # the experts' rows past the kept ones are uninitialised memory (maybe NaN bits):
+            y = torch.where(keep, y, 0)  # masked before the gates, or the gates' gradient is 0 x NaN = NaN
+        y = y * r.gates.reshape(-1)[order, None].to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, tokens, y)
         if self.shared is not None:
             out = out + self.shared(x)

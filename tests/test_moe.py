@@ -83,6 +83,25 @@ def test_capacity_drops_exactly_the_over_capacity_tokens() -> None:
     torch.testing.assert_close(layer.stats["dropped"], torch.tensor(0.8))
 
 
+def test_dropped_rows_cannot_poison_the_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grouped matmul leaves the rows past the kept ones uninitialised: any bit pattern, NaN included (seen after
+    bf16 work in the same process). They are masked before the gates multiply them, so no gradient is 0 x NaN."""
+    real = torch._grouped_mm
+
+    def garbage_past_the_groups(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        out = real(a, b, offs=offs)
+        rows = torch.arange(out.shape[0])[:, None]
+        return torch.where(rows >= offs[-1], torch.full_like(out, float("nan")), out)
+
+    monkeypatch.setattr(torch, "_grouped_mm", garbage_past_the_groups)
+    layer = _layer(moe_top_k=1, moe_capacity_factor=0.5)
+    layer.router.expert_bias.copy_(torch.tensor([0.0, 0.0, 100.0, 0.0]))  # 8 of 10 tokens dropped
+    x = torch.randn(10, 16, requires_grad=True)
+    layer(x).sum().backward()
+    for name, p in [("x", x), *layer.named_parameters()]:
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
 def _skewed_run(**balancing: object) -> tuple[float, float]:
     """A regression through one MoE layer (k=1, so only balancing moves the router) on inputs that share a
     direction the router initially prefers: (max/mean load at the start, mean over the last 10 steps)."""
