@@ -2,7 +2,7 @@
 
     python scripts/bench_ddp.py                               # CPU/gloo, 2 processes, 5 rounds
     python scripts/bench_ddp.py --one lm_ddp --fused          # one contender once (what the rounds run)
-    python scripts/bench_ddp.py --table docs/bench_ddp.json    # a saved run as a Markdown table (docs/benchmarks/)
+    python scripts/bench_ddp.py --table docs/benchmarks/2026-12-ddp-cpu.json   # a saved run as Markdown
 
 Contenders (each in its own fresh processes, alternated over >= 5 rounds in an order shuffled per round by
 `scripts/bench_runner.py`; tokens/s is the median over rounds of each run's median steady step, with min-max):
