@@ -42,6 +42,7 @@ SAVED_OPS = frozenset({
     _aten.mm.default,
     _aten.addmm.default,
     _aten.bmm.default,
+    _aten._grouped_mm.default,  # the MoE experts' matmuls (lit_lm.moe.grouped_linear)
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     _aten._scaled_dot_product_efficient_attention.default,

@@ -212,7 +212,6 @@ class ComposedStrategy(BaseStrategy):
         return ParallelDims.of(world, pp=self.pp_size, dp_replicate=self.replicate_size, cp=self.cp_size,
                                tp=self.tp_size, ep=self.ep_size)
 
-    @override
     def describe_layout(self) -> str:
         parts = [super().describe_layout(), f"ZeRO stage {self.zero_stage}"]
         if self.pp_size > 1:

@@ -187,7 +187,7 @@ def test_flat_step_equals_per_parameter_step(stage: int) -> None:
             assert flat["state_storages"] == flats * (flat["state_keys"] - optimizer.startswith("adamw")), where
             if stage == DDP:  # parameters and gradients: one buffer per bucket (and the frozen weight on its own)
                 assert flat["buckets"] >= 2 and len(flat["param_storages"]) == flat["buckets"] + 1, where
-                assert len(flat["grad_storages"]) == 1, where  # on the CPU every bucket is in one shared region
+                assert len(flat["grad_storages"]) == flat["buckets"], where  # the gradients: one buffer a bucket
                 assert flat["grad_bytes"] == flat["phi_trainable"] * (2 if "bfloat16" in optimizer else 4), where
             elif stage >= 2:  # the gradients live in one flat buffer of exactly Φ_trainable / N
                 assert len(flat["grad_storages"]) == 1, where
