@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from strategies.errors import ConfigError
@@ -56,6 +56,23 @@ class ModelConfig:
     # load statistics (aux loss, capacity) over the global batch (token counts all-gathered over the data-parallel
     # ranks: the same result on any number of ranks) or over each rank's micro-batch (no collective)
     moe_balance: str = "global"
+
+    DERIVED = ("n_kv_heads", "d_ff", "moe_d_ff")  # None = derived from other fields in __post_init__
+
+    @classmethod
+    def signature_default(cls) -> "ModelConfig":
+        """`ModelConfig()` for a signature default (`LanguageModel(config=...)`) with its derived fields left None.
+        jsonargparse takes a default instance's fields as the defaults of a yaml's `config:`: a d_ff derived from
+        the default d_model (704 for 256) would otherwise be passed explicitly when the yaml sets d_model 192, and
+        `fit` would build another model than `plan` and `ModelConfig(d_model=192)` (d_ff 512)."""
+        config = cls()
+        for name in cls.DERIVED:
+            setattr(config, name, None)
+        return config
+
+    def resolved(self) -> "ModelConfig":
+        """This config with its derived fields filled (itself when they are)."""
+        return replace(self) if any(getattr(self, n) is None for n in self.DERIVED) else self
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:

@@ -52,12 +52,13 @@ class LanguageModel(L.LightningModule):
             on CUDA and the PyTorch references elsewhere.
     """
 
-    def __init__(self, config: ModelConfig = ModelConfig(), lr: float = 3e-3, betas: tuple[float, float] = (0.9, 0.95),
+    def __init__(self, config: ModelConfig = ModelConfig.signature_default(), lr: float = 3e-3, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, weight_decay: float = 0.1, warmup_steps: int = 100, min_lr_ratio: float = 0.1,
                  kernels: Optional[list[str]] = None, schedule_steps: Optional[int] = None) -> None:
         super().__init__()
         if isinstance(config, dict):  # from a checkpoint's hyper-parameters (stored as plain types)
             config = ModelConfig(**config)
+        config = config.resolved()  # the signature default leaves d_ff & co. to be derived
         if schedule_steps is not None and schedule_steps < 1:
             raise ConfigError(f"model.init_args.schedule_steps={schedule_steps}: the LR schedule's horizon must be "
                               ">= 1 step, or null for the trainer's max_steps")

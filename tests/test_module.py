@@ -1,6 +1,7 @@
 """LanguageModel: schedule, weight-decay groups, vocabulary check, checkpoint hyper-parameters."""
 
 import math
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -153,3 +154,22 @@ def test_resuming_with_more_steps_keeps_the_lr_continuous(tmp_path):
     for step in (7, 8, 9):
         assert restarted[step] == pytest.approx(3e-3 * warmup_cosine(step, 2, 10, 0.1))
     assert restarted[7] > floor * 1.5
+
+
+def test_derived_config_fields_follow_the_yaml_not_the_default_instance(tmp_path):
+    """jsonargparse takes the signature default's fields as the defaults: with d_ff derived from the default
+    d_model (704 for 256) there, `fit` built another model from configs/default.yaml (d_model 192: 2.80M
+    parameters) than `plan` and ModelConfig(d_model=192) (d_ff 512: 2.36M). The derived fields stay None there."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-m", "lit_lm", "fit", "--config", str(repo / "configs/default.yaml"),
+                          "--print_config"], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    fields = yaml.safe_load(out)["model"]["init_args"]["config"]
+    assert fields["d_ff"] is None and fields["moe_d_ff"] is None
+    built = LanguageModel(ModelConfig(**fields)).config
+    assert built.d_ff == 512 and built.num_params() == 2_361_024
+    assert LanguageModel().config == ModelConfig()  # the bare default is resolved as before
