@@ -55,10 +55,11 @@ def find_last(*folders: PathLike) -> Optional[Path]:
     return max(done, key=lambda p: (done[p], p.name.startswith("last"))) if done else None
 
 
-def prepare_run(trainer: Trainer, ckpt_path: Optional[str], config: Optional[ModelConfig]) -> Optional[str]:
+def prepare_run(trainer: Trainer, ckpt_path: Optional[str], module: Any) -> Optional[str]:
     """Give the trainer's checkpoint callbacks their stable folder, let its strategy read and atomically write
     any format, resolve `ckpt_path` (`last` = the newest complete checkpoint, or a fresh start when there is
-    none) and refuse a checkpoint of another model. Returns the path to load."""
+    none), let `module` take the checkpoint's values of the config fields it left to derivation
+    (`adopt_checkpoint_config`) and refuse a checkpoint of another model. Returns the path to load."""
     folder = Path(trainer.default_root_dir) / CHECKPOINTS
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
@@ -72,8 +73,12 @@ def prepare_run(trainer: Trainer, ckpt_path: Optional[str], config: Optional[Mod
                        f"[lit-lm] --ckpt_path last: no complete checkpoint in {', '.join(sorted(folders))}; "
                        "starting from step 0")
         ckpt_path = None if last is None else str(last)
-    if ckpt_path is not None and config is not None and ckpt_path not in ("best", "hpc"):
-        check_architecture(ckpt_path, config)
+    config = getattr(module, "config", None)
+    if ckpt_path is not None and isinstance(config, ModelConfig) and ckpt_path not in ("best", "hpc"):
+        saved = read_hyper_parameters(ckpt_path).get("config")
+        if saved is not None and hasattr(module, "adopt_checkpoint_config"):
+            module.adopt_checkpoint_config(saved)
+        check_architecture(ckpt_path, module.config)
     return ckpt_path
 
 

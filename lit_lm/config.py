@@ -70,6 +70,11 @@ class ModelConfig:
             setattr(config, name, None)
         return config
 
+    def derived_fields(self) -> list[str]:
+        """The DERIVED fields whose value is what derivation gives (left open, or stated equal to it)."""
+        fresh = replace(self, **{n: None for n in self.DERIVED})
+        return [n for n in self.DERIVED if getattr(self, n) is None or getattr(self, n) == getattr(fresh, n)]
+
     def resolved(self) -> "ModelConfig":
         """This config with its derived fields filled (itself when they are)."""
         return replace(self) if any(getattr(self, n) is None for n in self.DERIVED) else self

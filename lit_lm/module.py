@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Optional
 
 import lightning as L
@@ -59,6 +59,7 @@ class LanguageModel(L.LightningModule):
         if isinstance(config, dict):  # from a checkpoint's hyper-parameters (stored as plain types)
             config = ModelConfig(**config)
         config = config.resolved()  # the signature default leaves d_ff & co. to be derived
+        self._derived = config.derived_fields()  # what a checkpoint may settle (adopt_checkpoint_config)
         if schedule_steps is not None and schedule_steps < 1:
             raise ConfigError(f"model.init_args.schedule_steps={schedule_steps}: the LR schedule's horizon must be "
                               ">= 1 step, or null for the trainer's max_steps")
@@ -81,6 +82,18 @@ class LanguageModel(L.LightningModule):
         self._paused: Optional[float] = None  # when a validation inside the interval began
         self._moe_sum: Optional[Tensor] = None  # MoE statistics summed over the interval's batches, on the device
         self._moe_batches = 0
+
+    def adopt_checkpoint_config(self, saved: dict[str, Any]) -> None:
+        """Before the model is built: the config fields this run left to derivation (d_ff, n_kv_heads, moe_d_ff)
+        take the checkpoint's values. A run started before they were left open in the signature default saved a
+        d_ff derived from the *default* d_model, which its yaml never stated: it still validates and resumes."""
+        values = {n: saved[n] for n in self._derived if saved.get(n) is not None and saved[n] != getattr(self.config, n)}
+        if not values or self.model is not None:
+            return
+        self.config = replace(self.config, **values)
+        self.hparams["config"] = asdict(self.config)
+        rank_zero_info("[lit-lm] from the checkpoint: " + ", ".join(f"{k} {v}" for k, v in values.items()) +
+                       " (fields the config leaves to derivation)")
 
     def configure_model(self) -> None:
         if self.model is not None:

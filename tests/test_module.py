@@ -173,3 +173,17 @@ def test_derived_config_fields_follow_the_yaml_not_the_default_instance(tmp_path
     built = LanguageModel(ModelConfig(**fields)).config
     assert built.d_ff == 512 and built.num_params() == 2_361_024
     assert LanguageModel().config == ModelConfig()  # the bare default is resolved as before
+
+
+def test_a_checkpoint_settles_the_fields_the_config_leaves_to_derivation():
+    """Runs started before the fix above saved d_ff 704 for configs/default.yaml's model: validate and resume
+    them with the same yaml (d_ff derived: 512) by taking the checkpoint's value, which the yaml never stated;
+    a d_ff the config states otherwise is kept (and check_architecture then refuses the checkpoint)."""
+    derived = LanguageModel(ModelConfig(**dict(vars(CFG), d_ff=None, moe_d_ff=None)))
+    assert {"d_ff", "moe_d_ff"} <= set(derived.config.derived_fields())
+    saved = dict(vars(derived.config), d_ff=derived.config.d_ff + 64, moe_d_ff=derived.config.d_ff + 64)
+    derived.adopt_checkpoint_config(saved)
+    assert derived.config.d_ff == saved["d_ff"] and derived.hparams["config"]["d_ff"] == saved["d_ff"]
+    stated = LanguageModel(ModelConfig(**dict(vars(CFG), d_ff=CFG.d_ff + 128)))
+    stated.adopt_checkpoint_config(saved)
+    assert stated.config.d_ff == CFG.d_ff + 128
