@@ -52,8 +52,8 @@ class LanguageModel(L.LightningModule):
             on CUDA and the PyTorch references elsewhere.
     """
 
-    def __init__(self, config: ModelConfig = ModelConfig.signature_default(), lr: float = 3e-3, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, weight_decay: float = 0.1, warmup_steps: int = 100, min_lr_ratio: float = 0.1,
+    def __init__(self, config: ModelConfig = ModelConfig.signature_default(), lr: float = 3e-3,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, warmup_steps: int = 100, min_lr_ratio: float = 0.1,
                  kernels: Optional[list[str]] = None, schedule_steps: Optional[int] = None) -> None:
         super().__init__()
         if isinstance(config, dict):  # from a checkpoint's hyper-parameters (stored as plain types)
@@ -247,18 +247,21 @@ class LanguageModel(L.LightningModule):
 
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
                                     gradient_clip_algorithm: Optional[str] = None) -> None:
-        """`grad_norm` (the pre-clip global norm) is logged every step on every strategy, clipped or not: lit-lm's
-        strategies log it when they clip by norm (their global norm over shards); otherwise it is measured here with
-        a no-op clip. Lightning's single-device and DDP strategies (whole gradients on every rank) clip through the
-        same function; other Lightning strategies (FSDP) keep their own clipping and log no norm."""
+        """`grad_norm` (the pre-clip global norm) is logged on every strategy, clipped or not: lit-lm's strategies
+        log it when they clip by norm (their global norm over shards); otherwise it is measured here with a no-op
+        clip, at logging steps only (a norm nobody clips with is not worth a pass over the gradients and, sharded,
+        a collective every step). Lightning's single-device and DDP strategies (whole gradients on every rank) clip
+        through the same function; other Lightning strategies (FSDP) keep their own clipping and log no norm."""
         by_norm = bool(gradient_clip_val) and gradient_clip_algorithm in (None, "norm")
+        measure = not by_norm and logs_this_batch(self.trainer)
         strategy = self.trainer.strategy
         if isinstance(strategy, BaseStrategy):
-            if not by_norm:
+            if measure:
                 strategy.clip_grad_norm_(float("inf"))  # logs the norm; clips nothing
         elif isinstance(strategy, (L.pytorch.strategies.SingleDeviceStrategy, L.pytorch.strategies.DDPStrategy)):
-            norm = clip_grad_norm_(local_grad_shards(self), gradient_clip_val if by_norm else float("inf"))
-            self.log("grad_norm", norm)
+            if by_norm or measure:
+                norm = clip_grad_norm_(local_grad_shards(self), gradient_clip_val if by_norm else float("inf"))
+                self.log("grad_norm", norm)
             if by_norm:
                 return
         if gradient_clip_val:

@@ -187,3 +187,25 @@ def test_a_checkpoint_settles_the_fields_the_config_leaves_to_derivation():
     stated = LanguageModel(ModelConfig(**dict(vars(CFG), d_ff=CFG.d_ff + 128)))
     stated.adopt_checkpoint_config(saved)
     assert stated.config.d_ff == CFG.d_ff + 128
+
+
+def test_an_unclipped_run_logs_the_gradient_norm_at_its_logging_steps():
+    """No clipping configured: the pre-clip norm is still logged, measured at logging steps only, and equals the
+    norm of the gradients the optimizer steps with."""
+    torch.manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.randint(0, CFG.vocab_size, (16, CFG.max_seq_len + 1)), batch_size=4)
+    metrics, norms = _Metrics(), {}
+
+    class Norms(L.Callback):
+        def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: object) -> None:
+            grads = [p.grad for p in module.parameters() if p.grad is not None]
+            norms[trainer.global_step] = float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+
+    trainer = L.Trainer(max_steps=4, logger=metrics, log_every_n_steps=2, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, callbacks=[Norms()],
+                        limit_val_batches=0)
+    trainer.fit(LanguageModel(CFG, warmup_steps=2), data)
+    logged = {step: row["grad_norm"] for step, row in metrics.rows.items() if "grad_norm" in row}
+    assert sorted(logged) == [1, 3]
+    for step, value in logged.items():
+        assert value == pytest.approx(norms[step], rel=1e-5)
