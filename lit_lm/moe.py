@@ -7,7 +7,7 @@
              -> gate-weighted scatter-add back to the tokens  (+ shared experts on every token)
 
 `GroupedExperts` is the expert-parallel seam: it takes tokens already grouped by expert plus the count per expert,
-so `strategies.ep` can wrap it with an all-to-all dispatch/combine without the layer knowing. Expert weights are
+so `strategies.experts` can wrap it with an all-to-all dispatch/combine without the layer knowing. Expert weights are
 stacked tensors (E, ...), so an expert-parallel shard is a slice along dim 0 under the same parameter name.
 
 Load balancing: the Switch auxiliary loss, the router z-loss, and DeepSeek-V3's auxiliary-loss-free balancing (a

@@ -9,7 +9,7 @@ Contenders (each in its own fresh processes, alternated over >= 5 rounds in an o
 
 - `ddp`: torch `DistributedDataParallel` through Lightning's `ddp`; `ddp_view`: the same with
   `gradient_as_bucket_view=True` (its gradients live in its buckets, as ours do);
-- `lm_ddp`: `strategies.ddp.GradSync` at `--bucket-cap-mb`: asynchronous all-reduces launched from the gradient
+- `lm_ddp`: `strategies.grad_sync.GradSync` at `--bucket-cap-mb`: asynchronous all-reduces launched from the gradient
   hooks, overlapped with backward (the path every NCCL user runs; on the CPU over gloo, torch DDP's transport too);
 - with the same AdamW for all (torch's default: on CPU a per-tensor loop), then each with its best setting
   (`--fused`: fused AdamW; torch DDP with bucket views);
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runner import MARK, run_rounds, summarize, write_json  # noqa: E402
 from bench_strategies import _env, _spawn, add_run_args, footer, forwarded, model_config, run_one  # noqa: E402
-from strategies import comm, ddp  # noqa: E402
+from strategies import comm, grad_sync  # noqa: E402
 from strategies.comm import COMM_LOG  # noqa: E402
 from strategies.ddp import DataParallelStrategy  # noqa: E402
 
@@ -66,7 +66,7 @@ class AlternateComm(L.Callback):
     """Odd steps run with `op` of the engine module `engine` (its `comm`) a no-op (the replicas drift apart: only the
     time matters). Default: GradSync's all-reduce."""
 
-    def __init__(self, engine: Any = ddp, op: str = "all_reduce") -> None:
+    def __init__(self, engine: Any = grad_sync, op: str = "all_reduce") -> None:
         no_op = partial(_no_op, fill=op == "reduce_scatter")
         self.engine, self.no_comm = engine, SimpleNamespace(**{**vars(comm), op: no_op})
 

@@ -52,7 +52,7 @@ def tokens_per_s(config: ModelConfig, steps: int) -> float:
 
 
 def _ep_worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
-    from strategies.ep import shard_experts
+    from strategies.experts import shard_experts
     from strategies.layout import ParallelDims, ParallelLayout
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

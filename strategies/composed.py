@@ -49,8 +49,8 @@ from strategies import cp as context
 from strategies import checkpoint as ckpt
 from strategies.base import BaseStrategy, GradPart, Split, WeightShard, _unwrap
 from strategies.clip import GradShards
-from strategies.ddp import GradSync, broadcast_parameters, flat_step
-from strategies.ep import ExpertShard, shard_experts
+from strategies.grad_sync import GradSync, broadcast_parameters, flat_step
+from strategies.experts import ExpertShard, shard_experts
 from strategies.errors import ConfigError
 from strategies.layout import ParallelDims
 from strategies.placement import Placement, global_index, init_local, materialize

@@ -14,12 +14,12 @@ from strategies.zero import ZeroStrategy
 
 
 class DataParallelStrategy(ComposedStrategy):
-    """`lm_ddp`: the model replicated on every dp rank, gradients averaged by `GradSync` (strategies/ddp.py)."""
+    """`lm_ddp`: the model replicated on every dp rank, gradients averaged by `GradSync` (strategies/grad_sync.py)."""
 
 
 class ExpertParallelStrategy(ComposedStrategy):
     """`ep`: experts sharded over `expert_parallel_size` ranks (default 2) carved from dp, everything else data
-    parallel (strategies/ep.py); `zero_stage` 1 or 2 shards dense state over dp and expert state over edp."""
+    parallel (strategies/experts.py); `zero_stage` 1 or 2 shards dense state over dp and expert state over edp."""
 
     def __init__(self, expert_parallel_size: int = 2, **kwargs: Any) -> None:
         super().__init__(expert_parallel_size=expert_parallel_size, **kwargs)

@@ -17,7 +17,8 @@ from callbacks.clip import GlobalNormClip
 from dist_utils import TinyLM, run_distributed
 from parity import CLIP_ABOVE, Case, assert_parity, run_parity
 from strategies.comm import COMM_LOG
-from strategies.ddp import DataParallelStrategy, GradSync, _bucketize
+from strategies.ddp import DataParallelStrategy
+from strategies.grad_sync import GradSync, _bucketize
 from strategies.zero_engine import model_state_bytes
 
 

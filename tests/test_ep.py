@@ -1,4 +1,4 @@
-"""Expert parallelism (`strategies.ep`): the dispatch engine on its own, then `ep` and dp x ep (with ZeRO-1/2)
+"""Expert parallelism (`strategies.experts`): the dispatch engine on its own, then `ep` and dp x ep (with ZeRO-1/2)
 against one process, and checkpoints resumed across ZeRO stages."""
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from lit_lm.model import Transformer
 from lit_lm.moe import GroupedExperts, moe_layers
 from strategies.checkpoint import to_single_file
 from strategies.comm import COMM_LOG
-from strategies.ep import ExpertParallelStrategy, ExpertShard, check_expert_parallel
+from strategies.ep import ExpertParallelStrategy
+from strategies.experts import ExpertShard, check_expert_parallel
 from strategies.layout import ParallelDims, ParallelLayout
 
 STEPS = 5  # odd: the sign updates cannot cancel to a zero bias

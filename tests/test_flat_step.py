@@ -23,7 +23,7 @@ import torch.distributed as dist
 import strategies.flat_step as flat_step
 from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
-from strategies.ddp import GradSync, flat_step as ddp_flat_step
+from strategies.grad_sync import GradSync, flat_step as ddp_flat_step
 from strategies.zero_engine import ZeroEngine, model_state_bytes
 from tests.dist_utils import TINY, run_distributed, token_data
 

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from parity import BF16_TRUE_RTOL, CLIP_ABOVE, MOE, TINY, Case, assert_parity, bf16_true_case, run_parity
 from callbacks.clip import GlobalNormClip
-from strategies import clip, comm, composed, ddp, zero_engine
+from strategies import clip, comm, composed, grad_sync, zero_engine
 from strategies import cp as context
 from strategies.base import BaseStrategy
 from strategies.composed import ComposedStrategy
@@ -69,7 +69,7 @@ def _scaled_comm(module: object, op: str, factor: float, monkeypatch: pytest.Mon
 
 def grad_sync_sums(monkeypatch: pytest.MonkeyPatch) -> None:
     """GradSync sums instead of averaging: world x the input, then its division by the world."""
-    _scaled_comm(ddp, "all_reduce", 2.0, monkeypatch)
+    _scaled_comm(grad_sync, "all_reduce", 2.0, monkeypatch)
 
 
 def zero_reduce_scatter_doubled(monkeypatch: pytest.MonkeyPatch) -> None:
