@@ -55,7 +55,7 @@ Service for callbacks (pruning, QAT: they never touch strategy internals)
                                     (default: whole).
     named_grads() -> list[GradPart]  every gradient as this rank holds it, under its global name and where it
                                     sits in the global gradient (ZeRO-2/3 leave `param.grad` None: this is how
-                                    to read them); the parity harness (tests/parity.py) compares these parts.
+                                    to read them); the parity harness (lit_lm/parity.py) compares these parts.
 """
 
 from __future__ import annotations

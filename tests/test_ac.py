@@ -18,7 +18,7 @@ from lit_lm.config import ModelConfig
 from lit_lm.estimate import Layout, block_kept
 from lit_lm.model import Transformer
 from lit_lm.moe import moe_aux_loss, moe_layers, update_router_bias
-from parity import MOE, Case, assert_parity, run_parity
+from lit_lm.parity import MOE, Case, assert_parity, run_parity
 from strategies.ac import ActivationMemory, Checkpointed, apply_activation_checkpointing, check_mode
 from strategies.cp import parallelize_context
 from strategies.plan import find_block_model

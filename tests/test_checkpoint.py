@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import strategies.registry  # noqa: F401  (registers lm_ddp)
 from dist_utils import TinyLM, fit_tiny, run_distributed
-from parity import MOE, Case, assert_parity, run_parity
+from lit_lm.parity import MOE, Case, assert_parity, run_parity
 from strategies.zero import ZeroStrategy
 from strategies.checkpoint import is_sharded_checkpoint
 

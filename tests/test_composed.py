@@ -1,4 +1,4 @@
-"""Every composition of the N-D strategy against one process (tests/parity.py): per-step losses, the pre-clip norm,
+"""Every composition of the N-D strategy against one process (lit_lm/parity.py): per-step losses, the pre-clip norm,
 every gradient part under its global name before the update, and the final parameters, fp32 at 1e-5.
 
 The first-wave names are presets of `ComposedStrategy`, so a preset given another dimension's size composes (the
@@ -17,7 +17,7 @@ from typing import Any
 import lightning as L
 import pytest
 
-from parity import CLIP_ABOVE, MOE, TINY, Case, assert_parity, run_parity
+from lit_lm.parity import CLIP_ABOVE, MOE, TINY, Case, assert_parity, run_parity
 from strategies.composed import ComposedStrategy
 from strategies.errors import ConfigError
 from strategies.pp import PipelineStrategy

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dist_utils import TINY, run_distributed
-from parity import Case, assert_parity, run_parity
+from lit_lm.parity import Case, assert_parity, run_parity
 from kernels.attention import attention_reference
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.model import RotaryEmbedding, Transformer
@@ -310,7 +310,7 @@ def test_transformer_loss_and_gradients_match_single_process(world: int) -> None
                 torch.testing.assert_close(grad, ref, atol=1e-5, rtol=1e-5, msg=f"{run}: {name}")
 
 
-# -- an odd ring through the strategy (tests/parity.py): cp=3 against one process, and the ring turned around ------
+# -- an odd ring through the strategy (lit_lm/parity.py): cp=3 against one process, and the ring turned around ------
 CP3_MODEL = dict(TINY, max_seq_len=12)  # divisible by 2·cp = 6: chunks of 2 tokens
 
 

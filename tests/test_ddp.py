@@ -15,7 +15,7 @@ from torch import nn
 import strategies.registry  # noqa: F401  (registers lm_ddp)
 from callbacks.clip import GlobalNormClip
 from dist_utils import TinyLM, run_distributed
-from parity import CLIP_ABOVE, Case, assert_parity, run_parity
+from lit_lm.parity import CLIP_ABOVE, Case, assert_parity, run_parity
 from strategies.comm import COMM_LOG
 from strategies.ddp import DataParallelStrategy
 from strategies.grad_sync import GradSync, _bucketize

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from dist_utils import TINY, Recorder, rank_share, run_distributed, token_data
-from parity import MOE, Case, assert_parity, run_parity
+from lit_lm.parity import MOE, Case, assert_parity, run_parity
 from lit_lm.config import ModelConfig
 from lit_lm.module import LanguageModel
 from lit_lm.model import Transformer

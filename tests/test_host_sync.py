@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.data import DataLoader
 
 from dist_utils import TINY, rank_share, run_distributed, token_data
-from parity import MOE
+from lit_lm.parity import MOE
 from callbacks.nan_guard import NanGuard
 from callbacks.progress import StepProgress
 from callbacks.throughput import Throughput

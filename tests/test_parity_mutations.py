@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from parity import BF16_TRUE_RTOL, CLIP_ABOVE, MOE, TINY, Case, assert_parity, bf16_true_case, run_parity
+from lit_lm.parity import BF16_TRUE_RTOL, CLIP_ABOVE, MOE, TINY, Case, assert_parity, bf16_true_case, run_parity
 from callbacks.clip import GlobalNormClip
 from strategies import clip, comm, composed, grad_sync, zero_engine
 from strategies import cp as context

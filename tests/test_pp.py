@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from dist_utils import TINY, fit_tiny, run_distributed
-from parity import MOE, Case, assert_parity, run_parity
+from lit_lm.parity import MOE, Case, assert_parity, run_parity
 from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
 from strategies import pp_runner

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import TINY, Recorder, TinyLM, run_distributed
-from parity import Case, assert_bf16_parity, assert_parity, bf16_cases, run_parity
+from lit_lm.parity import Case, assert_bf16_parity, assert_parity, bf16_cases, run_parity
 from lit_lm.config import ModelConfig
 from lit_lm.model import LMLoss, SwiGLU, Transformer
 from strategies.comm import COMM_LOG

@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dist_utils import Recorder, TinyLM, rank_share, run_distributed, token_data
-from parity import (BF16_TRUE_RTOL, Case, assert_bf16_parity, assert_parity, bf16_cases, bf16_true_case, reference,
-                    run_parity)
+from lit_lm.parity import (BF16_TRUE_RTOL, Case, assert_bf16_parity, assert_parity, bf16_cases, bf16_true_case,
+                           reference, run_parity)
 from strategies.comm import COMM_LOG
 from strategies.base import _unwrap
 from strategies.zero import ZeroStrategy

@@ -1,4 +1,5 @@
-"""The parity harness of the strategy tests: a run under a strategy on N gloo ranks against one process, step by step.
+"""The parity harness of `lit-lm check` and the strategy tests: a run under a strategy on N gloo ranks against one
+process, step by step.
 
     runs = run_parity([Case(partial(ZeroStrategy, stage=2)), Case(partial(ZeroStrategy, stage=3), optimizer="adamw")],
                       world_size=2)
@@ -35,8 +36,9 @@ too, so a strategy that sums instead of averaging passes a loss/parameter compar
 the gradients themselves show it at step 0 (the mutation tests in test_parity_mutations.py prove it).
 
 A `Case` is picklable: the strategy is a factory (a class or `functools.partial`) called in each worker, and
-`mutation(monkeypatch)` (a module-level function) breaks an engine inside the workers for the mutation tests.
-Single-process references are cached per (model, optimizer, data, trainer settings) for the test session.
+`mutation(monkeypatch)` (a module-level function, given a `pytest.MonkeyPatch`: pytest is then needed) breaks an
+engine inside the workers for the mutation tests. Single-process references are cached per (model, optimizer, data,
+trainer settings) for the process (a test session, one `lit-lm check`).
 """
 
 from __future__ import annotations
@@ -49,19 +51,24 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
+import contextlib
+import re
+
 import lightning as L
-import pytest
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from callbacks.clip import GlobalNormClip
-from dist_utils import TINY, rank_share, run_distributed, token_data
 from lit_lm.config import ModelConfig
 from lit_lm.module import LanguageModel
+from lit_lm.spawn import run_distributed
 from strategies.base import BaseStrategy, GradPart
 from strategies.clip import global_grad_norm, local_grad_shards
 
+
+# the tiny model of the harness's cases (and the suite's): 2 layers, GQA 4:2
+TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
 
 # block 0 dense, block 1 MoE (4 experts, top-2, a shared expert), z-loss and aux-free balancing; dropless
 MOE = dict(TINY, moe_experts=4, moe_top_k=2, moe_d_ff=16, moe_shared_experts=1, moe_first_dense=1, moe_z_loss=1e-3,
@@ -80,7 +87,7 @@ class Case:
     trainer: dict = field(default_factory=dict)  # e.g. accumulate_grad_batches, gradient_clip_val, precision
     frozen: tuple[str, ...] = ()  # parameters (global names) with requires_grad=False, still in the optimizer
     lr: Optional[float] = None  # default: 0.1 (sgd), 3e-3 (adamw)
-    mutation: Optional[Callable[[pytest.MonkeyPatch], None]] = None  # applied in every worker, undone after
+    mutation: Optional[Callable[[Any], None]] = None  # applied in every worker, undone after
     callbacks: tuple[L.Callback, ...] = ()  # run on both sides; returned trained (e.g. to read what they recorded)
     label: str = ""
     resume: Optional["Case"] = None  # a one-process run (same model) saved as one file; this run continues it
@@ -192,9 +199,7 @@ def fit_case(case: Case, devices: int = 1, ckpt_path: Optional[str] = None, save
              ) -> dict[str, Any]:
     """Train `case` on this process (one of `devices` ranks), from `ckpt_path` (the saved `case.resume`) if given;
     the per-step records and final parameters. `save_to`: write the trained run there as one Lightning file."""
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        if case.mutation is not None:
-            case.mutation(monkeypatch)
+    with _mutated(case):
         L.seed_everything(0, verbose=False)
         module, callbacks = ParityLM(case), copy.deepcopy(list(case.callbacks))
         probe = Probe(start=ckpt_path is not None)
@@ -209,6 +214,31 @@ def fit_case(case: Case, devices: int = 1, ckpt_path: Optional[str] = None, save
             trainer.save_checkpoint(save_to)
         return {"losses": probe.losses, "rows": probe.rows, "dp_rank": probe.dp_rank, "sampler": probe.sampler,
                 "start": probe.start, "steps": probe.steps, "params": _state(trainer), "callbacks": callbacks}
+
+
+@contextlib.contextmanager
+def _mutated(case: Case) -> Any:
+    """`case.mutation` applied for the run and undone after (through pytest's MonkeyPatch, imported only then)."""
+    if case.mutation is None:
+        yield
+        return
+    import pytest
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        case.mutation(monkeypatch)
+        yield
+
+
+def token_data(n_samples: int, seq_len: int = 16, seed: int = 0) -> torch.Tensor:
+    """Fixed random tokens (vocabulary TINY's; a larger model takes them modulo its own)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, TINY["vocab_size"], (n_samples, seq_len + 1), generator=gen)
+
+
+def rank_share(data: torch.Tensor, global_batch: int, rank: int, world: int) -> torch.Tensor:
+    """This rank's rows, ordered so that its k-th local batch is its slice of the k-th global batch."""
+    local = global_batch // world
+    return data.view(-1, world, local, data.shape[-1])[:, rank].reshape(-1, data.shape[-1])
 
 
 def _fit_cases(cases: list[Case], devices: int, ckpt_paths: list[Optional[str]]) -> list[dict[str, Any]]:
@@ -315,9 +345,16 @@ def bf16_cases(strategy: Callable[[], Any], label: str, **kwargs: Any) -> list[C
 
 
 def assert_bf16_parity(trained: dict[str, Any], frozen: dict[str, Any]) -> None:
+    """`trained` within BF16_RTOL of its reference, and its frozen-weights twin reported against the same reference
+    after step 0 (so the tolerance can see training)."""
     assert_parity(trained, rtol=BF16_RTOL, grads=False, params=False)
-    with pytest.raises(AssertionError, match=r"(batch|step) [1-5] rank \d: (loss|pre-clip grad norm)"):
+    try:
         assert_parity({**frozen, "single": trained["single"]}, rtol=BF16_RTOL, grads=False, params=False)
+    except AssertionError as error:
+        assert re.search(r"(batch|step) [1-5] rank \d: (loss|pre-clip grad norm)", str(error)), \
+            f"frozen weights reported, but not after step 0 by a loss or norm: {error}"
+    else:
+        raise AssertionError(f"{frozen['case'].label}: frozen weights (lr=1e-12) pass at BF16_RTOL {BF16_RTOL}")
 
 
 def _assert_grads(parts: list[tuple], ref_parts: list[tuple], rtol: float, where: str) -> None:

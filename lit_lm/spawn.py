@@ -1,0 +1,62 @@
+"""Run a function on N local gloo processes and collect what each returns: the worlds of `lit-lm check` and the suite.
+
+    results = run_distributed(fn, 2, arg1, arg2)            # fn(arg1, arg2) on ranks 0 and 1 -> [r0, r1]
+    results = run_distributed(fn, 2, init_process_group=False)  # Lightning workers: the strategy initialises
+
+Each call uses a fresh free port (parallel test workers never collide), sets the environment a launcher would
+(MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK: Lightning then sees externally created processes and
+spawns nothing), pins OMP_NUM_THREADS=1 so N ranks do not oversubscribe the cores, and re-raises a rank's
+exception in the caller with its traceback. `fn` and its arguments must be picklable (module-level functions);
+results travel back through `torch.save`, so tensors and plain containers are fine.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A port free now, chosen at random below the kernel's ephemeral range (32768+): an ephemeral port that is free
+    now can be taken by one of the many client sockets other tests' gloo ranks open before our store binds it."""
+    rng = random.SystemRandom()
+    while True:
+        port = rng.randrange(20000, 32000)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, init_process_group: bool = True,
+                    env: dict[str, str] | None = None) -> list[Any]:
+    """Run `fn(*args)` on `world_size` spawned processes; return the per-rank results in rank order."""
+    with tempfile.TemporaryDirectory() as out:
+        base_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
+                    "NODE_RANK": "0", "OMP_NUM_THREADS": "1", **(env or {})}
+        mp.spawn(_worker, args=(fn, args, base_env, init_process_group, out), nprocs=world_size, join=True)
+        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _worker(rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str], init_process_group: bool,
+            out: str) -> None:
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    if init_process_group:
+        dist.init_process_group("gloo", rank=rank, world_size=int(env["WORLD_SIZE"]))
+    try:
+        result = fn(*args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    torch.save(result, Path(out) / f"rank{rank}.pt")
