@@ -32,19 +32,25 @@ Every group is created once per process (`new_group` is collective over the worl
 `setup_environment` again for every `validate()`/`test()` after `fit()`), in `ParallelLayout.get`, with the
 strategy's `timeout`: a subgroup made without one gets the backend's default (30 min for gloo, 10 min for NCCL),
 so a collective on `dp` with a dead peer would outwait the world's by that much.
+
+`ParallelConfig` is the one description of a parallel configuration (the sizes and each dimension's options) that
+the strategy, the estimator, the planner and the yaml share; `REFUSED` is the one table of the combinations the
+engines do not compose (docs/parallelism.md lists it; tests/test_refusals.py checks both ways).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from strategies import comm
+from strategies.cp import METHODS as CP_METHODS
 from strategies.errors import ConfigError
+from strategies.zero_engine import check_stage
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # outermost first
 GROUPS = (*DIMS, "dp", "dp_cp", "dp_shard_cp", "ep", "edp", "pp_embedding")
@@ -106,6 +112,220 @@ class ParallelDims:
                        f"{self.dp_shard * self.cp} (experts are carved from those ranks)")
         if problem:
             raise ConfigError(f"parallel layout {self.describe()} on a world of {world} ranks: {problem}")
+
+
+    def size(self, name: str) -> int:
+        """Ranks in each group named `name` (a dimension or a derived group, see the module docstring)."""
+        derived = {"dp": self.dp, "dp_cp": self.dp * self.cp, "dp_shard_cp": self.dp_shard * self.cp,
+                   "edp": self.dp * self.cp // self.ep, "pp_embedding": min(self.pp, 2)}
+        return derived[name] if name in derived else getattr(self, name)
+
+
+# -- the configuration: sizes and each dimension's options, one shape for strategy, estimator, planner and yaml ----
+PIPELINE_DEFAULTS = {"microbatches": 4, "schedule": "1f1b", "virtual_stages": 1, "balance": "layers"}
+BALANCE = ("layers", "params")  # how a pipeline assigns blocks to stages (`strategies.pp_split`)
+ARGS = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "cp": "context_parallel_size",
+        "ep": "expert_parallel_size", "dp_replicate": "data_parallel_replicate_size"}  # field -> strategy argument
+OPTIONS = {"sequence_parallel": "tp", "cp_method": "cp", "microbatches": "pp", "schedule": "pp",
+           "virtual_stages": "pp", "layers_per_stage": "pp", "balance": "pp"}  # option -> the dimension reading it
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Every parallel setting of a run, validated on construction; `check()` refuses what the engines do not
+    compose (`REFUSED`). `ComposedStrategy`'s yaml arguments map onto it with `from_args` and back with
+    `strategy_args` (long names, options only where their dimension is on).
+
+        ParallelConfig(tp=2, pp=2, schedule="zb_h1")            # dp_shard: what the world leaves
+        ParallelConfig.from_args(tensor_parallel_size=2, zero_stage=3).check()
+        config.dims(world=8)                                  # the validated `ParallelDims`
+
+    `dp_shard` is the data-parallel remainder: None (the strategy's case) takes what the world leaves; the
+    estimator and the planner, which have no world, give it."""
+
+    tp: int = 1
+    sequence_parallel: bool = True  # under tp: norms and the residual stream on 1/tp of the positions
+    pp: int = 1
+    microbatches: int = PIPELINE_DEFAULTS["microbatches"]
+    schedule: str = PIPELINE_DEFAULTS["schedule"]  # `strategies.pp_schedules` (validated where it is built)
+    virtual_stages: int = PIPELINE_DEFAULTS["virtual_stages"]
+    layers_per_stage: Optional[tuple[int, ...]] = None  # None: split by `balance`
+    balance: str = PIPELINE_DEFAULTS["balance"]
+    cp: int = 1
+    cp_method: str = "ring"
+    ep: int = 1
+    dp_replicate: int = 1
+    dp_shard: Optional[int] = None
+    zero_stage: int = 0
+
+    def __post_init__(self) -> None:
+        names = dict(ARGS, dp_shard="dp_shard", microbatches="microbatches", virtual_stages="virtual_stages")
+        for name, arg in names.items():
+            size = getattr(self, name)
+            if not (size is None and name == "dp_shard") and (not isinstance(size, int) or size < 1):
+                raise ConfigError(f"{arg}={size!r}: must be an integer >= 1")
+        if self.zero_stage != 0:
+            try:
+                check_stage(self.zero_stage)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
+        if self.cp_method not in CP_METHODS:
+            raise ConfigError(f"cp_method: unknown {self.cp_method!r}; choose one of {', '.join(CP_METHODS)}")
+        if self.balance not in BALANCE:
+            raise ConfigError(f"balance: unknown {self.balance!r}; choose one of {', '.join(BALANCE)}")
+        if self.layers_per_stage is not None:  # a yaml list: kept as a tuple, so the config stays hashable
+            object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
+
+    @classmethod
+    def from_args(cls, tensor_parallel_size: int = 1, sequence_parallel: Optional[bool] = None,
+                  pipeline_parallel_size: int = 1, microbatches: Optional[int] = None, schedule: Optional[str] = None,
+                  virtual_stages: Optional[int] = None, layers_per_stage: Optional[list[int]] = None,
+                  balance: Optional[str] = None, context_parallel_size: int = 1, cp_method: Optional[str] = None,
+                  expert_parallel_size: int = 1, data_parallel_replicate_size: int = 1,
+                  zero_stage: int = 0) -> "ParallelConfig":
+        """From `ComposedStrategy`'s arguments, where None means "not given": an option given without its
+        dimension is refused (nobody would read it)."""
+        options = dict(sequence_parallel=sequence_parallel, cp_method=cp_method, microbatches=microbatches,
+                       schedule=schedule, virtual_stages=virtual_stages, layers_per_stage=layers_per_stage,
+                       balance=balance)
+        sizes = dict(tp=tensor_parallel_size, pp=pipeline_parallel_size, cp=context_parallel_size,
+                     ep=expert_parallel_size, dp_replicate=data_parallel_replicate_size)
+        if sequence_parallel is not None and tensor_parallel_size == 1:
+            raise ConfigError("sequence_parallel is a tensor-parallel option: set tensor_parallel_size > 1 or "
+                              "remove it")
+        if cp_method is not None and context_parallel_size == 1:
+            raise ConfigError("cp_method is a context-parallel option: set context_parallel_size > 1 or remove it")
+        given = [k for k, v in options.items() if v is not None and OPTIONS[k] == "pp"]
+        if pipeline_parallel_size == 1 and given:
+            raise ConfigError(f"{', '.join(given)}: pipeline options, but pipeline_parallel_size is 1: set "
+                              "pipeline_parallel_size > 1 or remove them")
+        return cls(**sizes, zero_stage=zero_stage, **{k: v for k, v in options.items() if v is not None})
+
+    def strategy_args(self) -> dict[str, Any]:
+        """`ComposedStrategy`'s arguments for this config (the inverse of `from_args`): every size, and each option
+        only where its dimension is on (the strategy refuses options it would not read). `dp_shard` is left to the
+        world, as the strategy takes it."""
+        args: dict[str, Any] = {arg: getattr(self, name) for name, arg in ARGS.items()}
+        args["zero_stage"] = self.zero_stage
+        for option, dim in OPTIONS.items():
+            value = getattr(self, option)
+            if getattr(self, dim) > 1 and value is not None:
+                args[option] = list(value) if isinstance(value, tuple) else value
+        return args
+
+    # -- derived ----------------------------------------------------------------------------------------------
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism is on: tp > 1 and not switched off."""
+        return self.tp > 1 and self.sequence_parallel
+
+    def dims(self, world: Optional[int] = None) -> ParallelDims:
+        """The sizes as the layout holds them: validated on `world` ranks (dp_shard None: what they leave), or
+        without a world the given dp_shard (None: 1), unvalidated (the estimator's case)."""
+        sizes = dict(pp=self.pp, dp_replicate=self.dp_replicate, cp=self.cp, tp=self.tp, ep=self.ep)
+        if world is None:
+            return ParallelDims(dp_shard=self.dp_shard or 1, **sizes)
+        return ParallelDims.of(world, dp_shard=self.dp_shard, **sizes)
+
+    @property
+    def dp(self) -> int:
+        return self.dims().dp
+
+    @property
+    def world(self) -> int:
+        return self.dims().world
+
+    def describe(self) -> str:
+        """Short, as the planner prints it: 'dp2x4 zero3 tp8 1f1b m8'."""
+        dp_shard = self.dp_shard or 1
+        dp = f"dp{dp_shard}" if self.dp_replicate == 1 else f"dp{self.dp_replicate}x{dp_shard}"
+        parts = [dp + (f" zero{self.zero_stage}" if self.zero_stage else "")]
+        parts += [f"{k}{getattr(self, k)}" for k in ("pp", "tp", "cp", "ep") if getattr(self, k) > 1]
+        if self.tp > 1 and not self.sequence_parallel:
+            parts.append("no-sp")
+        if self.cp > 1 and self.cp_method != "ring":
+            parts.append(self.cp_method)
+        if self.pp > 1:
+            v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+            parts.append(f"{self.schedule} m{self.microbatches}{v}")
+        return " ".join(parts)
+
+    # -- group roles: which layout group does what (names; `ParallelLayout.group(name)` gives the group) -------
+    @property
+    def dense_group(self) -> str:
+        """The layout group dense gradients are reduced over: every rank that saw other tokens (dp, and cp: its
+        ranks hold the same parameters and each computes the mean over its equal share of the tokens), or under
+        ZeRO the part of it the rows are sharded over (HSDP all-reduces over dp_replicate on top)."""
+        if self.zero_stage:
+            return "dp_shard_cp" if self.cp > 1 else "dp_shard"
+        return "dp_cp" if self.cp > 1 else "dp"
+
+    def norm_groups(self, dims: ParallelDims) -> list[str]:
+        """The groups a global sum over gradients runs over: those the gradients are partitioned across (tp slices,
+        pipeline stages, ZeRO rows, experts), never the pure replicas (each replica computes the same sum); groups
+        of one rank left out."""
+        names = [name for name in ("tp", "pp") if getattr(self, name) > 1]
+        if self.zero_stage:  # rows over dp_shard (x cp); with experts, over dp (ep x edp)
+            names.append("dp" if self.ep > 1 else self.dense_group)
+        elif self.ep > 1:
+            names.append("ep")
+        return [name for name in names if dims.size(name) > 1]
+
+    # -- refusals ---------------------------------------------------------------------------------------------
+    def refusal(self, moe: Optional[bool] = None) -> Optional["Refusal"]:
+        """The first `REFUSED` entry this config matches, or None. `moe`: whether the model has MoE layers (None:
+        not known yet, as at the strategy's construction: the entries about MoE models are skipped)."""
+        return next((r for r in REFUSED if (not r.moe or moe) and r.when(self)), None)
+
+    def check(self, moe: Optional[bool] = None) -> "ParallelConfig":
+        """Raise `ConfigError` with the first matching `REFUSED` entry's message; returns self."""
+        refused = self.refusal(moe)
+        if refused is not None:
+            raise ConfigError(refused.message)
+        return self
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A combination the engines do not compose: when it applies, why, and what to use instead. The error reads
+    '<combination>: <why>; <instead>'."""
+
+    combination: str  # in the strategy's argument names
+    when: Callable[[ParallelConfig], bool]
+    why: str
+    instead: str
+    moe: bool = False  # applies to models with MoE layers only (checked once the model is known)
+
+    @property
+    def message(self) -> str:
+        return f"{self.combination}: {self.why}; {self.instead}"
+
+
+REFUSED = (
+    Refusal("zero_stage=3 with pipeline_parallel_size > 1", lambda c: c.zero_stage == 3 and c.pp > 1,
+            "a stage holds 1/pp of the model already and the schedule's split backward bypasses ZeRO-3's gathers",
+            "use zero_stage 1 or 2 with pipeline parallelism"),
+    Refusal("zero_stage=3 with expert_parallel_size > 1", lambda c: c.zero_stage == 3 and c.ep > 1,
+            "expert shards are not gathered by ZeRO-3's units", "use zero_stage 1 or 2 with expert parallelism"),
+    Refusal("expert_parallel_size > 1 with data_parallel_replicate_size > 1", lambda c: c.ep > 1 and c.dp_replicate > 1,
+            "ep is carved from dp_shard only", "set data_parallel_replicate_size to 1"),
+    Refusal("context_parallel_size > 1 with pipeline_parallel_size > 1", lambda c: c.cp > 1 and c.pp > 1,
+            "the pipeline runner does not feed the stages zigzag shares",
+            "use cp with dp, tp and ZeRO, or pp without cp"),
+    Refusal("context_parallel_size > 1 with expert_parallel_size > 1", lambda c: c.cp > 1 and c.ep > 1,
+            "MoE balancing losses would count one rank's tokens only",
+            "use ep without cp, or a dense model with cp"),
+    Refusal("data_parallel_replicate_size > 1 without ZeRO", lambda c: c.dp_replicate > 1 and c.zero_stage == 0,
+            "HSDP replicates ZeRO shards",
+            "set zero_stage (1-3), or drop data_parallel_replicate_size (plain data parallel)"),
+    Refusal("a model with MoE layers and context_parallel_size > 1", lambda c: c.cp > 1,
+            "the balancing losses and router statistics would count one rank's tokens only",
+            "use ep without cp, or a dense model with cp", moe=True),
+    Refusal("a model with MoE layers under tensor_parallel_size > 1 with sequence_parallel",
+            lambda c: c.tp > 1 and c.sequence_parallel,
+            "the router's statistics need the whole batch on every tp rank (the experts are replicated over tp), "
+            "and sequence parallelism splits the positions", "set sequence_parallel: false", moe=True),
+)
 
 
 def _coords(rank: int, dims: ParallelDims) -> dict[str, int]:
@@ -204,6 +424,10 @@ class ParallelLayout:
             self._meshes[key] = DeviceMesh.from_group([self.groups[n] for n in names], device_type, mesh=mesh,
                                                       mesh_dim_names=names)
         return self._meshes[key]
+
+    def norm_groups(self, config: "ParallelConfig") -> list[dist.ProcessGroup]:
+        """This rank's groups a global gradient sum runs over (`ParallelConfig.norm_groups`)."""
+        return [self.groups[name] for name in config.norm_groups(self.dims)]
 
     # The names strategies and callbacks use most.
     dp_group = property(lambda self: self.groups["dp"])

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from strategies import comm
 from strategies.errors import ConfigError
-from strategies.layout import DIMS, GROUPS, ParallelDims, ParallelLayout, rank_grid
+from strategies.layout import DIMS, GROUPS, REFUSED, ParallelConfig, ParallelDims, ParallelLayout, rank_grid
 
 
 def test_dp2_tp2() -> None:
@@ -66,6 +66,70 @@ def test_bad_sizes_name_every_size_and_the_world() -> None:
         ParallelDims.of(4, tp=2, ep=4)
     with pytest.raises(ConfigError, match="tensor_parallel_size must be >= 1"):
         ParallelDims.of(4, tp=0)
+
+
+def test_group_sizes_are_the_grids() -> None:
+    for dims in (ParallelDims.of(16, pp=2, dp_replicate=2, tp=2), ParallelDims.of(8, cp=2, tp=2, ep=2),
+                 ParallelDims.of(8, dp_replicate=2, cp=2, ep=2)):
+        for name, groups in rank_grid(dims).items():
+            assert {len(g) for g in groups} == {dims.size(name)}, (dims, name)
+
+
+def test_parallel_config_is_the_strategys_arguments() -> None:
+    """`from_args` reads ComposedStrategy's arguments (None: not given), `strategy_args` writes them back: options
+    only where their dimension is on; validation and the option-without-its-dimension errors on the way in."""
+    configs = [ParallelConfig(), ParallelConfig(tp=2, sequence_parallel=False, zero_stage=3, dp_replicate=2),
+               ParallelConfig(pp=4, schedule="interleaved_1f1b", virtual_stages=2, microbatches=8,
+                              layers_per_stage=(1, 2, 2, 1), balance="params"),
+               ParallelConfig(cp=2, cp_method="allgather", zero_stage=1), ParallelConfig(ep=4, zero_stage=2)]
+    for config in configs:
+        args = config.strategy_args()
+        assert ParallelConfig.from_args(**args) == config, args
+    assert "sequence_parallel" not in ParallelConfig(sequence_parallel=False).strategy_args()  # tp 1: nobody reads it
+    assert ParallelConfig.from_args(tensor_parallel_size=2).sp and not ParallelConfig(sequence_parallel=True).sp
+    assert hash(ParallelConfig.from_args(pipeline_parallel_size=2, layers_per_stage=[1, 3]))  # a yaml list: a tuple
+    for kwargs, message in [(dict(sequence_parallel=True), "sequence_parallel is a tensor-parallel option"),
+                            (dict(cp_method="ring"), "cp_method is a context-parallel option"),
+                            (dict(schedule="gpipe", balance="params"), "schedule, balance: pipeline options, but "
+                                                                       "pipeline_parallel_size is 1"),
+                            (dict(expert_parallel_size=0), "expert_parallel_size=0: must be an integer >= 1"),
+                            (dict(pipeline_parallel_size=2, microbatches=1.5), "microbatches=1.5: must be an integer"),
+                            (dict(zero_stage=4), "unknown ZeRO stage 4"),
+                            (dict(context_parallel_size=2, cp_method="star"), "cp_method: unknown 'star'"),
+                            (dict(pipeline_parallel_size=2, balance="flops"), "balance: unknown 'flops'")]:
+        with pytest.raises(ConfigError, match=message):
+            ParallelConfig.from_args(**kwargs)
+
+
+def test_parallel_config_dims_and_group_roles() -> None:
+    assert ParallelConfig(tp=2, pp=2).dims(8) == ParallelDims(pp=2, dp_shard=2, tp=2)  # dp_shard: what is left
+    assert ParallelConfig(tp=2, dp_shard=4).dims() == ParallelDims(dp_shard=4, tp=2)  # the estimator's: no world
+    with pytest.raises(ConfigError, match="on a world of 6 ranks"):
+        ParallelConfig(tp=4).dims(6)
+    assert [ParallelConfig(zero_stage=z, cp=c).dense_group for z in (0, 2) for c in (1, 2)] == \
+        ["dp", "dp_cp", "dp_shard", "dp_shard_cp"]
+    norms = {ParallelConfig(tp=2, pp=2): ["tp", "pp"], ParallelConfig(zero_stage=3, cp=2): ["dp_shard_cp"],
+             ParallelConfig(zero_stage=1, ep=2): ["dp"], ParallelConfig(ep=2): ["ep"], ParallelConfig(): [],
+             ParallelConfig(zero_stage=3, dp_replicate=4): []}  # HSDP over 4 replicas of one shard: pure replicas
+    for config, names in norms.items():
+        assert config.norm_groups(config.dims(4)) == names, config
+
+
+def test_refusals_are_checked_in_table_order() -> None:
+    assert ParallelConfig(tp=2, pp=2, zero_stage=2).check().refusal() is None
+    for entry in REFUSED:  # every entry is reachable: some config matches it first
+        assert any(c.refusal(moe=True) is entry for c in _small_configs()), entry.combination
+    moe_sp = ParallelConfig(tp=2)
+    assert moe_sp.refusal() is None and moe_sp.refusal(moe=False) is None  # MoE entries once the model is known
+    with pytest.raises(ConfigError, match="set sequence_parallel: false"):
+        moe_sp.check(moe=True)
+    ParallelConfig(tp=2, sequence_parallel=False).check(moe=True)
+
+
+def _small_configs() -> list[ParallelConfig]:
+    return [ParallelConfig(tp=tp, pp=pp, cp=cp, ep=ep, dp_replicate=r, zero_stage=z, sequence_parallel=sp)
+            for tp in (1, 2) for pp in (1, 2) for cp in (1, 2) for ep in (1, 2) for r in (1, 2) for z in range(4)
+            for sp in (True, False)]
 
 
 def _layout_worker() -> dict:
