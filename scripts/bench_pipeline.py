@@ -9,8 +9,9 @@ whatever F, B and W really take (printed). `both` (default) runs one, then the o
 
 A rank's bubble = 1 - busy / T, busy the time in its compute actions (waiting for a message is idle), T the
 pipeline's step from the first rank's start to the last rank's end; each step starts after a barrier, the first
-of `--steps` is a warm-up and the others are averaged. Theory: (p-1)/(m+p-1) for GPipe and 1F1B, that over v for
-interleaved, (p-1)/(3m+p-1) for ZB-H1. Each action also pays a fixed ~1 ms here (a message's latency, Python);
+of `--steps` is a warm-up and the others are averaged. Theory: each schedule's bubble formula in the registry
+(`strategies/pp_schedules.py` SCHEDULES; `--schedules` picks some, by default all, a schedule with virtual stages
+runs `--virtual-stages` chunks). Each action also pays a fixed ~1 ms here (a message's latency, Python);
 the default 50 ms sleep per layer makes that noise. Peak microbatches in flight per rank come from the schedule.
 `--plot FILE` draws the last measured step of every schedule as a per-rank timeline of its F, B and W actions
 (measured start and end times, one clock for all processes of the host; gaps are idle), one PNG per model kind.
@@ -34,9 +35,10 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from machine import machine  # noqa: E402  (scripts/: where the figures were measured)
-from strategies.pp import split_layers  # noqa: E402
 from strategies.pp_runner import PipelineRunner  # noqa: E402
-from strategies.pp_schedules import SCHEDULES, bubble_theory, build_schedule  # noqa: E402
+from strategies.errors import ConfigError  # noqa: E402
+from strategies.pp_schedules import SCHEDULES, bubble_theory, build_schedule, schedule_spec  # noqa: E402
+from strategies.pp_split import split_layers  # noqa: E402
 
 KINDS = {"sleep": ("sleep",), "real": ("real",), "both": ("sleep", "real")}
 
@@ -136,8 +138,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=args.stages)
     p, m = args.stages, args.microbatches
     results = {}
-    for kind, name in itertools.product(KINDS[args.model], SCHEDULES):
-        v = args.virtual_stages if name == "interleaved_1f1b" else 1
+    for kind, name in itertools.product(KINDS[args.model], args.schedules):
+        v = _chunks(name, args)
         stages = split_layers(args.layers, p, v, args.layers_per_stage if v == 1 else None)
         chunks = [stages[c * p + rank] for c in range(v)]
         schedule = build_schedule(name, p, m, v)
@@ -162,6 +164,19 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
             print(f"[bench_pipeline] {kind} {name}: {args.steps} steps done", flush=True)
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def _chunks(name: str, args: argparse.Namespace) -> int:
+    return args.virtual_stages if SCHEDULES[name].chunked else 1
+
+
+def _schedule(name: str) -> str:
+    """argparse type: a registered schedule, or the registry's one error."""
+    try:
+        schedule_spec(name)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
 
 
 def _summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -212,7 +227,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--virtual-stages", type=int, default=2)
+    parser.add_argument("--schedules", type=_schedule, nargs="+", default=list(SCHEDULES),
+                        help=f"default: every one ({', '.join(SCHEDULES)})")
+    parser.add_argument("--virtual-stages", type=int, default=2, help="of the schedules that interleave chunks")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--layers-per-stage", type=int, nargs="+", default=None,
                         help="fixed split for the v = 1 schedules, e.g. 5 3 (the last stage also runs head and loss)")
@@ -250,9 +267,8 @@ def main() -> None:
     if args.timeline:
         from strategies.pp_schedules import print_timeline
 
-        for name in SCHEDULES:
-            v = args.virtual_stages if name == "interleaved_1f1b" else 1
-            print_timeline(build_schedule(name, args.stages, args.microbatches, v), console)
+        for name in args.schedules:
+            print_timeline(build_schedule(name, args.stages, args.microbatches, _chunks(name, args)), console)
     report: dict[str, Any] = {"args": vars(args)}
     for kind in KINDS[args.model]:
         compute = (f"sleep {args.sleep_ms} ms per layer for each of F, B, W" if kind == "sleep" else
@@ -262,7 +278,7 @@ def main() -> None:
                     "measured / theory", "peak in flight"):
             table.add_column(col)
         report[kind] = {}
-        for name in SCHEDULES:
+        for name in args.schedules:
             row = _summarise([r[(kind, name)] for r in per_rank])
             report[kind][name] = row
             table.add_row(name, str(row["v"]), f"{1000 * row['step_s']:.0f}",
@@ -274,7 +290,7 @@ def main() -> None:
     for kind in KINDS[args.model] if args.plot else ():
         path = Path(args.plot)
         path = path if args.model != "both" else path.with_name(f"{path.stem}_{kind}{path.suffix}")
-        print(f"wrote {plot_timelines(per_rank, kind, list(SCHEDULES), path)}")
+        print(f"wrote {plot_timelines(per_rank, kind, args.schedules, path)}")
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine(), **report}, indent=2))
 

@@ -266,8 +266,9 @@ def _weight_boundaries(output: Tensor, stage_input: Tensor, params: list[nn.Para
                 if n in acc_to_param:
                     p = acc_to_param[n]
                     if owner.setdefault(p, node) is not node:
-                        raise RuntimeError("zb_h1: a parameter is used at two places in one stage's forward; split "
-                                           "backward supports weights used once per stage (use schedule 1f1b)")
+                        raise RuntimeError("split backward (schedule zb_h1): a parameter is used at two places in "
+                                           "one stage's forward; B/W splitting supports weights used once per stage "
+                                           "(use schedule 1f1b)")
                     group = groups.setdefault(node, [])
                     if all(q is not p for q in group):
                         group.append(p)

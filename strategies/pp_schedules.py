@@ -12,13 +12,16 @@ v > 1 a rank holds v non-adjacent slices of the model). F = forward of one micro
 backward (the input gradient only, when the schedule splits backward), W = the weight gradient of a split
 backward. SEND_F/RECV_F carry activations to the next stage, SEND_B/RECV_B input gradients to the previous one.
 
-How a schedule is made. Each rank has a fixed order of forwards and backwards: GPipe (all forwards, then all
-backwards), 1F1B (p - r - 1 warm-up forwards on rank r, then one forward and one backward in turn), Megatron's
-interleaved order, or for ZB-H1 1F1B's order with the backward split in B and W, the W's deferred to fill the time
-a rank would wait (as in the zero-bubble paper; the first stage does not split, nothing waits for its input
-gradient). The order is played on a unit-time simulation (F = 1, B = 2, or B = W = 1 when split), which proves it
-free of deadlock (or raises), gives the theoretical bubble and fixes where the messages go: a send right after the
-action that produced it, and the receiver posts its recv at the time of that send. So between any two ranks, recvs
+The schedules. `SCHEDULES` holds one `ScheduleSpec` per name: each rank's order of forwards and backwards, whether
+the backward splits into B and W, the bubble in theory, whether it runs virtual stages and what else it needs. GPipe
+(all forwards, then all backwards), 1F1B (p - r - 1 warm-up forwards on rank r, then one forward and one backward
+in turn), Megatron's interleaved order, or for ZB-H1 1F1B's order with the backward split in B and W, the W's
+deferred to fill the time a rank would wait (as in the zero-bubble paper; the first stage does not split, nothing
+waits for its input gradient). An unknown name is one error everywhere (`schedule_spec`).
+
+How a schedule is made. The order is played on a unit-time simulation (F = 1, B = 2, or B = W = 1 when split),
+which proves it free of deadlock (or raises), gives the theoretical bubble and fixes where the messages go: a send
+right after the action that produced it, and the receiver posts its recv at the time of that send. So between any two ranks, recvs
 are posted in exactly the order sends are issued: the non-blocking point-to-point messages pair up by order alone
 (no tags), whatever the real timing. And all messages follow one global order, (time, sending rank, the sender's
 order), of which each rank's are a part: where a rank's point-to-point ops run one after another and a send waits
@@ -32,7 +35,8 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+from strategies.errors import ConfigError
+
 COSTS = {"F": 1, "B": 2, "W": 1}  # unit time of the simulation; B is 1 where the backward is split
 
 
@@ -151,14 +155,8 @@ def is_message(a: Action) -> bool:
 
 
 def bubble_theory(name: str, stages: int, microbatches: int, chunks: int = 1) -> float:
-    """Idle fraction of a rank in theory, with F = W and B = 2F (B + W = 2F when split)."""
-    p, m = stages, microbatches
-    if name in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    if name == "interleaved_1f1b":
-        return (p - 1) / chunks / (m + (p - 1) / chunks)
-    # ZB-H1: the cool-down bubble is filled with W; what remains is (p-1)(F + B - W) = (p-1) F out of 3mF per rank
-    return (p - 1) / (3 * m + p - 1)
+    """Idle fraction of a rank in theory, with F = W and B = 2F (B + W = 2F when split): the schedule's formula."""
+    return schedule_spec(name).bubble(stages, microbatches, chunks)
 
 
 def _has_weight_pass(split: bool, stage: int) -> bool:
@@ -172,30 +170,34 @@ Pick = Callable[[int, list[Action]], Optional[Action]]  # (rank, ready actions) 
 
 
 def build_schedule(name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
-    p, m, v = stages, microbatches, chunks
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule: unknown {name!r}; choose one of {', '.join(SCHEDULES)}")
+    """Play `name`'s order of forwards and backwards (its `ScheduleSpec`) on p = `stages` ranks, m =
+    `microbatches`, v = `chunks` model chunks per rank; ValueError (ConfigError) on a combination it cannot run."""
+    spec, p, m, v = schedule_spec(name), stages, microbatches, chunks
     if p < 1 or m < 1 or v < 1:
-        raise ValueError(f"need pipeline_parallel_size, microbatches and virtual_stages >= 1, got {p}, {m}, {v}")
-    if v > 1 and name != "interleaved_1f1b":
-        raise ValueError(f"virtual_stages={v} needs schedule: interleaved_1f1b (got {name!r}); set virtual_stages: 1")
-    if name == "interleaved_1f1b" and (p < 2 or m % p):
-        raise ValueError(f"interleaved_1f1b needs pipeline_parallel_size >= 2 dividing microbatches (Megatron's "
-                         f"order goes round the ranks in groups of p); got pipeline_parallel_size={p}, "
-                         f"microbatches={m}")
-    split = name == "zb_h1"
-    orders = [_order(name, p, m, v, r) for r in range(p)]
-    timeline = _simulate(p, m, v, split, _follow(orders, max_waiting_w=p))
-    return Schedule(name, p, m, v, split, _with_messages(p, v, timeline), timeline)
+        raise ConfigError(f"need pipeline_parallel_size, microbatches and virtual_stages >= 1, got {p}, {m}, {v}")
+    if v > 1 and not spec.chunked:
+        chunked = " or ".join(n for n, s in SCHEDULES.items() if s.chunked)
+        raise ConfigError(f"virtual_stages={v} needs schedule: {chunked} (got {name!r}); set virtual_stages: 1")
+    why = spec.refuses(p, m, v)
+    if why:
+        raise ConfigError(f"{name} needs {why}; got pipeline_parallel_size={p}, microbatches={m}")
+    orders = [spec.order(p, m, v, r) for r in range(p)]
+    timeline = _simulate(p, m, v, spec.split_backward, _follow(orders, max_waiting_w=p))
+    return Schedule(name, p, m, v, spec.split_backward, _with_messages(p, v, timeline), timeline)
 
 
-def _order(name: str, p: int, m: int, v: int, rank: int) -> list[Action]:
-    """A rank's order of forwards and backwards. GPipe: all forwards, then all backwards. 1F1B (and ZB-H1, whose
-    F/B order is 1F1B's): p - r - 1 warm-up forwards, then one forward and one backward in turn, so at most p - r
-    microbatches are in flight on rank r. Interleaved: Megatron-LM's order, in `_interleaved_order`."""
-    if name == "interleaved_1f1b":
-        return _interleaved_order(p, m, v, rank)
-    warmup = m if name == "gpipe" else min(p - rank - 1, m)
+def _one_f_one_b_order(p: int, m: int, v: int, rank: int) -> list[Action]:
+    """p - r - 1 warm-up forwards on rank r, then one forward and one backward in turn, so at most p - r
+    microbatches are in flight on rank r (ZB-H1's F/B order too: its split W's are placed by `_follow`)."""
+    return _warmup_then_alternate(m, min(p - rank - 1, m))
+
+
+def _gpipe_order(p: int, m: int, v: int, rank: int) -> list[Action]:
+    """All forwards, then all backwards."""
+    return _warmup_then_alternate(m, m)
+
+
+def _warmup_then_alternate(m: int, warmup: int) -> list[Action]:
     order = [Action("F", k) for k in range(warmup)]
     for k in range(m - warmup):
         order += [Action("F", warmup + k), Action("B", k)]
@@ -216,6 +218,47 @@ def _interleaved_order(p: int, m: int, v: int, rank: int) -> list[Action]:
     for k in range(total - warmup):
         order += [unit(warmup + k, "F"), unit(k, "B")]
     return order + [unit(k, "B") for k in range(total - warmup, total)]
+
+
+# -- the registry: one spec per schedule --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """Everything lit-lm knows about a schedule, read by `build_schedule` (and so the runner), `bubble_theory`,
+    the planner (lit_lm/plan.py), the estimator and scripts/bench_pipeline.py. A new schedule is one entry here."""
+
+    order: Callable[[int, int, int, int], list[Action]]  # (p, m, v, rank) -> the rank's forwards and backwards
+    split_backward: bool  # B computes input gradients only, a later W the weight gradients (zero-bubble)
+    bubble: Callable[[int, int, int], float]  # (p, m, v) -> a rank's idle fraction in theory (= the simulation's)
+    summary: str
+    chunked: bool = False  # runs v > 1 model chunks per rank (virtual stages); the others need v = 1
+    refuses: Callable[[int, int, int], str] = lambda p, m, v: ""  # (p, m, v) -> what it lacks, or "" if it runs
+    planned: bool = True  # the planner tries it (GPipe: 1F1B's bubble with every microbatch held, never better)
+
+
+def _fill_drain(p: int, m: int, v: int) -> float:
+    return (p - 1) / (m + p - 1)
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {
+    "gpipe": ScheduleSpec(_gpipe_order, False, _fill_drain, "all forwards, then all backwards", planned=False),
+    "1f1b": ScheduleSpec(_one_f_one_b_order, False, _fill_drain,
+                         "one forward and one backward in turn after p - r - 1 warm-up forwards on rank r"),
+    # the cool-down bubble is filled with W; what remains is (p-1)(F + B - W) = (p-1) F out of 3mF per rank
+    "zb_h1": ScheduleSpec(_one_f_one_b_order, True, lambda p, m, v: (p - 1) / (3 * m + p - 1),
+                          "1F1B with backward split in B and W, the W's filling the wait (zero-bubble H1)"),
+    "interleaved_1f1b": ScheduleSpec(
+        _interleaved_order, False, lambda p, m, v: (p - 1) / v / (m + (p - 1) / v),
+        "Megatron's 1F1B over v = virtual_stages chunks per rank: the bubble / v", chunked=True,
+        refuses=lambda p, m, v: "" if p >= 2 and m % p == 0 else
+        "pipeline_parallel_size >= 2 dividing microbatches (Megatron's order goes round the ranks in groups of p)"),
+}
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """`name`'s spec; the one error for an unknown schedule, wherever it is named (strategy, planner, scripts)."""
+    if name not in SCHEDULES:
+        raise ConfigError(f"schedule: unknown {name!r}; choose one of {', '.join(SCHEDULES)}")
+    return SCHEDULES[name]
 
 
 def _follow(orders: list[list[Action]], max_waiting_w: int) -> Pick:

@@ -198,7 +198,7 @@ def pp_streams(schedule: Schedule) -> Streams:
 
 def _sizes(name: str) -> list[tuple[int, int, int]]:
     """(stages, microbatches, virtual chunks): p = 2, 3, 4 (odd p too), m = p and 2p; interleaved with v = 2, 3."""
-    chunks = (2, 3) if name == "interleaved_1f1b" else (1,)
+    chunks = (2, 3) if SCHEDULES[name].chunked else (1,)
     return [(p, m, v) for p in (2, 3, 4) for m in (p, 2 * p) for v in chunks]
 
 
