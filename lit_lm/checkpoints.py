@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.data import TextDataModule
-from lit_lm.tokenizer import BPETokenizer
+from lit_lm.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_state
 from strategies import checkpoint as sharded
 
 CHECKPOINTS = "checkpoints"  # <default_root_dir>/checkpoints: one folder per run, the same across restarts
@@ -153,11 +153,11 @@ def with_tied_head(state: dict[str, Any], tied: bool, prefix: str = "") -> dict[
     return state
 
 
-def tokenizer_from(checkpoint: dict[str, Any]) -> BPETokenizer:
+def tokenizer_from(checkpoint: dict[str, Any]) -> Tokenizer:
     """The tokenizer the data module stored in the checkpoint (see `TextDataModule.state_dict`)."""
     for value in checkpoint.values():
         if isinstance(value, dict) and isinstance(value.get("tokenizer"), dict):
-            return BPETokenizer.from_state_dict(value["tokenizer"], "the checkpoint's tokenizer")
+            return tokenizer_from_state(value["tokenizer"], "the checkpoint's tokenizer")
     raise ConfigError("the checkpoint holds no tokenizer (it predates lit-lm storing one); pass --tokenizer_dir "
                       "with the run's data_dir/cache/<hash>/tokenizer")
 
@@ -212,20 +212,22 @@ def data_from_checkpoint(checkpoint: dict[str, Any], **overrides: Any) -> TextDa
     return data
 
 
-def _stored_tokenizer(checkpoint: dict[str, Any]) -> Optional[BPETokenizer]:
+def _stored_tokenizer(checkpoint: dict[str, Any]) -> Optional[Tokenizer]:
     try:
         return tokenizer_from(checkpoint)
     except ConfigError:
         return None  # an old checkpoint: the data's own tokenizer it is
 
 
-def _cache_has(data: TextDataModule, tokenizer: BPETokenizer) -> bool:
+def _cache_has(data: TextDataModule, tokenizer: Tokenizer) -> bool:
     """Whether the data module's token cache exists and was written with `tokenizer`."""
+    if data.tokenizer_dir is not None and not (Path(data.tokenizer_dir) / "tokenizer.json").is_file():
+        return False  # the run's tokenizer folder is gone (before cache_dir, which reads it)
     cache = data.cache_dir
     folder = Path(data.tokenizer_dir) if data.tokenizer_dir is not None else cache / "tokenizer"
     if not (cache / "tokens.json").is_file() or not (folder / "tokenizer.json").is_file():
         return False
-    return BPETokenizer.load(folder).state_dict() == tokenizer.state_dict()
+    return load_tokenizer(folder).state_dict() == tokenizer.state_dict()
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -22,9 +22,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import strategies.registry  # noqa: F401  (registers lm_ddp, zero1/2/3, ... by name before any Trainer is built)
 from lit_lm import generate
 from lit_lm.checkpoints import prepare_run
-from lit_lm.config import ModelConfig
+from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.config_keys import config_files, unknown_keys
-from lit_lm.data import TextDataModule
+from lit_lm.data import TextDataModule, model_vocab_size
 from lit_lm.errors import EXIT_CODE, check_trainer_config, pop_debug_flag, reporting_errors, stop_other_ranks
 from lit_lm.module import LanguageModel
 from lit_lm.quiet import silence_known_noise
@@ -36,8 +36,9 @@ _DATA_FIELDS = tuple(inspect.signature(TextDataModule.__init__).parameters)[1:]
 
 class LitLMCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        # One vocabulary and one context length: the data decides, the model follows.
-        parser.link_arguments("data.init_args.vocab_size", "model.init_args.config.vocab_size")
+        # One vocabulary and one context length: the data decides (a given tokenizer's size), the model follows.
+        parser.link_arguments(("data.init_args.vocab_size", "data.init_args.tokenizer_dir"),
+                              "model.init_args.config.vocab_size", compute_fn=_linked_vocab_size)
         parser.link_arguments("data.init_args.seq_len", "model.init_args.config.max_seq_len")
 
     def before_instantiate_classes(self) -> None:
@@ -91,6 +92,15 @@ class LitLMCLI(LightningCLI):
             print(f"[lit-lm] final val_loss {float(val):.4f}")
         if ckpt is not None and (ckpt.last_model_path or ckpt.best_model_path):
             print(f"[lit-lm] checkpoint: {ckpt.last_model_path or ckpt.best_model_path}")
+
+
+def _linked_vocab_size(vocab_size: int, tokenizer_dir: Optional[str]) -> int:
+    """`model_vocab_size`; a tokenizer_dir it cannot read is left to the data module to report in one line
+    (jsonargparse would wrap the error in its usage text)."""
+    try:
+        return model_vocab_size(vocab_size, tokenizer_dir)
+    except ConfigError:
+        return vocab_size
 
 
 def check_model_config(model: Any) -> None:

@@ -1,9 +1,12 @@
-"""Text corpus -> BPE tokens in a memory-mapped file -> fixed-length (B, T+1) windows, as a LightningDataModule.
+"""Text corpus -> tokens in a memory-mapped file -> fixed-length (B, T+1) windows, as a LightningDataModule.
 
 The corpus is read through `datasets` (text / jsonl / parquet files, or a dataset saved with `save_to_disk`);
 the default corpus is the Python standard library's source, which exists on every machine with no download.
-Tokenizing happens once: the tokenizer and the token file are cached under `data_dir`, keyed by a hash of the
-inputs (paths, sizes, modification times, field, vocabulary size), and reused while the inputs are unchanged.
+The tokenizer is lit-lm's BPE trained on the corpus, or any tokenizer `lit_lm.tokenizer.load_tokenizer` reads from
+`tokenizer_dir` (a Hugging Face model folder's `tokenizer.json` included). Documents are shuffled, encoded as
+`[BOS] + text + [EOS]` (`lit_lm.tokenizer.document_ids`) and concatenated. Tokenizing happens once: the tokenizer
+and the token file are cached under `data_dir`, keyed by a hash of the inputs (paths, sizes, modification times,
+field, and the vocabulary size or the given tokenizer's content), and reused while the inputs are unchanged.
 """
 
 from __future__ import annotations
@@ -25,12 +28,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from lit_lm.config import ConfigError
 from lit_lm.sampler import ResumableSampler
-from lit_lm.tokenizer import BPETokenizer
+from lit_lm.tokenizer import EOT, BPETokenizer, Tokenizer, document_ids, load_tokenizer
 
-EOT = "<|endoftext|>"
 _TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".text", ""}
 _JSON_SUFFIXES = {".json", ".jsonl"}
 _CACHE_VERSION = 2
+_ENCODE_CHARS = 64 << 20  # text per encode_batch call: the parallel work of one progress step
 
 
 def stdlib_corpus(max_mb: float) -> list[str]:
@@ -119,8 +122,22 @@ def load_documents(files: list[str], text_field: str, cache_dir: Path, skip_miss
     return docs
 
 
-def _fingerprint(files: list[str], text_field: str, vocab_size: int) -> str:
-    h = hashlib.sha256(f"v{_CACHE_VERSION}|{text_field}|{vocab_size}".encode())
+def model_vocab_size(vocab_size: int, tokenizer_dir: Optional[str]) -> int:
+    """The model's vocabulary for these data settings (the CLI links it to model.init_args.config.vocab_size): the
+    given tokenizer's size, else `vocab_size` (the BPE trained on the corpus has at most that many tokens)."""
+    return vocab_size if tokenizer_dir is None else load_tokenizer(tokenizer_dir).vocab_size
+
+
+def check_vocabulary(tokenizer: Tokenizer, model_vocab: int) -> None:
+    """A model must have a row for every token id (more rows are padding, never produced by the tokenizer)."""
+    if model_vocab < tokenizer.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
+                          f"(model.init_args.config.vocab_size) is {model_vocab}: it must be at least the tokenizer's; "
+                          "use the model's own tokenizer (data.init_args.tokenizer_dir) or a model as large")
+
+
+def _fingerprint(files: list[str], text_field: str, vocabulary: str) -> str:
+    h = hashlib.sha256(f"v{_CACHE_VERSION}|{text_field}|{vocabulary}".encode())
     for f in files:
         p = Path(f)
         stats = [(str(q), q.stat().st_size, q.stat().st_mtime_ns) for q in sorted(p.rglob("*") if p.is_dir() else [p])
@@ -145,20 +162,24 @@ class TokenWindows(Dataset):
 
 
 class TextDataModule(L.LightningDataModule):
-    """Trains (or reuses) a BPE tokenizer, tokenizes the corpus once into `data_dir`, serves (B, T+1) windows.
+    """Trains a BPE tokenizer (or uses `tokenizer_dir`'s), tokenizes the corpus once into `data_dir`, serves (B, T+1)
+    windows.
 
     Args:
         files: text/markdown/source files, `.jsonl`/`.json`, `.parquet`, or one directory saved with
             `datasets.Dataset.save_to_disk`. None = the Python standard library's source (no download).
         text_field: column holding the text (the `text` builder names it "text").
         data_dir: where the tokenizer and token cache live.
-        vocab_size: tokenizer size, linked to the model's `config.vocab_size` by the CLI.
+        vocab_size: size of the BPE tokenizer trained on the corpus; with `tokenizer_dir` unused (the tokenizer's
+            own size is the vocabulary). The CLI links the vocabulary to the model's `config.vocab_size`.
         seq_len: tokens per training window (T).
         batch_size: windows per device per step (the global batch is this × DP size).
         val_fraction: the tail of the token stream held out for validation (documents are shuffled first).
         corpus_mb: how much of the default corpus to use.
-        tokenizer_dir: use this saved tokenizer instead of training one.
-        num_workers: DataLoader workers; tokenizer_workers: processes for BPE pre-tokenization.
+        tokenizer_dir: a folder with the tokenizer to use instead of training one: lit-lm's BPE `tokenizer.json`
+            or a `tokenizers` library one (a Hugging Face model folder: `lit_lm.tokenizer.load_tokenizer`).
+        num_workers: DataLoader workers; tokenizer_workers: processes for BPE training and encoding (a
+            `tokenizers` library tokenizer encodes on its own thread pool).
         seed: shuffling seed (the order is a function of seed and epoch only).
         skip_missing_text: train without jsonl/parquet rows that lack `text_field` (default: refuse them).
     """
@@ -189,7 +210,7 @@ class TextDataModule(L.LightningDataModule):
         self.tokenizer_workers = tokenizer_workers
         self.seed = seed
         self.skip_missing_text = skip_missing_text
-        self.tokenizer: Optional[BPETokenizer] = None
+        self.tokenizer: Optional[Tokenizer] = None
         self.train_set: Optional[TokenWindows] = None
         self.val_set: Optional[TokenWindows] = None
         self._base_samples = 0  # global samples consumed when the current train loader was made
@@ -204,11 +225,22 @@ class TextDataModule(L.LightningDataModule):
     @cached_property
     def cache_dir(self) -> Path:
         """Fixed at first use, so an edit of the inputs mid-run cannot move the cache under a running job."""
-        files = self.source_files
-        key = _fingerprint(files, self.text_field, self.vocab_size)
-        if self.tokenizer_dir is not None:
-            key = hashlib.sha256(f"{key}|{Path(self.tokenizer_dir).resolve()}".encode()).hexdigest()[:16]
-        return self.data_dir / "cache" / key
+        vocabulary = str(self.vocab_size)
+        if self.given_tokenizer is not None:  # its content: its path says nothing once the file is replaced
+            state = json.dumps(self.given_tokenizer.state_dict(), sort_keys=True)
+            vocabulary = hashlib.sha256(state.encode()).hexdigest()
+        return self.data_dir / "cache" / _fingerprint(self.source_files, self.text_field, vocabulary)
+
+    @cached_property
+    def given_tokenizer(self) -> Optional[Tokenizer]:
+        """`tokenizer_dir`'s tokenizer (None without one), read at first use."""
+        if self.tokenizer_dir is None:
+            return None
+        tokenizer = load_tokenizer(self.tokenizer_dir)
+        if tokenizer.eos_id is None:
+            raise ConfigError(f"the tokenizer in {self.tokenizer_dir} has no EOS token to end documents with "
+                              "(data.init_args.tokenizer_dir); name one as eos_token in its tokenizer_config.json")
+        return tokenizer
 
     def prepare_data(self) -> None:
         """Build the tokenizer and the token file once (Lightning runs this on one process per node)."""
@@ -218,9 +250,8 @@ class TextDataModule(L.LightningDataModule):
         cache.mkdir(parents=True, exist_ok=True)
         docs = load_documents(self.source_files, self.text_field, self.data_dir / "hf_cache", self.skip_missing_text)
         random.Random(0).shuffle(docs)  # so the validation tail is a random sample of documents
-        if self.tokenizer_dir is not None:
-            tokenizer = BPETokenizer.load(self.tokenizer_dir)
-        else:
+        tokenizer = self.given_tokenizer
+        if tokenizer is None:
             _log(f"training a {self.vocab_size}-token BPE tokenizer on {len(docs)} documents")
             tokenizer = BPETokenizer.train(docs, self.vocab_size, special_tokens=[EOT],
                                            num_workers=self.tokenizer_workers)
@@ -229,10 +260,7 @@ class TextDataModule(L.LightningDataModule):
                                   f"(data.init_args.vocab_size={self.vocab_size}); set vocab_size to "
                                   f"{tokenizer.vocab_size} or add data")
             tokenizer.save(cache / "tokenizer")
-        if tokenizer.vocab_size > self.vocab_size:
-            raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but data.init_args.vocab_size is "
-                              f"{self.vocab_size}: raise vocab_size (the model's vocabulary is linked to it)")
-        _write_tokens(docs, tokenizer, cache)
+        _write_tokens(docs, tokenizer, cache, self.tokenizer_workers)
 
     def setup(self, stage: str) -> None:
         cache = self.cache_dir
@@ -240,11 +268,13 @@ class TextDataModule(L.LightningDataModule):
             self.prepare_data()
         meta = json.loads((cache / "tokens.json").read_text())
         tokens = np.memmap(cache / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(meta["n_tokens"],))
-        tok_dir = Path(self.tokenizer_dir) if self.tokenizer_dir is not None else cache / "tokenizer"
-        self.tokenizer = BPETokenizer.load(tok_dir)
-        if meta["max_id"] >= self.vocab_size:
-            raise ConfigError(f"token id {meta['max_id']} in {cache} is >= data.init_args.vocab_size="
-                              f"{self.vocab_size}: the tokenizer does not fit the vocabulary; raise vocab_size")
+        self.tokenizer = self.given_tokenizer or load_tokenizer(cache / "tokenizer")
+        if meta["max_id"] >= self.tokenizer.vocab_size:
+            raise ConfigError(f"token id {meta['max_id']} in {cache} is not the tokenizer's (it has "
+                              f"{self.tokenizer.vocab_size} tokens): the cache is stale; delete {cache}")
+        model_config = getattr(getattr(self.trainer, "lightning_module", None), "config", None)
+        if model_config is not None:
+            check_vocabulary(self.tokenizer, model_config.vocab_size)
         n_val = int(len(tokens) * self.val_fraction)
         self.train_set = TokenWindows(tokens[: len(tokens) - n_val], self.seq_len)
         self.val_set = TokenWindows(tokens[len(tokens) - n_val:], self.seq_len)
@@ -327,21 +357,29 @@ class PositionedLoader(DataLoader):
         """Nothing to load: the data module's own state has placed the sampler."""
 
 
-def _write_tokens(docs: list[str], tokenizer: BPETokenizer, cache: Path) -> None:
-    """Encode documents separated by <|endoftext|> into tokens.bin; tokens.json is written last, as the marker."""
+def _write_tokens(docs: list[str], tokenizer: Tokenizer, cache: Path, workers: int) -> None:
+    """Encode the documents (`document_ids`: [BOS] + text + [EOS]) into tokens.bin, a batch of ~_ENCODE_CHARS of
+    text at a time (encoded in parallel); tokens.json is written last, as the marker."""
     from rich.progress import track
 
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    eot = tokenizer.special_tokens[EOT]
+    batches, start, size = [], 0, 0
+    for i, doc in enumerate(docs):
+        size += len(doc)
+        if size >= _ENCODE_CHARS or i == len(docs) - 1:
+            batches.append(docs[start: i + 1])
+            start, size = i + 1, 0
     chunks = []
-    for doc in track(docs, description="tokenizing", transient=True, disable=not _is_tty()):
-        chunks.append(np.asarray(tokenizer.encode(doc) + [eot], dtype=dtype))
+    for batch in track(batches, description="tokenizing", transient=True, disable=not _is_tty()):
+        ids = tokenizer.encode_batch(batch, workers)
+        chunks += [np.asarray(document_ids(tokenizer, doc), dtype=dtype) for doc in ids]
     tokens = np.concatenate(chunks)
     tmp = cache / "tokens.bin.tmp"
     tokens.tofile(tmp)
     os.replace(tmp, cache / "tokens.bin")
     meta = {"n_tokens": int(len(tokens)), "dtype": np.dtype(dtype).name, "max_id": int(tokens.max()),
-            "documents": len(docs), "vocab_size": tokenizer.vocab_size}
+            "documents": len(docs), "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id,
+            "eos_id": tokenizer.eos_id}
     (cache / "tokens.json").write_text(json.dumps(meta, indent=1))
     _log(f"tokenized {len(docs)} documents into {len(tokens):,} tokens ({cache})")
 

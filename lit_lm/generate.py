@@ -10,7 +10,6 @@ Decoding keeps a KV cache, so each new token costs one position's forward.
 from __future__ import annotations
 
 import argparse
-import codecs
 import json
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from torch import Tensor
 from lit_lm.checkpoints import model_state_dict, read_checkpoint, tokenizer_from
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.model import KVCache, Transformer
-from lit_lm.tokenizer import BPETokenizer
+from lit_lm.tokenizer import Tokenizer, prompt_ids
 
 
 def sample_next(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None, top_p: float = 1.0,
@@ -61,7 +60,7 @@ def generate(model: Transformer, idx: Tensor, max_new_tokens: int, **sampling: A
     return torch.cat([idx, *stream(model, idx, max_new_tokens, **sampling)], dim=1)
 
 
-def load(ckpt_path: str, device: str = "cpu") -> tuple[Transformer, BPETokenizer]:
+def load(ckpt_path: str, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
     """The model and tokenizer of a checkpoint of any strategy, on one process."""
     checkpoint = read_checkpoint(ckpt_path)
     hparams = checkpoint.get("hyper_parameters", {})
@@ -102,16 +101,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     model, tokenizer = load(args.ckpt_path, args.device)
     generator = torch.Generator(args.device).manual_seed(args.seed)
     for n, prompt in enumerate(prompts):
-        ids = tokenizer.encode(prompt) or [tokenizer.eot_id]  # an empty prompt starts a new document
+        ids = prompt_ids(tokenizer, prompt)  # as a document begins in training ([BOS] + text)
         sys.stdout.write(("\n\n" if n else "") + prompt)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a token may end inside a character
+        text = tokenizer.stream(ids)  # a token may end inside a character
         for token in stream(model, torch.tensor([ids], device=args.device), args.max_new_tokens, args.temperature,
                             args.top_k, args.top_p, generator):
-            if int(token) == tokenizer.eot_id:
+            if int(token) == tokenizer.eos_id:
                 break
-            sys.stdout.write(decoder.decode(tokenizer.token_bytes(int(token))))
+            sys.stdout.write(text.step(int(token)))
             sys.stdout.flush()
-        sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+        sys.stdout.write(text.end() + "\n")
     sys.stdout.flush()
 
 

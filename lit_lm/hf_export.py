@@ -1,5 +1,6 @@
 """Export a dense lit-lm checkpoint as a Hugging Face Llama model: `model.safetensors`, `config.json`,
-`generation_config.json` and the tokenizer as `tokenizer.json` (the `tokenizers` library's byte-level BPE).
+`generation_config.json` and the tokenizer as `tokenizer.json` in the `tokenizers` library's format
+(`Tokenizer.save_hf`: lit-lm's BPE converted, a `tokenizers` one as it is).
 
 lit-lm's Transformer is Llama's architecture with the same conventions (rotate-half RoPE, RMSNorm with fp32
 statistics, SwiGLU, separate q/k/v projections), so the export is a renaming of tensors; the embedding keeps its
@@ -19,7 +20,6 @@ from safetensors.torch import save_file
 
 from lit_lm.checkpoints import model_state_dict, tokenizer_from
 from lit_lm.config import ConfigError, ModelConfig
-from lit_lm.tokenizer import EOT, GPT2_PATTERN, BPETokenizer
 
 _BLOCK = {"attn_norm": "input_layernorm", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
           "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
@@ -43,7 +43,7 @@ def check_exportable(cfg: ModelConfig) -> None:
                           f"(model.init_args.config.{unsupported[0]}); only dense models without them are exported")
 
 
-def llama_config(cfg: ModelConfig, eot_id: int) -> dict[str, Any]:
+def llama_config(cfg: ModelConfig, bos_id: int, eos_id: int) -> dict[str, Any]:
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.padded_vocab_size,
         "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
@@ -51,38 +51,7 @@ def llama_config(cfg: ModelConfig, eot_id: int) -> dict[str, Any]:
         "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        "initializer_range": cfg.init_std, "bos_token_id": eot_id, "eos_token_id": eot_id, "torch_dtype": "float32",
-    }
-
-
-def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in for every byte, the alphabet of byte-level BPE vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
-
-
-def tokenizer_json(tokenizer: BPETokenizer) -> dict[str, Any]:
-    """The tokenizer in the `tokenizers` library's format: the same ids, merges, pre-tokenizer regex and
-    special tokens, so `AutoTokenizer` encodes every text to lit-lm's ids."""
-    alphabet = _byte_to_unicode()
-    specials = tokenizer.special_tokens
-    text = {i: "".join(alphabet[b] for b in tokenizer.token_bytes(i))
-            for i in range(tokenizer.vocab_size) if i not in specials.values()}
-    return {
-        "version": "1.0", "truncation": None, "padding": None,
-        "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                          "normalized": False, "special": True} for t, i in specials.items()],
-        "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": GPT2_PATTERN}, "behavior": "Isolated", "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
-        "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": {t: i for i, t in text.items()},
-                  "merges": [[text[a], text[b]] for a, b in tokenizer.merges]},
+        "initializer_range": cfg.init_std, "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": "float32",
     }
 
 
@@ -100,10 +69,8 @@ def export_hf(checkpoint: dict[str, Any], out_dir: Path) -> None:
     umask = os.umask(0)  # safetensors writes 0600 (a temporary file renamed): give it the mode open() would
     os.umask(umask)
     os.chmod(out_dir / "model.safetensors", 0o666 & ~umask)
-    eot = tokenizer.special_tokens[EOT]
-    (out_dir / "config.json").write_text(json.dumps(llama_config(cfg, eot), indent=1))
-    (out_dir / "generation_config.json").write_text(json.dumps({"bos_token_id": eot, "eos_token_id": eot}))
-    (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json(tokenizer), ensure_ascii=False))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOT, "eos_token": EOT, "unk_token": None,
-        "model_max_length": cfg.max_seq_len, "add_prefix_space": False}, indent=1))
+    # lit-lm's BPE has no BOS: its documents follow an EOS, which is what transformers gets as bos_token_id
+    bos, eos = (tokenizer.eos_id if tokenizer.bos_id is None else tokenizer.bos_id), tokenizer.eos_id
+    (out_dir / "config.json").write_text(json.dumps(llama_config(cfg, bos, eos), indent=1))
+    (out_dir / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}))
+    tokenizer.save_hf(out_dir, model_max_length=cfg.max_seq_len)

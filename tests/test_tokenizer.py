@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import regex
 
-from lit_lm import tokenizer as tokenizer_module
+from lit_lm.tokenizer import bpe as tokenizer_module
 from lit_lm.tokenizer import EOT, BPETokenizer
 
 # The spec's pattern, copied rather than imported so the reference below is independent of the module.
@@ -98,7 +98,7 @@ def reference_encode(tok: BPETokenizer, text: str) -> list[int]:
     ids = []
     for part in regex.split("(" + regex.escape(EOT) + ")", text):
         if part == EOT:
-            ids.append(tok.eot_id)
+            ids.append(tok.eos_id)
             continue
         for word in PATTERN.findall(part):
             w = tuple(word.encode("utf-8"))
@@ -128,7 +128,7 @@ def test_training_is_deterministic_and_stops_when_pairs_run_out():
     assert a.merges == b.merges
     tiny = BPETokenizer.train(["abab"], vocab_size=10_000)
     assert [tiny.token_bytes(i) for i in range(256, 256 + len(tiny.merges))] == [b"ab", b"abab"]
-    assert tiny.vocab_size == 256 + 2 + 1 and tiny.eot_id == 258
+    assert tiny.vocab_size == 256 + 2 + 1 and tiny.eos_id == 258
 
 
 def test_multiprocess_training_matches_single_process(monkeypatch):
@@ -176,17 +176,17 @@ def test_special_tokens_are_single_ids_and_never_merged_across():
     tok = BPETokenizer.train(texts, vocab_size=1000)
     learned = [tok.token_bytes(i) for i in range(256, 256 + len(tok.merges))]
     assert learned and all(t in b"hello" for t in learned)  # nothing spans "o<|..." or "...|>h"
-    assert tok.encode(EOT) == [tok.eot_id]
+    assert tok.encode(EOT) == [tok.eos_id]
     ids = tok.encode("hello" + EOT + EOT + "hello")
-    assert ids.count(tok.eot_id) == 2 and tok.decode(ids) == "hello" + EOT + EOT + "hello"
-    assert tok.eot_id not in tok.encode("<|endoftext|")  # an incomplete special token is plain text
+    assert ids.count(tok.eos_id) == 2 and tok.decode(ids) == "hello" + EOT + EOT + "hello"
+    assert tok.eos_id not in tok.encode("<|endoftext|")  # an incomplete special token is plain text
     assert tok.special_tokens == {EOT: tok.vocab_size - 1}
 
 
 def test_longest_special_token_wins():
     tok = BPETokenizer([], special_tokens=["<s>", "<s><s>"])
     assert tok.encode("<s><s><s>") == [257, 256]
-    assert BPETokenizer([], special_tokens=[]).eot_id is None
+    assert BPETokenizer([], special_tokens=[]).eos_id is None
 
 
 def test_encode_iterable_matches_encode_across_chunk_boundaries():

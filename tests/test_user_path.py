@@ -137,7 +137,7 @@ def test_generate_from_a_zero3_checkpoint_streams_the_greedy_continuation(tmp_pa
     with torch.no_grad():
         for _ in range(n):
             logits = model(torch.tensor([ids]))[0, -1, : model.config.vocab_size]
-            if int(logits.argmax()) == tokenizer.eot_id:
+            if int(logits.argmax()) == tokenizer.eos_id:
                 break
             ids.append(int(logits.argmax()))
     assert out.stdout == tokenizer.decode(ids) + "\n"

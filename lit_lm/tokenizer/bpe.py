@@ -1,21 +1,24 @@
-"""Byte-level BPE tokenizer (GPT-2 style): a trainer and an encoder/decoder.
+"""Byte-level BPE tokenizer (GPT-2 style): a trainer and an encoder/decoder, lit-lm's own `Tokenizer`.
 
 Ids: 0..255 are the single bytes, merge i creates id 256 + i, and the special tokens take the ids after the
 merges, in the order given. Text is first split at special tokens (they are never merged with their
 neighbours), then pre-tokenized with the GPT-2 regex; merges never cross pre-token boundaries.
 
-Saved as one human-readable JSON file, `tokenizer.json` (see `BPETokenizer.save`).
+Saved as one human-readable JSON file, `tokenizer.json` (see `BPETokenizer.save`; `lit_lm.tokenizer.load_tokenizer`
+tells it from a Hugging Face `tokenizer.json` by its "format" key), or in the `tokenizers` library's format for
+`transformers` (`BPETokenizer.save_hf`: the same ids for every text).
 """
 
 from __future__ import annotations
 
+import codecs
 import heapq
 import json
 import multiprocessing
 import os
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import regex
 
@@ -245,8 +248,14 @@ class BPETokenizer:
         return dict(self._special_ids)
 
     @property
-    def eot_id(self) -> Optional[int]:
+    def eos_id(self) -> Optional[int]:
+        """<|endoftext|>: it ends every document of the training stream (no BOS: see `bos_id`)."""
         return self._special_ids.get(EOT)
+
+    @property
+    def bos_id(self) -> Optional[int]:
+        """None: documents are separated by <|endoftext|> alone, as in GPT-2."""
+        return None
 
     def token_bytes(self, token_id: int) -> bytes:
         self._check_ids([token_id])
@@ -265,6 +274,23 @@ class BPETokenizer:
                 for word in _PRETOKEN_RE.findall(part):
                     ids.extend(self._encode_word(word))
         return ids
+
+    def encode_batch(self, texts: Sequence[str], num_workers: int = 1) -> list[list[int]]:
+        """`encode` of each text, in `num_workers` processes when there is enough text to pay for starting them."""
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if num_workers == 1 or sum(map(len, texts)) < 2 * _BATCH_CHARS:
+            return [self.encode(text) for text in texts]
+        groups, group, size = [], [], 0  # ~_BATCH_CHARS of text per task, in order
+        for text in texts:
+            group.append(text)
+            size += len(text)
+            if size >= _BATCH_CHARS:
+                groups.append(group)
+                group, size = [], 0
+        groups += [group] if group else []
+        with multiprocessing.get_context("spawn").Pool(num_workers, _start_encoder, (self.state_dict(),)) as pool:
+            return [ids for done in pool.imap(_encode_group, groups) for ids in done]
 
     def encode_iterable(self, texts: Iterable[str]) -> Iterator[int]:
         """Stream ids for the concatenation of `texts` (e.g. the lines of a file), holding back only the
@@ -330,6 +356,10 @@ class BPETokenizer:
         self._check_ids(ids)
         return b"".join([self._vocab[i] for i in ids]).decode("utf-8", errors="replace")
 
+    def stream(self, prompt_ids: Sequence[int] = ()) -> "ByteStream":
+        """A decoder for ids generated one at a time after `prompt_ids` (whose text is not repeated)."""
+        return ByteStream(self)
+
     def _check_ids(self, ids: list[int]) -> None:
         if ids and (min(ids) < 0 or max(ids) >= len(self._vocab)):
             bad = next(i for i in ids if not 0 <= i < len(self._vocab))
@@ -367,6 +397,40 @@ class BPETokenizer:
         path.write_text(json.dumps(state, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         return path
 
+    def save_hf(self, directory: str | os.PathLike, **config: Any) -> None:
+        """Write `tokenizer.json` in the `tokenizers` library's format and `tokenizer_config.json` (plus `config`),
+        which `transformers.AutoTokenizer` loads to encode every text to this tokenizer's ids."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / FILE_NAME).write_text(json.dumps(self.hf_json(), ensure_ascii=False), encoding="utf-8")
+        eos = EOT if self.eos_id is not None else None
+        (directory / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eos, "eos_token": eos, "unk_token": None,
+            "add_bos_token": False, "add_prefix_space": False, **config}, indent=1), encoding="utf-8")
+
+    def hf_json(self) -> dict[str, Any]:
+        """This tokenizer in the `tokenizers` library's format: the same ids, merges, pre-tokenizer regex and
+        special tokens (byte-level BPE writes every byte as GPT-2's printable stand-in for it)."""
+        alphabet = _byte_to_unicode()
+        specials = self.special_tokens
+        text = {i: "".join(alphabet[b] for b in self._vocab[i])
+                for i in range(self.vocab_size) if i not in specials.values()}
+        return {
+            "version": "1.0", "truncation": None, "padding": None,
+            "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True} for t, i in specials.items()],
+            "normalizer": None,
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": GPT2_PATTERN}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]},
+            "post_processor": None,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": {t: i for i, t in text.items()},
+                      "merges": [[text[a], text[b]] for a, b in self.merges]},
+        }
+
     @classmethod
     def load(cls, directory: str | os.PathLike) -> BPETokenizer:
         path = Path(directory) / FILE_NAME
@@ -374,3 +438,37 @@ class BPETokenizer:
             raise ValueError(f"no tokenizer in {directory}: {path} does not exist; pass the directory that "
                              "BPETokenizer.save() wrote (or train one with BPETokenizer.train)")
         return cls.from_state_dict(json.loads(path.read_text(encoding="utf-8")), str(path))
+
+
+class ByteStream:
+    """Text of ids arriving one at a time: a token may end inside a multi-byte character, whose bytes wait for the
+    next token; `end` flushes what is left (an incomplete character becomes U+FFFD)."""
+
+    def __init__(self, tokenizer: BPETokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, token_id: int) -> str:
+        return self._utf8.decode(self._tokenizer.token_bytes(token_id))
+
+    def end(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in for every byte, the alphabet of byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+_worker_tokenizer: Optional[BPETokenizer] = None  # one per encode_batch worker process
+
+
+def _start_encoder(state: dict) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = BPETokenizer.from_state_dict(state)
+
+
+def _encode_group(texts: list[str]) -> list[list[int]]:
+    return [_worker_tokenizer.encode(text) for text in texts]
