@@ -77,13 +77,16 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
+        self.inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
         self.backend = check_backend(backend)
         self._cache: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
         self._at: Optional[tuple[Tensor, torch.device, tuple[Tensor, Tensor]]] = None  # see cos_sin_at
 
     @classmethod
     def from_reference(cls, ref: nn.Module, backend: str) -> "RotaryEmbedding":
-        return cls(ref.head_dim, ref.theta, backend)
+        rope = cls(ref.head_dim, ref.theta, backend)
+        rope.inv_freq = ref.inv_freq  # the reference's frequencies, Llama 3's scaling included
+        return rope
 
     def cos_sin(self, seq_len: int, device: torch.device, offset: int = 0) -> tuple[Tensor, Tensor]:
         """fp32 (T, D/2) tables for positions offset..offset+T-1, built in fp64 and cached per device."""
@@ -97,8 +100,7 @@ class RotaryEmbedding(nn.Module):
         last ones kept against the positions tensor itself, as `lit_lm.model.RotaryEmbedding.cos_sin_at` does."""
         if self._at is not None and self._at[0] is positions and self._at[1] == device:
             return self._at[2]
-        inv_freq = self.theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
-        angles = torch.outer(positions.to("cpu", torch.float64), inv_freq)
+        angles = torch.outer(positions.to("cpu", torch.float64), self.inv_freq)
         tables = angles.cos().float().to(device), angles.sin().float().to(device)
         self._at = (positions, device, tables)
         return tables

@@ -17,13 +17,14 @@ def round_up(x: int, multiple: int) -> int:
 # The fields that decide which tensors a model has and their shapes: a checkpoint loads only into a model equal in
 # all of them (the others, e.g. losses' weights, init_std or max_seq_len, may change between runs).
 ARCHITECTURE = ("vocab_size", "vocab_multiple_of", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                "tie_embeddings", "qk_norm", "moe_experts", "moe_every", "moe_first_dense", "moe_d_ff",
+                "tie_embeddings", "qk_norm", "qkv_bias", "moe_experts", "moe_every", "moe_first_dense", "moe_d_ff",
                 "moe_shared_experts")
 
 
 @dataclass
 class ModelConfig:
-    """Shape of a decoder-only Transformer (Llama-style: pre-norm, RMSNorm, RoPE, GQA, SwiGLU, no biases)."""
+    """Shape of a decoder-only Transformer (Llama-style: pre-norm, RMSNorm, RoPE, GQA, SwiGLU; no biases but
+    Qwen2's optional q/k/v ones)."""
 
     vocab_size: int = 4096
     d_model: int = 256
@@ -34,9 +35,13 @@ class ModelConfig:
     ffn_multiple_of: int = 64
     max_seq_len: int = 256
     rope_theta: float = 10000.0
+    # Llama 3's frequency-dependent RoPE scaling: {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"} (Hugging Face's `rope_scaling`); None = plain RoPE
+    rope_scaling: Optional[dict] = None
     norm_eps: float = 1e-5
     sliding_window: Optional[int] = None  # attend to at most this many past positions (itself included)
     qk_norm: bool = False
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     tie_embeddings: bool = False
     z_loss: float = 0.0  # weight of the z-loss term mean(logsumexp(logits)^2)
     init_std: float = 0.02
@@ -111,9 +116,25 @@ class ModelConfig:
             raise ConfigError(f"head_dim = d_model/n_heads = {self.head_dim} must be even for RoPE: change `n_heads`")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"model config `sliding_window` must be positive or null, got {self.sliding_window}")
+        self._validate_rope_scaling()
         if self.z_loss < 0:
             raise ConfigError(f"model config `z_loss` must be >= 0, got {self.z_loss}")
         self._validate_moe()
+
+    ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+    def _validate_rope_scaling(self) -> None:
+        if self.rope_scaling is None:
+            return
+        kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+        if kind != "llama3":
+            raise ConfigError(f"model config `rope_scaling` rope_type {kind!r} is not supported (only llama3, or null "
+                              "for plain RoPE)")
+        missing = [k for k in self.ROPE_SCALING_KEYS if not isinstance(self.rope_scaling.get(k), (int, float))]
+        if missing:
+            raise ConfigError(f"model config `rope_scaling` (llama3) needs a number for {', '.join(missing)}")
+        if self.rope_scaling["high_freq_factor"] <= self.rope_scaling["low_freq_factor"]:
+            raise ConfigError("model config `rope_scaling` needs high_freq_factor > low_freq_factor")
 
     def _validate_moe(self) -> None:
         if self.moe_experts < 0:
@@ -164,7 +185,7 @@ class ModelConfig:
         `include_embedding=False` (6N counts matmuls; an embedding lookup is none). `active`: an MoE layer counts
         its router, shared experts and `moe_top_k` routed experts only (what one token's forward multiplies by)."""
         d, kv = self.d_model, self.n_kv_heads * self.head_dim
-        attn = d * d * 2 + d * kv * 2 + (2 * self.head_dim if self.qk_norm else 0)
+        attn = d * d * 2 + d * kv * 2 + (2 * self.head_dim if self.qk_norm else 0) + (d + 2 * kv if self.qkv_bias else 0)
         dense_mlp = 3 * d * self.d_ff
         expert = 3 * d * self.moe_d_ff
         moe_mlp = self.moe_experts * d + self.moe_shared_experts * expert + \

@@ -1,5 +1,6 @@
-"""A decoder-only Transformer as in modern LLMs (Llama family): pre-norm blocks, RMSNorm, RoPE, grouped-query
-attention, SwiGLU MLP, no biases.
+"""A decoder-only Transformer as in modern LLMs (Llama family): pre-norm blocks, RMSNorm, RoPE (optionally with
+Llama 3's scaling), grouped-query attention (optionally windowed: Mistral), SwiGLU MLP, no biases but Qwen2's
+optional q/k/v ones.
 
 Every operation that `kernels/` can replace is its own small module (`RMSNorm`, `RotaryEmbedding`,
 `CausalAttention`, `SwiGLU`, `LMLoss`), so a Triton version is swapped in without touching this file and with the
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Optional, Union
+from typing import Optional, Protocol, Union
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,20 @@ class RMSNorm(nn.Module):
         return (y * self.weight.float()).to(x.dtype)
 
 
+def rope_frequencies(head_dim: int, theta: float, scaling: Optional[dict] = None) -> Tensor:
+    """fp64 (D/2,) angular frequencies theta^(-2i/D); with Llama 3's `scaling` (`ModelConfig.rope_scaling`), the
+    wavelengths longer than original_max_position_embeddings / low_freq_factor are stretched by `factor`, those
+    shorter than original / high_freq_factor kept, and the band between interpolated smoothly (Meta's formula)."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
+    if scaling is None:
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((context / wavelen - low) / (high - low)).clamp(0.0, 1.0)  # 0: long waves, 1: short waves
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (rotate-half convention) applied to q and k of shape (B, T, H, D).
 
@@ -42,10 +57,11 @@ class RotaryEmbedding(nn.Module):
     cos/sin tables are cached per (length, device) and never stored in checkpoints.
     """
 
-    def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
+    def __init__(self, head_dim: int, theta: float = 10000.0, scaling: Optional[dict] = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
+        self.inv_freq = rope_frequencies(head_dim, theta, scaling)  # fp64 (D/2,): theta^(-2i/D), maybe rescaled
         self._cache: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
         self._at: Optional[tuple[Tensor, torch.device, tuple[Tensor, Tensor]]] = None  # see cos_sin_at
 
@@ -62,8 +78,7 @@ class RotaryEmbedding(nn.Module):
         every step (`strategies.cp.zigzag_batch`), so they are built once, not on the host per layer per step."""
         if self._at is not None and self._at[0] is positions and self._at[1] == device:
             return self._at[2]
-        inv_freq = self.theta ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim)
-        angles = torch.outer(positions.to("cpu", torch.float64), inv_freq)  # (T, D/2)
+        angles = torch.outer(positions.to("cpu", torch.float64), self.inv_freq)  # (T, D/2)
         tables = angles.cos().float().to(device), angles.sin().float().to(device)
         self._at = (positions, device, tables)
         return tables
@@ -79,6 +94,12 @@ class RotaryEmbedding(nn.Module):
         """`positions` (T,): the sequence positions of the T tokens; None means 0..T-1."""
         cos, sin = self.cos_sin(q.shape[1], q.device) if positions is None else self.cos_sin_at(positions, q.device)
         return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+
+
+class WeightSource(Protocol):
+    """Initial values read from elsewhere (`lit_lm.hf_import.HFWeights`), by parameter name and global slice."""
+
+    def read(self, name: str, tensor: Tensor, index: tuple[slice, ...] = ()) -> None: ...
 
 
 class CausalAttention(nn.Module):
@@ -128,18 +149,18 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, sliding_window: Optional[i
 
 class Attention(nn.Module):
     """Grouped-query self-attention with separate q/k/v projections (so tensor parallelism and checkpoint
-    resharding split heads without de-interleaving a fused weight) and optional QK-norm."""
+    resharding split heads without de-interleaving a fused weight), optional QK-norm and q/k/v biases (Qwen2)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.core = CausalAttention(cfg.sliding_window)
         self.sliding_window = cfg.sliding_window
 
@@ -234,6 +255,9 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.tok_embeddings.weight
         self.loss_fn = LMLoss(config.z_loss)
         self.init_seed = torch.initial_seed()
+        # Where the initial values come from instead of the seeded init (`lit_lm.hf_import.HFWeights`): anything
+        # with `read(name, tensor, index=())` filling `tensor` with `global[index]` of parameter `name`.
+        self.weights: Optional[WeightSource] = None
         if not self.tok_embeddings.weight.is_meta:
             self.init_weights()
 
@@ -245,7 +269,15 @@ class Transformer(nn.Module):
         so the residual stream's variance does not grow with depth (GPT-2); MoE routers std/10 (near-uniform
         routing at the start); everything else N(0, std). The values come from a generator
         seeded by (init seed, name), so they do not depend on device, order, or which rank builds the block.
+        Biases start at 0. With `weights` set (`init_from`), the value is read from them instead.
         """
+        if self.weights is not None:
+            self.weights.read(name, tensor)
+            return
+        if name.endswith(".bias"):
+            with torch.no_grad():
+                tensor.zero_()
+            return
         if name.endswith("norm.weight"):
             with torch.no_grad():
                 tensor.fill_(1.0)
@@ -259,6 +291,15 @@ class Transformer(nn.Module):
         values = torch.empty(tensor.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
         with torch.no_grad():
             tensor.copy_(values)
+
+    def init_parameter_part(self, name: str, tensor: Tensor, index: tuple[slice, ...]) -> bool:
+        """Fill `tensor` with `global[index]` of parameter `name` without building the whole one, when the values
+        are read from `weights` (a tp, ep or ZeRO-3 rank reads only its slice of the files); False otherwise (the
+        seeded init draws the whole tensor: the strategy initialises it whole and slices it)."""
+        if self.weights is None:
+            return False
+        self.weights.read(name, tensor, index)
+        return True
 
     def init_buffer(self, name: str, tensor: Tensor) -> None:
         """Fill a buffer built on the meta device: the MoE routers' bias and token counts start at zero."""

@@ -182,7 +182,8 @@ class ZeroEngine:
 
     def __init__(self, module: nn.Module, stage: int, group: Optional[dist.ProcessGroup] = None,
                  device: Optional[torch.device] = None, replicate_group: Optional[dist.ProcessGroup] = None,
-                 reduce_in_backward: bool = True, init: Optional[Callable[[str, Tensor], None]] = None) -> None:
+                 reduce_in_backward: bool = True, init: Optional[Callable[[str, Tensor], None]] = None,
+                 init_rows: Optional[Callable[[str, Tensor, tuple[int, int]], bool]] = None) -> None:
         self.stage = check_stage(stage)
         self.module = module
         self.group = group
@@ -203,6 +204,11 @@ class ZeroEngine:
         # composed strategy passes one that knows which slice of the global parameter this rank holds)
         self._init = init if init is not None else getattr(self._model, "init_parameter", None)
         self.root, self.blocks = self._build_units(module)
+        # stage 3: fills only rows [start, end) of a meta parameter's local tensor, when the model can (its values
+        # read from files: `init_parameter_part`); False: the whole tensor is filled, then sliced
+        part = getattr(self._model, "init_parameter_part", None)
+        self._init_rows = init_rows if init_rows is not None or part is None else \
+            (lambda name, tensor, rows: part(name, tensor, (slice(*rows),)))
         self.units = [self.root, *self.blocks]
         self._reduce_order = [*reversed(self.blocks), self.root]  # roughly the order backward finishes them
         self._next_reduce = 0  # stages 2-3: the first unit of `_reduce_order` not launched in this backward
@@ -280,7 +286,10 @@ class ZeroEngine:
                     for mod, name in owners[sp.param]:  # every owner: tied weights stay tied
                         setattr(mod, name, new)
                     sp.param = new
-                    self._init(sp.fqn[len(dot):], new.data)
+                    rows = (sp.start, sp.end)
+                    if not (self.stage == 3 and self._init_rows is not None
+                            and self._init_rows(sp.fqn[len(dot):], new.data[sp.start: sp.end], rows)):
+                        self._init(sp.fqn[len(dot):], new.data)
                 p = sp.param
                 rows = p.data[sp.start: sp.end]
                 if self.stage == 3:
