@@ -50,15 +50,22 @@ class LanguageModel(L.LightningModule):
             cosine. Set it to change the horizon on purpose (the change is logged with the LR before and after).
         kernels: modules to swap for `kernels/` implementations (e.g. [rmsnorm, swiglu]); "auto" picks Triton
             on CUDA and the PyTorch references elsewhere.
+        init_from: a Hugging Face model folder (Llama, Mistral, Qwen2: `lit_lm.hf_import`) whose config.json
+            decides the model's shape (the yaml's differing fields are replaced, said in one line) and whose
+            weights start the run: weights only, a fresh optimizer at step 0 (unlike `--ckpt_path`). See docs/hf.md.
     """
 
     def __init__(self, config: ModelConfig = ModelConfig.signature_default(), lr: float = 3e-3,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, warmup_steps: int = 100, min_lr_ratio: float = 0.1,
-                 kernels: Optional[list[str]] = None, schedule_steps: Optional[int] = None) -> None:
+                 kernels: Optional[list[str]] = None, schedule_steps: Optional[int] = None,
+                 init_from: Optional[str] = None) -> None:
         super().__init__()
         if isinstance(config, dict):  # from a checkpoint's hyper-parameters (stored as plain types)
             config = ModelConfig(**config)
         config = config.resolved()  # the signature default leaves d_ff & co. to be derived
+        self.init_from = init_from
+        if init_from is not None:
+            config = self._hf_config(init_from, config)
         self._derived = config.derived_fields()  # what a checkpoint may settle (adopt_checkpoint_config)
         if schedule_steps is not None and schedule_steps < 1:
             raise ConfigError(f"model.init_args.schedule_steps={schedule_steps}: the LR schedule's horizon must be "
@@ -72,7 +79,7 @@ class LanguageModel(L.LightningModule):
         self.save_hyperparameters({"config": asdict(config), "lr": lr, "betas": tuple(betas), "eps": eps,
                                    "weight_decay": weight_decay, "warmup_steps": warmup_steps,
                                    "min_lr_ratio": min_lr_ratio, "kernels": self.kernels,
-                                   "schedule_steps": schedule_steps})
+                                   "schedule_steps": schedule_steps, "init_from": init_from})
         self.model: Optional[Transformer] = None
         self._horizon: Optional[int] = None  # the LR schedule's, once known (the run's state: kept by checkpoints)
         self._saved_horizon: Optional[int] = None  # the checkpoint's, when resuming
@@ -95,14 +102,53 @@ class LanguageModel(L.LightningModule):
         rank_zero_info("[lit-lm] from the checkpoint: " + ", ".join(f"{k} {v}" for k, v in values.items()) +
                        " (fields the config leaves to derivation)")
 
+    @staticmethod
+    def _hf_config(folder: str, config: ModelConfig) -> ModelConfig:
+        """The Hugging Face model's shape replaces the yaml's (said in one line when they differ)."""
+        from lit_lm.hf_import import model_config, overridden
+
+        hf = model_config(folder, config)
+        changes = overridden(config, hf)
+        if changes:
+            rank_zero_info(f"[lit-lm] init_from {folder}: the model is the Hugging Face config's: " + ", ".join(changes))
+        return hf
+
+    def start_from(self, folder: str) -> None:
+        """Before the model is built: take the weights (and shape) of the Hugging Face model in `folder`
+        (`init_from`; what `--ckpt_path <HF folder>` means)."""
+        if self.model is not None:
+            raise ConfigError(f"{folder}: the model is built already; pass it as model.init_args.init_from")
+        self.init_from = folder
+        self.config = self._hf_config(folder, self.config)
+        self.hparams["config"], self.hparams["init_from"] = asdict(self.config), folder
+
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        self.model = Transformer(self.config)
+        if self.init_from is not None:
+            self.model = self._from_hf()
+        else:
+            self.model = Transformer(self.config)
         if self.kernels:
             import kernels
 
             kernels.apply(self.model, self.kernels)
+
+    def _from_hf(self) -> Transformer:
+        """The model built on the meta device with its values read from `init_from` by global name and slice: a
+        lit-lm strategy materialises only this rank's part (`strategies.placement`, ZeRO-3's rows), so each rank
+        reads only what it holds; under Lightning's own strategies (every rank holds the whole model) it is
+        materialised here, whole."""
+        from lit_lm.hf_import import HFWeights
+        from strategies.placement import materialize
+
+        with torch.device("meta"):
+            model = Transformer(self.config)
+        model.weights = HFWeights(self.init_from, self.config)
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if not isinstance(strategy, BaseStrategy):
+            materialize(model, torch.device("cpu"), model.init_parameter, model.init_buffer)
+        return model
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Name the optimizer's parameters (torch keys its state by position), so that a single file resumes under
