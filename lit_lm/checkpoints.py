@@ -1,5 +1,7 @@
 """Checkpoints as a user moves them around: where a run keeps them, which one `last` is, reading any of them on
-one process, and refusing one whose model differs from the config.
+one process, and refusing one whose model differs from the config. A Hugging Face model folder is accepted
+wherever a checkpoint is (`lit_lm.hf_import`): read as a checkpoint dict, and as `--ckpt_path` of a run its weights
+start the run (`init_from`).
 
 Two formats exist: a single `torch.save` file (Lightning's own strategies) and a sharded directory (lit-lm's
 strategies, `strategies/checkpoint.py`). Both hold the model's hyper-parameters, the data module's settings
@@ -25,6 +27,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_lm.config import ConfigError, ModelConfig
+from lit_lm import hf_import
 from lit_lm.data import TextDataModule
 from lit_lm.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_state
 from strategies import checkpoint as sharded
@@ -73,6 +76,11 @@ def prepare_run(trainer: Trainer, ckpt_path: Optional[str], module: Any) -> Opti
                        f"[lit-lm] --ckpt_path last: no complete checkpoint in {', '.join(sorted(folders))}; "
                        "starting from step 0")
         ckpt_path = None if last is None else str(last)
+    if ckpt_path is not None and hf_import.is_hf_folder(ckpt_path) and hasattr(module, "start_from"):
+        rank_zero_info(f"[lit-lm] --ckpt_path {ckpt_path} is a Hugging Face model: its weights start the run "
+                       "(model.init_args.init_from: a fresh optimizer at step 0; nothing to resume)")
+        module.start_from(ckpt_path)
+        return None
     config = getattr(module, "config", None)
     if ckpt_path is not None and isinstance(config, ModelConfig) and ckpt_path not in ("best", "hpc"):
         saved = read_hyper_parameters(ckpt_path).get("config")
@@ -83,15 +91,25 @@ def prepare_run(trainer: Trainer, ckpt_path: Optional[str], module: Any) -> Opti
 
 
 def read_checkpoint(path: PathLike) -> dict[str, Any]:
-    """Any lit-lm checkpoint as Lightning's checkpoint dict with whole tensors, on one process."""
+    """Any lit-lm checkpoint (or Hugging Face model folder) as Lightning's checkpoint dict with whole tensors, on
+    one process."""
     path = Path(path)
     _check_is_checkpoint(path)
+    if hf_import.is_hf_folder(path):
+        return _with_hf_tokenizer(hf_import.as_checkpoint(path), path)
     if path.is_dir():
         return sharded.read_whole(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, RuntimeError) as e:
         raise _not_a_checkpoint(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+
+
+def _with_hf_tokenizer(checkpoint: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A Hugging Face folder's tokenizer where a checkpoint keeps its data module's (`tokenizer_from`), if it has one."""
+    if (folder / "tokenizer.json").is_file():
+        checkpoint["hf_tokenizer"] = {"tokenizer": load_tokenizer(folder, "--ckpt_path").state_dict()}
+    return checkpoint
 
 
 def _not_a_checkpoint(path: Path, why: str) -> ConfigError:
@@ -103,8 +121,9 @@ def _check_is_checkpoint(path: Path) -> None:
     if not path.exists():
         raise ConfigError(f"checkpoint {path} does not exist (ckpt_path); give a .ckpt file or directory a run "
                           f"wrote under <default_root_dir>/{CHECKPOINTS}/, or `last`")
-    if path.is_dir() and not sharded.is_sharded_checkpoint(path):
-        raise _not_a_checkpoint(path, f"a directory without {sharded.META}")
+    if path.is_dir() and not sharded.is_sharded_checkpoint(path) and not hf_import.is_hf_folder(path):
+        raise _not_a_checkpoint(path, f"a directory without {sharded.META}, nor a Hugging Face model folder "
+                                      "(config.json and *.safetensors)")
     if path.is_file() and not zipfile.is_zipfile(path):
         raise _not_a_checkpoint(path, "not a file torch.save wrote")
 
@@ -119,6 +138,8 @@ def read_meta(path: PathLike) -> dict[str, Any]:
     memory-mapped (its tensors are not read until used)."""
     path = Path(path)
     _check_is_checkpoint(path)
+    if hf_import.is_hf_folder(path):
+        return hf_import.as_meta(path)
     if path.is_dir():
         return sharded.read_meta(path)
     try:

@@ -51,6 +51,10 @@ def hf_name(name: str) -> str:
 
 
 # -- config.json <-> ModelConfig --------------------------------------------------------------------------------
+# the fields that are the same number under another name, both ways (`model_config`; `lit_lm.hf_export.hf_config`)
+FIELDS = {"vocab_size": "vocab_size", "hidden_size": "d_model", "intermediate_size": "d_ff",
+          "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
+          "rms_norm_eps": "norm_eps", "tie_word_embeddings": "tie_embeddings"}
 def is_hf_folder(path: PathLike) -> bool:
     """A folder holding a Hugging Face model: `config.json` and safetensors weights."""
     path = Path(path)
@@ -103,13 +107,12 @@ def model_config(folder: PathLike, base: Optional[ModelConfig] = None) -> ModelC
     if hf.get("head_dim") not in (None, d_model // n_heads) or d_model % n_heads:
         refuse("head_dim", hf.get("head_dim"), "lit-lm's head_dim is hidden_size / num_attention_heads")
     theta, scaling = _rope(hf, refuse)
-    return replace(base or ModelConfig(), vocab_size=hf["vocab_size"], vocab_multiple_of=1, d_model=d_model,
-                   n_layers=hf["num_hidden_layers"], n_heads=n_heads,
-                   n_kv_heads=hf.get("num_key_value_heads") or n_heads, d_ff=hf["intermediate_size"],
-                   norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+    defaults = {"num_key_value_heads": n_heads, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    values = {ours: hf.get(theirs) if hf.get(theirs) is not None else defaults.get(theirs)
+              for theirs, ours in FIELDS.items()}
+    return replace(base or ModelConfig(), **values, vocab_multiple_of=1, rope_theta=theta, rope_scaling=scaling,
                    sliding_window=hf.get("sliding_window") if family == "mistral" else None,
-                   qkv_bias=family == "qwen2", qk_norm=False, tie_embeddings=bool(hf.get("tie_word_embeddings")),
-                   moe_experts=0)
+                   qkv_bias=family == "qwen2", qk_norm=False, moe_experts=0)
 
 
 def overridden(before: ModelConfig, after: ModelConfig) -> list[str]:

@@ -1,0 +1,180 @@
+"""Hugging Face models in (`lit_lm.hf_import`, `LanguageModel(init_from=...)`): tiny random Llama, Mistral and Qwen2
+models made with `transformers` in a temporary folder (no network).
+
+- logits equal transformers' (fp32, 1e-5) per family and feature: Llama 3 rope scaling, Mistral's sliding window
+  shorter than the sequence, Qwen2's q/k/v biases, tied and untied embeddings, GQA; each feature also shown to
+  matter (the model without it is off by far more);
+- the same import under zero3 x 2, tp2 and pp2 gives the one-process first-step loss and gradients (parity harness);
+- under zero3 x 4 each rank reads a quarter of the weights' bytes from the files, and the ranks together exactly
+  the whole once (no rank reads the whole model);
+- a config lit-lm cannot express is refused in one line naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lit_lm.config import ConfigError, ModelConfig  # noqa: E402
+from lit_lm.hf_import import HFWeights, load_model, model_config  # noqa: E402
+from lit_lm.module import LanguageModel  # noqa: E402
+from lit_lm.parity import TINY, Case, _fit_cases, assert_parity, run_parity  # noqa: E402
+from lit_lm.spawn import run_distributed  # noqa: E402
+from strategies.pp import PipelineStrategy  # noqa: E402
+from strategies.tp import TensorParallelStrategy  # noqa: E402
+from strategies.zero import ZeroStrategy  # noqa: E402
+
+SHAPE = dict(vocab_size=TINY["vocab_size"], hidden_size=TINY["d_model"], intermediate_size=48,
+             num_hidden_layers=TINY["n_layers"], num_attention_heads=TINY["n_heads"],
+             num_key_value_heads=TINY["n_kv_heads"], initializer_range=0.1)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8}
+FAMILIES = {
+    "llama3 rope scaling": lambda: transformers.LlamaConfig(**SHAPE, rope_scaling=LLAMA3_ROPE, rope_theta=5e5),
+    "llama tied": lambda: transformers.LlamaConfig(**SHAPE, tie_word_embeddings=True),
+    "mistral window 5": lambda: transformers.MistralConfig(**SHAPE, sliding_window=5),
+    "qwen2 qkv bias": lambda: transformers.Qwen2Config(**SHAPE),
+    "qwen2 tied": lambda: transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True),
+}
+
+
+def save_hf(folder: Path, config, seed: int = 0):
+    """A random transformers model saved in `folder`; biases random too (transformers starts them at 0)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:  # not 0 / 1: a swapped or skipped one shows
+                p.normal_(0.0 if name.endswith("bias") else 1.0, 0.2)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    out = {}
+    for i, (name, make) in enumerate(FAMILIES.items()):
+        folder = tmp_path_factory.mktemp(name.replace(" ", "_"))
+        save_hf(folder, make(), seed=i)
+        out[name] = folder
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_equal_transformers(hf_dirs, family):
+    folder = hf_dirs[family]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = load_model(folder)
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = theirs(ids).logits, ours(ids)
+    assert got.shape == expected.shape  # no padded vocabulary rows: the loss is transformers' too
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    cfg = ours.config
+    # the feature under test is on, and without it the logits are far off (so the comparison above needed it)
+    feature = {"llama3 rope scaling": ("rope_scaling", None), "mistral window 5": ("sliding_window", None),
+               "qwen2 qkv bias": ("qkv_bias", False)}.get(family)
+    if family.endswith("tied"):
+        assert cfg.tie_embeddings and ours.lm_head.weight is ours.tok_embeddings.weight
+    if feature is not None:
+        name, off = feature
+        assert getattr(cfg, name) not in (None, False)
+        without = load_model(folder)
+        if name == "qkv_bias":
+            for block in without.blocks.values():
+                for lin in (block.attn.wq, block.attn.wk, block.attn.wv):
+                    lin.bias = None
+        else:
+            for block in without.blocks.values():
+                if name == "rope_scaling":
+                    block.attn.rope.inv_freq = type(block.attn.rope)(cfg.head_dim, cfg.rope_theta).inv_freq
+                else:
+                    block.attn.core.sliding_window = block.attn.sliding_window = off
+        with torch.no_grad():
+            assert (without(ids) - expected).abs().max() > 1e-3
+
+
+def test_config_fields(hf_dirs):
+    cfg = model_config(hf_dirs["llama3 rope scaling"], ModelConfig(d_model=192, max_seq_len=48, z_loss=1e-4))
+    assert (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size) == (32, 4, 2, 48, 64)
+    assert cfg.padded_vocab_size == 64 and cfg.rope_theta == 5e5 and cfg.rope_scaling["factor"] == 8.0
+    assert (cfg.max_seq_len, cfg.z_loss) == (48, 1e-4)  # the run's, not the checkpoint's
+    assert not cfg.qkv_bias and model_config(hf_dirs["qwen2 qkv bias"]).qkv_bias
+
+
+def _layouts_case(folder: Path, strategy, label: str) -> Case:
+    return Case(strategy, model=dict(TINY), steps=1, init_from=str(folder), label=label)
+
+
+def test_import_under_layouts_matches_one_process(hf_dirs):
+    """Qwen2 with tied embeddings (biases split by tp, the tied head on the last pipeline stage): first-step loss
+    and every gradient under zero3 x 2, tp2 (sequence parallel) and pp2 as one process."""
+    folder = hf_dirs["qwen2 tied"]
+    cases = [_layouts_case(folder, partial(ZeroStrategy, stage=3), "hf zero3"),
+             _layouts_case(folder, partial(TensorParallelStrategy, 2, sequence_parallel=True), "hf tp2"),
+             _layouts_case(folder, partial(PipelineStrategy, pipeline_parallel_size=2, microbatches=2), "hf pp2")]
+    for run in run_parity(cases, 2):
+        assert_parity(run)
+    # the runs started from the file's weights, not from the seeded init
+    single = run["single"]["params"]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert not torch.equal(single["model.blocks.0.attn.wq.bias"], torch.zeros(32))
+    lr_step = single["model.norm.weight"] - theirs.model.norm.weight.detach()
+    assert lr_step.abs().max() < 0.5  # one SGD step away from the imported norm weight
+
+
+class BytesRead(L.Callback):
+    """What this rank's import read from the files, once the strategy has materialised its part."""
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.read = module.model.weights.bytes_read
+
+
+def test_zero3_rank_reads_its_rows_only(tmp_path):
+    """A model 4x a rank's share: each of 4 ZeRO-3 ranks reads about a quarter of the bytes, none the whole; the
+    four together read every byte exactly once."""
+    save_hf(tmp_path, transformers.LlamaConfig(**{**SHAPE, "num_hidden_layers": 4}))
+    case = Case(partial(ZeroStrategy, stage=3), steps=1, global_batch=4, init_from=str(tmp_path),
+                callbacks=(BytesRead(),))
+    ranks = run_distributed(_fit_cases, 4, [case], 4, [None], init_process_group=False)
+    read = [r[0]["callbacks"][0].read for r in ranks]
+    whole = sum(p.numel() * p.element_size() for p in load_model(tmp_path).parameters())
+    assert sum(read) == whole
+    assert max(read) < whole / 3, f"a rank read {max(read)} of {whole} bytes"
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "`model_type` 'gpt2'"),
+    ({"head_dim": 16}, "`head_dim` 16"),
+    ({"hidden_act": "gelu"}, "`hidden_act` 'gelu'"),
+    ({"attention_bias": True}, "`attention_bias` true"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "`rope_scaling` rope_type 'yarn'"),
+])
+def test_refusals_name_the_field(tmp_path, changes, field):
+    save_hf(tmp_path, FAMILIES["llama tied"]())
+    _edit_config(tmp_path, **changes)
+    with pytest.raises(ConfigError) as err:
+        LanguageModel(init_from=str(tmp_path))
+    message = str(err.value)
+    assert field in message and "\n" not in message and "config.json" in message
+
+
+def test_weights_that_do_not_match_the_config_are_refused(tmp_path):
+    save_hf(tmp_path, FAMILIES["llama tied"]())
+    _edit_config(tmp_path, tie_word_embeddings=False)  # the file has no lm_head.weight
+    with pytest.raises(ConfigError, match="has no tensor lm_head.weight"):
+        HFWeights(tmp_path, model_config(tmp_path))
