@@ -92,6 +92,21 @@ def summarize(rounds: list[list[tuple[str, dict[str, Any]]]]) -> dict[str, dict[
     return table
 
 
+def paired_ratios(rounds: list[list[tuple[str, dict[str, Any]]]], a: str, b: str, metric: str) -> dict[str, Any]:
+    """`a`'s `metric` over `b`'s in each round where both ran (the two ran minutes apart, under the same load):
+    median, min, max, n and the ratios in round order. Steadier than the ratio of the medians when the load drifts
+    between rounds."""
+    ratios = []
+    for this_round in rounds:
+        got = dict(this_round)
+        if a in got and b in got:
+            ratios.append(got[a][metric] / got[b][metric])
+    if not ratios:
+        raise ValueError(f"no round ran both {a!r} and {b!r}")
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios),
+            "ratios": ratios}
+
+
 def write_json(path: str | Path, rounds: list, table: dict, **extra: Any) -> None:
     """Everything: the raw rounds (order included), the summary, the load averages, the machine (`machine.py`:
     CPU model and flags, cores, GPU, torch, date) and `extra` (arguments)."""

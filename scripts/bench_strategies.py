@@ -56,13 +56,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runner import MARK, run_rounds, summarize, write_json  # noqa: E402
 from machine import describe  # noqa: E402
 from lit_lm.config import ModelConfig  # noqa: E402
-from lit_lm.estimate import Layout, Workload, estimate, rope_table_bytes  # noqa: E402
+from lit_lm.estimate import Workload, estimate, rope_table_bytes  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
-from lit_lm.plan import strategy_args  # noqa: E402
 from strategies.comm import COMM_LOG, wire_factor  # noqa: E402
 from strategies.composed import ComposedStrategy  # noqa: E402
 from strategies.ddp import DataParallelStrategy  # noqa: E402
-from strategies.layout import rank_grid  # noqa: E402
+from strategies.layout import ParallelConfig, rank_grid  # noqa: E402
 from strategies.tp import TensorParallelStrategy  # noqa: E402
 from strategies.tp_layers import SavedActivations, TPGroup, parallelize_model  # noqa: E402
 from strategies.zero import ZeroStrategy  # noqa: E402
@@ -70,13 +69,13 @@ from strategies.zero_engine import model_state_bytes  # noqa: E402
 
 STRATEGIES = ["ddp", "lm_ddp", "zero1", "zero2", "zero3", "fsdp2", "tp", "tp_sp"]
 # N-D layouts of `ComposedStrategy`, each run on exactly its world size (`--devices`): the strategy is built from
-# the estimator's Layout (`lit_lm.plan.strategy_args`), so the run and its theory describe the same layout
+# one ParallelConfig (the strategy's arguments: `strategy_args()`), so the run and its theory describe the same layout
 COMPOSED = {
-    "tp2_pp2": Layout(tp=2, pp=2, microbatches=2),
-    "zero3_tp2": Layout(dp_shard=2, zero_stage=3, tp=2),
-    "hsdp_zero3": Layout(dp_replicate=2, dp_shard=2, zero_stage=3),
-    "zero1_dp2_pp2": Layout(dp_shard=2, zero_stage=1, pp=2, microbatches=2),
-    "3d": Layout(dp_shard=2, zero_stage=1, tp=2, pp=2, microbatches=2),
+    "tp2_pp2": ParallelConfig(tp=2, pp=2, microbatches=2),
+    "zero3_tp2": ParallelConfig(dp_shard=2, zero_stage=3, tp=2),
+    "hsdp_zero3": ParallelConfig(dp_replicate=2, dp_shard=2, zero_stage=3),
+    "zero1_dp2_pp2": ParallelConfig(dp_shard=2, zero_stage=1, pp=2, microbatches=2),
+    "3d": ParallelConfig(dp_shard=2, zero_stage=1, tp=2, pp=2, microbatches=2),
 }
 
 
@@ -192,9 +191,18 @@ def data_rank(strategy: Any, n: int, rank: int) -> tuple[int, int]:
     return group.index(rank), len(group)
 
 
+def token_loader(args: argparse.Namespace, config: ModelConfig, dp_rank: int, dp: int) -> DataLoader:
+    """`args.steps` batches of random tokens, (global batch / dp, seq_len + 1): replica `dp_rank`'s share of each
+    global batch (seeded by it, so every contender reads the same rows)."""
+    gen = torch.Generator().manual_seed(1000 + dp_rank)
+    local = args.global_batch // dp
+    tokens = torch.randint(0, config.vocab_size, (local * args.steps, args.seq_len + 1), generator=gen)
+    return DataLoader(TensorDataset(tokens), batch_size=local)
+
+
 def make_strategy(name: str, n: int) -> Any:
     if name in COMPOSED:
-        return ComposedStrategy(**strategy_args(COMPOSED[name]))
+        return ComposedStrategy(**COMPOSED[name].strategy_args())
     return {"ddp": lambda: "ddp", "lm_ddp": DataParallelStrategy,
             "zero1": lambda: ZeroStrategy(stage=1), "zero2": lambda: ZeroStrategy(stage=2),
             "zero3": lambda: ZeroStrategy(stage=3),
@@ -203,25 +211,28 @@ def make_strategy(name: str, n: int) -> Any:
             "tp_sp": lambda: TensorParallelStrategy(n, sequence_parallel=True)}[name]()
 
 
+def make_trainer(args: argparse.Namespace, accelerator: str, strategy: Any, callbacks: Sequence[L.Callback]
+                 ) -> L.Trainer:
+    """The benchmarks' Trainer: `args.steps` steps, nothing besides the step (no logger, bar, summary, checkpoint,
+    sanity validation, sampler injection: each replica's loader is given)."""
+    return L.Trainer(accelerator=accelerator, devices=args.devices, strategy=strategy, max_steps=args.steps,
+                     callbacks=list(callbacks), logger=False, enable_progress_bar=False, enable_model_summary=False,
+                     enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+                     precision=args.precision)
+
+
 def run_one(name: str, args: argparse.Namespace, config: ModelConfig, accelerator: str, strategy: Any = None,
             adamw: Optional[dict[str, Any]] = None, callbacks: Sequence[L.Callback] = (),
             zero_redundancy: bool = False) -> dict[str, Any]:
     """Fit `args.steps` steps under `strategy` (default: the contender `name`'s); median steady step and more."""
     rank, n = int(os.environ["LOCAL_RANK"]), args.devices
     strategy = strategy or make_strategy(name, n)
-    dp_rank, dp = data_rank(strategy, n, rank)
-    gen = torch.Generator().manual_seed(1000 + dp_rank)  # each replica its own batch of the global batch
-    local = args.global_batch // dp
-    tokens = torch.randint(0, config.vocab_size, (local * args.steps, args.seq_len + 1), generator=gen)
-    loader = DataLoader(TensorDataset(tokens), batch_size=local)
+    loader = token_loader(args, config, *data_rank(strategy, n, rank))
     L.seed_everything(0, verbose=False)
     module = BenchLM(config, fsdp2=name == "fsdp2", adamw=adamw, zero_redundancy=zero_redundancy)
     device = torch.device("cuda", rank) if accelerator == "gpu" else torch.device("cpu")
     probe = LayoutProbe(device) if name in COMPOSED else Probe(device)
-    trainer = L.Trainer(accelerator=accelerator, devices=n, strategy=strategy, max_steps=args.steps,
-                        callbacks=[probe, *callbacks], logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
-                        num_sanity_val_steps=0, precision=args.precision)
+    trainer = make_trainer(args, accelerator, strategy, [probe, *callbacks])
     trainer.fit(module, loader)
     steady = probe.times[args.warmup:]
     out = {"step_s": statistics.median(steady), "steady_s": steady, "memory": probe.memory,

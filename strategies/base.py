@@ -27,6 +27,8 @@ What the base does
                     `<path>.tmp-<id>`, marked `COMPLETE` (step, world size, strategy, dp/tp/pp) after a barrier
                     and published by rename; any directory without the marker is refused on load, naming it.
                     `remove_checkpoint` (save_top_k retention) also clears what crashed saves left in the folder.
+    SIGTERM         Lightning's broadcast of rank 0's SIGTERM flag (a host sync on GPUs) runs after logging steps,
+                    not at every step (`_sigterm_check_at_logging_steps`).
     failures        `timeout` (seconds, or a timedelta) bounds every collective; when one fails (a dead or hung
                     peer) `on_exception` prints which rank is lost and this rank's last collectives
                     (`strategies/watchdog.py`), then the error propagates and the process exits non-zero.
@@ -309,6 +311,7 @@ class BaseStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        _sigterm_check_at_logging_steps(trainer)
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -503,6 +506,29 @@ class BaseStrategy(ParallelStrategy):
         if _distributed_is_initialized() and dist.get_world_size() > 1 and is_collective_failure(exception):
             grace = min(LOST_RANK_GRACE_S, self._timeout.total_seconds()) if self._timeout else LOST_RANK_GRACE_S
             print(failure_report(exception, grace), file=sys.stderr, flush=True)
+
+
+def _sigterm_check_at_logging_steps(trainer: Trainer) -> None:
+    """Lightning (2.5+) broadcasts rank 0's SIGTERM flag at the start of every training batch of a distributed run
+    (`_TrainingEpochLoop._broadcast_sigterm_tensor`): the flag copied to the device, a world broadcast, `.item()`.
+    On a GPU that is a host sync per step: the CPU waits for the last step's kernels instead of queueing the next
+    step's (Lightning-AI/pytorch-lightning#21487, which proposes an interval). Here it runs at the batch after each
+    step Lightning logs (every `log_every_n_steps`; every batch when that is 0 or 1), where the host has just read
+    the logged metrics and the device has nothing queued; the same batches on every rank (loop state, not time).
+    A rank that receives SIGTERM itself still stops at the end of its batch (Lightning checks its own flag there,
+    with no collective); rank 0's flag reaches ranks that received none after the next logging step."""
+    loop = trainer.fit_loop.epoch_loop
+    every_step = getattr(loop, "_broadcast_sigterm_tensor", None)
+    if every_step is None or getattr(every_step, "at_logging_steps", False):  # another Lightning, or done already
+        return
+
+    def at_logging_steps() -> None:
+        every = trainer.log_every_n_steps
+        if every <= 1 or loop._batches_that_stepped % every == 0:  # the last step logged (`should_update_logs`)
+            every_step()
+
+    at_logging_steps.at_logging_steps = True  # type: ignore[attr-defined]
+    loop._broadcast_sigterm_tensor = at_logging_steps  # type: ignore[method-assign]
 
 
 def _unwrap(optimizer: Union[Optimizer, LightningOptimizer]) -> Optimizer:
