@@ -91,6 +91,7 @@ class Case:
     callbacks: tuple[L.Callback, ...] = ()  # run on both sides; returned trained (e.g. to read what they recorded)
     label: str = ""
     resume: Optional["Case"] = None  # a one-process run (same model) saved as one file; this run continues it
+    init_from: Optional[str] = None
 
     def reference(self) -> "Case":
         """The same run on one process; `GlobalNormClip` there is torch's `clip_grad_norm_` (`TorchNormClip`)."""
@@ -102,7 +103,7 @@ class Case:
         callbacks = [(type(c).__name__, sorted(vars(c).items())) for c in self.callbacks]
         return repr((sorted(self.model.items()), self.optimizer, self.steps, self.global_batch,
                      sorted(self.trainer.items()), self.frozen, self.lr, callbacks,
-                     self.resume.key if self.resume else None))
+                     self.resume.key if self.resume else None, self.init_from))
 
 
 class TorchNormClip(L.Callback):
@@ -119,7 +120,7 @@ class ParityLM(LanguageModel):
     """`LanguageModel` with the case's optimizer, frozen parameters and data (read after the layout exists)."""
 
     def __init__(self, case: Case) -> None:
-        super().__init__(ModelConfig(**case.model))
+        super().__init__(ModelConfig(**case.model), init_from=case.init_from)
         self.case = case
 
     def configure_model(self) -> None:

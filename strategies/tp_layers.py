@@ -159,12 +159,13 @@ class _ShardedLinear(nn.Module):
 
     dim: int
 
-    def __init__(self, weight: nn.Parameter) -> None:
+    def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter] = None) -> None:
         super().__init__()
         self.weight = weight
+        self.bias = bias
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(_ShardedLinear):
@@ -285,12 +286,13 @@ def parallelize_model(model: nn.Module, plan: dict[str, TensorParallel], tp: TPG
 
     for name, spec in plan.items():
         module = model.get_submodule(name)
-        split = spec.style in ("column", "row", "vocab_embedding", "vocab_head")
-        if split and getattr(module, "bias", None) is not None:
-            raise ValueError(f"{name}: tensor-parallel linears and embeddings without bias only")
+        bias = getattr(module, "bias", None)
+        if bias is not None and spec.style in ("row", "vocab_embedding", "vocab_head"):
+            raise ValueError(f"{name}: row-parallel linears and vocab-parallel embeddings without bias only")
         if spec.style in ("column", "row"):
             cls = ColumnParallelLinear if spec.style == "column" else RowParallelLinear
-            model.set_submodule(name, cls(shard(name, module.weight, cls.dim, spec)))
+            model.set_submodule(name, cls(shard(name, module.weight, cls.dim, spec),
+                                          None if bias is None else shard(name, bias, 0, spec)))
         elif spec.style == "region":  # hooks, not a wrapper module: the parameter names stay the same
             module.register_forward_pre_hook(lambda _, args: (tp.enter(args[0]), *args[1:]))
             module.register_forward_hook(lambda _, args, out: tp.exit(out))
