@@ -295,6 +295,7 @@ class ComposedStrategy(BaseStrategy):
         if self.pp_size > 1:
             self._split_pipeline(model, dot, first_use)
         self._init_fn = lambda name, t: self._init(model, dot, first_use, name, t)
+        self._init_rows = lambda name, t, rows: self._init(model, dot, first_use, name, t, rows)
         if any(t.is_meta for t in module.parameters()) and self.zero_stage != 3:
             with self._rebinding(module):
                 materialize(model, self.root_device, self._init_fn, lambda name, t: self._init_buffer(model, name, t))
@@ -336,10 +337,14 @@ class ComposedStrategy(BaseStrategy):
                                       shard.start + shard.num_local, "ep")
         return out
 
-    def _init(self, model: nn.Module, dot: str, first_use: dict[str, str], name: str, tensor: Tensor) -> None:
-        """Initialise `tensor`, this rank's part of the block model's parameter `name`, as one process would."""
+    def _init(self, model: nn.Module, dot: str, first_use: dict[str, str], name: str, tensor: Tensor,
+              rows: Optional[tuple[int, int]] = None) -> bool:
+        part = getattr(model, "init_parameter_part", None)
+        if rows is not None and part is None:
+            return False
         global_name = first_use.get(dot + name, dot + name)
-        init_local(model.init_parameter, global_name[len(dot):], tensor, self._placements.get(dot + name))
+        init_local(model.init_parameter, global_name[len(dot):], tensor, self._placements.get(dot + name), part, rows)
+        return True
 
     @staticmethod
     def _init_buffer(model: nn.Module, name: str, tensor: Tensor) -> None:
@@ -395,7 +400,8 @@ class ComposedStrategy(BaseStrategy):
                 replicate = layout.group("dp_replicate") if self.replicate_size > 1 else None
                 with self._rebinding(module):
                     self._engines = [ZeroEngine(holder, self.zero_stage, group, self.root_device, replicate,
-                                                reduce_in_backward=self.pp_size == 1, init=self._init_fn)
+                                                reduce_in_backward=self.pp_size == 1, init=self._init_fn,
+                                                init_rows=self._init_rows)
                                      for holder, group in parts]
                 self._engines_for = (module, self._engines)
         elif fitting:

@@ -205,9 +205,10 @@ class ZeroEngine:
         self._init = init if init is not None else getattr(self._model, "init_parameter", None)
         self.root, self.blocks = self._build_units(module)
         # stage 3: fills only rows [start, end) of a meta parameter's local tensor, when the model can (its values
-        # read from files: `init_parameter_part`); False: the whole tensor is filled, then sliced
+        # read from files: `init_parameter_part`); False: the whole tensor is filled, then sliced. Given an `init`
+        # (which knows the placement), only the `init_rows` given with it.
         part = getattr(self._model, "init_parameter_part", None)
-        self._init_rows = init_rows if init_rows is not None or part is None else \
+        self._init_rows = init_rows if init_rows is not None or init is not None or part is None else \
             (lambda name, tensor, rows: part(name, tensor, (slice(*rows),)))
         self.units = [self.root, *self.blocks]
         self._reduce_order = [*reversed(self.blocks), self.root]  # roughly the order backward finishes them
