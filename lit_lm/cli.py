@@ -1,5 +1,6 @@
 """`lit-lm fit|validate|test|predict`: LightningCLI with the model and the data in subclass mode;
-`lit-lm generate` (lit_lm/generate.py) streams text from a checkpoint.
+`lit-lm generate` (lit_lm/generate.py) streams text from a checkpoint; `lit-lm check` (lit_lm/check/) trains the
+run's layout against one process for a few steps before it spends cluster time.
 
 Errors in the configuration or the input print one line (`lit-lm: error: ...`); `--debug` shows the traceback.
 
@@ -134,6 +135,11 @@ def main(args: Optional[list[str]] = None) -> None:
         if argv[:1] == ["generate"]:
             generate.main(argv[1:])
             return
+        if argv[:1] == ["check"]:  # lit_lm/check: the run's own layout against one process, through fit's parser
+            from lit_lm.check.command import main as check
+
+            refuse_unknown_keys(argv, defaults)
+            return check(argv[1:], LitLMCLI, defaults)
         if argv[:1] and argv[0] in SUBCOMMANDS:
             refuse_unknown_keys(argv, defaults)
         LitLMCLI(

@@ -44,15 +44,15 @@ trainer settings) for the process (a test session, one `lit-lm check`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
+import importlib
 import math
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
-
-import contextlib
-import re
 
 import lightning as L
 import torch
@@ -81,7 +81,8 @@ class Case:
 
     strategy: Optional[Callable[[], Any]] = None
     model: dict = field(default_factory=lambda: dict(TINY))  # ModelConfig arguments
-    optimizer: str = "sgd"  # "sgd": plain SGD (no momentum); "adamw": AdamW, decay on matrices only
+    optimizer: str = "sgd"  # "sgd": plain SGD (no momentum); "adamw": AdamW, decay on matrices only; "module":
+    # the module's own configure_optimizers (its optimizer, param groups and LR schedule: `lit-lm check`)
     steps: int = 3
     global_batch: int = 8
     trainer: dict = field(default_factory=dict)  # e.g. accumulate_grad_batches, gradient_clip_val, precision
@@ -91,7 +92,10 @@ class Case:
     callbacks: tuple[L.Callback, ...] = ()  # run on both sides; returned trained (e.g. to read what they recorded)
     label: str = ""
     resume: Optional["Case"] = None  # a one-process run (same model) saved as one file; this run continues it
-    init_from: Optional[str] = None
+    init_from: Optional[str] = None  # a Hugging Face model folder both sides start from (LanguageModel's init_from)
+    # the LightningModule: a `LanguageModel` subclass's class path and its init arguments but `config`, as sorted
+    # (name, value) pairs (`lit-lm check` trains the user's own); empty: `LanguageModel` itself
+    module: tuple = ()
 
     def reference(self) -> "Case":
         """The same run on one process; `GlobalNormClip` there is torch's `clip_grad_norm_` (`TorchNormClip`)."""
@@ -103,7 +107,7 @@ class Case:
         callbacks = [(type(c).__name__, sorted(vars(c).items())) for c in self.callbacks]
         return repr((sorted(self.model.items()), self.optimizer, self.steps, self.global_batch,
                      sorted(self.trainer.items()), self.frozen, self.lr, callbacks,
-                     self.resume.key if self.resume else None, self.init_from))
+                     self.resume.key if self.resume else None, self.init_from, self.module))
 
 
 class TorchNormClip(L.Callback):
@@ -116,19 +120,20 @@ class TorchNormClip(L.Callback):
         torch.nn.utils.clip_grad_norm_(module.parameters(), self.max_norm)
 
 
-class ParityLM(LanguageModel):
-    """`LanguageModel` with the case's optimizer, frozen parameters and data (read after the layout exists)."""
+class HarnessModule:
+    """Mixed in before a `LanguageModel` (sub)class: the case's optimizer, frozen parameters and data (read after
+    the layout exists)."""
 
-    def __init__(self, case: Case) -> None:
-        super().__init__(ModelConfig(**case.model), init_from=case.init_from)
-        self.case = case
+    case: Case
 
     def configure_model(self) -> None:
         super().configure_model()
         for name in self.case.frozen:
             self.get_parameter(name).requires_grad_(False)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> Any:
+        if self.case.optimizer == "module":
+            return super().configure_optimizers()
         params = list(self.parameters())  # frozen ones too: torch's optimizers skip a parameter with grad None
         if self.case.optimizer == "sgd":
             return torch.optim.SGD(params, lr=self.case.lr or 0.1)
@@ -151,6 +156,27 @@ class ParityLM(LanguageModel):
         tokens = tokens % case.model["vocab_size"]
         local, replicas = case.global_batch // dp, sampler["num_replicas"]
         return DataLoader(rank_share(tokens, local * replicas, sampler["rank"], replicas), batch_size=local)
+
+
+class ParityLM(HarnessModule, LanguageModel):
+    def __init__(self, case: Case) -> None:
+        super().__init__(ModelConfig(**case.model), init_from=case.init_from)
+        self.case = case
+
+
+def harness_module(case: Case) -> LanguageModel:
+    """The case's module: `ParityLM`, or the user's `LanguageModel` subclass (`case.module`) with the harness mixed in
+    and the case's model config."""
+    if not case.module:
+        return ParityLM(case)
+    class_path, kwargs = case.module
+    module_name, _, name = class_path.rpartition(".")
+    cls = getattr(importlib.import_module(module_name), name)
+    if not (isinstance(cls, type) and issubclass(cls, LanguageModel)):
+        raise TypeError(f"{class_path} is not a LanguageModel subclass")
+    module = type(f"Harness{cls.__name__}", (HarnessModule, cls), {})(config=ModelConfig(**case.model), **dict(kwargs))
+    module.case = case
+    return module
 
 
 class Probe(L.Callback):
@@ -202,14 +228,14 @@ def fit_case(case: Case, devices: int = 1, ckpt_path: Optional[str] = None, save
     the per-step records and final parameters. `save_to`: write the trained run there as one Lightning file."""
     with _mutated(case):
         L.seed_everything(0, verbose=False)
-        module, callbacks = ParityLM(case), copy.deepcopy(list(case.callbacks))
+        module, callbacks = harness_module(case), copy.deepcopy(list(case.callbacks))
         probe = Probe(start=ckpt_path is not None)
         strategy = case.strategy() if case.strategy else "auto"
         trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy,
                             max_steps=case.steps + (case.resume.steps if ckpt_path else 0),
                             callbacks=[probe, *callbacks], logger=False, enable_progress_bar=False,
                             enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
-                            enable_checkpointing=False, **case.trainer)
+                            enable_checkpointing=False, log_every_n_steps=1, **case.trainer)
         trainer.fit(module, ckpt_path=ckpt_path)
         if save_to is not None:
             trainer.save_checkpoint(save_to)

@@ -1,0 +1,192 @@
+"""From the user's config files to the harness's cases: what `lit-lm check` trains, on how many ranks.
+
+The files are read by `fit`'s own parser (the `LitLMCLI` class `lit_lm.cli` passes in: its defaults, links and
+checks), so the check sees the run `fit` would start. From them:
+- the model: the user's `LanguageModel` (sub)class and its arguments, its config (as the class resolves it, e.g.
+  from `init_from`) scaled down by `scale.scaled_config` for the strategy's parallel degrees;
+- the strategy: the yaml's class and arguments (or registered name), built again in every rank;
+- the trainer settings that change a step: `accumulate_grad_batches`, `gradient_clip_val` and its algorithm;
+- the callbacks, but the ones that only watch or write files (checkpoints, progress, LR monitor, ...); a callback
+  scheduled by step (`*start_step`, `*end_step`, `frequency`) acts at once: its schedule starts and ends at step
+  0 (pruning: its final sparsity after the first step, so the next steps train the pruned weights);
+- two cases: plain SGD (every gradient compared: a constant factor shows) and the module's own optimizer, param
+  groups and LR schedule (its sharded state and update: a final parameter shows).
+Precision is fp32 on the CPU: the layout's maths is what is checked (bf16 rounding would hide a 1e-5 difference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Optional
+from unittest import mock
+
+import lightning as L
+from jsonargparse import Namespace
+from lightning.pytorch.callbacks import (Checkpoint, DeviceStatsMonitor, EarlyStopping, LearningRateMonitor,
+                                         ModelSummary, ProgressBar, Timer)
+
+from lit_lm.check.meter import Meter
+from lit_lm.check.scale import model_args, scaled_config
+from lit_lm.config import ConfigError, ModelConfig
+from lit_lm.data import TextDataModule
+from lit_lm.module import LanguageModel
+from lit_lm.parity import Case
+from strategies.composed import ComposedStrategy
+from strategies.layout import ParallelConfig
+
+# callbacks that do not change a step: dropped (they write files or draw bars)
+WATCHERS = (Checkpoint, ProgressBar, LearningRateMonitor, ModelSummary, EarlyStopping, Timer, DeviceStatsMonitor)
+WATCHER_PATHS = ("callbacks.progress.", "callbacks.throughput.")
+TRAINER_KEYS = ("accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm")
+MODEL_ARGS_DROPPED = ("config", "init_from")  # the config goes in scaled; weights are not loaded
+
+
+@dataclass
+class CheckPlan:
+    """One `lit-lm check`: the user's run and the cases that stand for it."""
+
+    argv: list[str]
+    world: int
+    model: ModelConfig  # the user's
+    small: ModelConfig  # what is trained
+    notes: list[str]  # what the check changed, one line each
+    parallel: Optional[ParallelConfig]  # None: not a lit-lm strategy (its dims: plain dp)
+    strategy: str  # as the yaml names it
+    precision: str  # the user's (the check trains fp32)
+    batch_size: int  # the user's per-device batch
+    accumulate: int
+    dims: dict[str, int]  # sizes of the parallel dimensions (dp, tp, ...) on `world` ranks
+    cases: list[Case] = field(default_factory=list)  # [plain SGD, the module's optimizer]
+    runs: list[dict[str, Any]] = field(default_factory=list)  # the harness's results, filled by `run_checks`
+
+
+def parse(argv: list[str], cli_class: type, defaults: list[str]) -> Namespace:
+    """The config `fit` would run, through its parser (defaults, links, one-line errors)."""
+
+    class Parsed(cli_class):
+        def before_instantiate_classes(self) -> None:
+            pass
+
+        def instantiate_classes(self) -> None:
+            pass
+
+    with mock.patch.object(sys, "argv", sys.argv[:1]):  # the args are given: Lightning warns when sys.argv has more
+        cli = Parsed(LanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
+                     args=argv, parser_kwargs={"default_config_files": defaults})
+    return cli.config
+
+
+def build_strategy(spec: Any) -> Any:
+    """The strategy in a rank: a registered name as is, or (class path, init args) built."""
+    if isinstance(spec, str):
+        return spec
+    return _import(spec[0])(**spec[1])
+
+
+def plan_check(config: Namespace, argv: list[str], steps: int = 2, mutation: Any = None) -> CheckPlan:
+    """The cases that check the run `config` describes (a `parse` result)."""
+    trainer = config.trainer
+    world = _world(trainer)
+    spec, strategy_name, strategy = _strategy(trainer.strategy)
+    parallel = strategy.config if isinstance(strategy, ComposedStrategy) else None
+    dims_obj = strategy.parallel_dims(world) if isinstance(strategy, ComposedStrategy) else None
+    dims = dataclasses.asdict(dims_obj) if dims_obj is not None else {"dp_shard": world}
+    dp = dims_obj.dp if dims_obj is not None else world
+    if dims_obj is not None:
+        dims["dp"] = dp
+    module_path, module_kwargs, full = _model(config)
+    small, notes = scaled_config(full, parallel)
+    accumulate = int(trainer.accumulate_grad_batches or 1)
+    micro = parallel.microbatches if parallel is not None and parallel.pp > 1 else 2
+    settings = {k: trainer[k] for k in TRAINER_KEYS if trainer[k] is not None}
+    if settings.get("accumulate_grad_batches") == 1:
+        del settings["accumulate_grad_batches"]
+    callbacks, dropped = _callbacks(trainer.callbacks or [])
+    notes += [f"callback {name} not run (it only watches or writes files)" for name in dropped]
+    if str(trainer.precision) != "32-true":
+        notes.append(f"precision {trainer.precision} -> 32-true (the layout's maths, without bf16 rounding)")
+    module = (module_path, tuple(sorted(module_kwargs.items())))
+    common = dict(strategy=partial(build_strategy, spec), model=model_args(small), steps=steps,
+                  global_batch=micro * dp, trainer=settings, callbacks=(*callbacks, Meter()), module=module,
+                  mutation=mutation)
+    cases = [Case(optimizer="sgd", label=f"{strategy_name}, SGD", **common),
+             Case(optimizer="module", label=f"{strategy_name}, the module's optimizer", **common)]
+    data = config.data.init_args
+    return CheckPlan(argv=list(argv), world=world, model=full, small=small, notes=notes, parallel=parallel,
+                     strategy=strategy_name, precision=str(trainer.precision), batch_size=int(data.batch_size),
+                     accumulate=accumulate, dims=dims, cases=cases)
+
+
+def _world(trainer: Namespace) -> int:
+    devices, nodes = trainer.devices, int(trainer.num_nodes or 1)
+    if isinstance(devices, (list, tuple)):
+        devices = len(devices)
+    if not isinstance(devices, int) and not str(devices).isdigit():
+        raise ConfigError(f"trainer.devices={devices!r}: the check needs a number of ranks (--trainer.devices N)")
+    world = int(devices) * nodes
+    if world < 2:
+        raise ConfigError(f"trainer.devices x num_nodes = {world}: one process has nothing to compare with one "
+                          "process; give the run's device count (--trainer.devices N)")
+    return world
+
+
+def _strategy(value: Any) -> tuple[Any, str, Any]:
+    """(what a rank builds it from, its name in the yaml, an instance built here: validates the arguments)."""
+    if isinstance(value, str):
+        if value in ("auto", "single_device"):
+            raise ConfigError(f"trainer.strategy={value!r}: name the run's strategy (configs/strategies/*.yaml)")
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        return value, value, StrategyRegistry.get(value)
+    if isinstance(value, Namespace):
+        init = {k: v for k, v in (value.init_args or Namespace()).as_dict().items() if v is not None}
+        spec = (value.class_path, init)
+        return spec, value.class_path.rpartition(".")[2], build_strategy(spec)
+    raise ConfigError(f"trainer.strategy: give it in the yaml (a name or class_path/init_args), not {type(value)}")
+
+
+def _model(config: Namespace) -> tuple[str, dict[str, Any], ModelConfig]:
+    """The user's module class path, its arguments but the config, and the config the class resolves (built here:
+    a LanguageModel builds no weights before `configure_model`)."""
+    model = config.model
+    kwargs = model.init_args.as_dict() if model.init_args is not None else {}
+    data = config.data.init_args
+    cfg = dict(kwargs.get("config") or {}, vocab_size=data.vocab_size, max_seq_len=data.seq_len)
+    module = _import(model.class_path)(**{**kwargs, "config": ModelConfig(**cfg)})
+    kept = {k: v for k, v in kwargs.items() if k not in MODEL_ARGS_DROPPED}
+    return model.class_path, kept, module.config
+
+
+def _callbacks(values: list[Any]) -> tuple[list[L.Callback], list[str]]:
+    kept, dropped = [], []
+    for value in values:
+        if not isinstance(value, Namespace):
+            raise ConfigError("trainer.callbacks: give each as class_path/init_args in the yaml")
+        cls = _import(value.class_path)
+        name = value.class_path.rpartition(".")[2]
+        if issubclass(cls, WATCHERS) or value.class_path.startswith(WATCHER_PATHS):
+            dropped.append(name)
+            continue
+        kwargs = (value.init_args or Namespace()).as_dict()
+        kept.append(cls(**_retimed(kwargs)))
+    return kept, dropped
+
+
+def _retimed(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A step-scheduled callback's settings moved to step 0 (start and end), every step."""
+    out = dict(kwargs)
+    for key, value in kwargs.items():
+        if (key.endswith("start_step") or key.endswith("end_step")) and value is not None:
+            out[key] = 0
+        elif key == "frequency" and value is not None:
+            out[key] = 1
+    return out
+
+
+def _import(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)

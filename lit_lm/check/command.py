@@ -1,0 +1,100 @@
+"""`lit-lm check`: the user's own layout against one process, before it spends cluster time.
+
+    lit-lm check --config configs/default.yaml --config configs/strategies/zero2.yaml --trainer.devices 2
+    lit-lm check --config my_run.yaml --steps 3 --tolerance 1e-5 --json > check.json
+
+Reads the config files as `fit` does (the same parser), trains a scaled-down copy of the model (`scale`) for a few
+steps under the yaml's strategy on `trainer.devices` CPU gloo ranks and the same steps in one process, through the
+parity harness (`lit_lm.parity`), with plain SGD and with the module's own optimizer; prints per parameter the
+gradient agreement, losses and norms, communication and memory against the planner, the time per step and a verdict.
+Exit codes: 0 agrees, 1 disagrees (the verdict names the first parameter that breaks, its ratio of norms and the
+likely cause), 2 the config cannot run (one line, as `fit` says it). See docs/check.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from typing import Any, Optional
+
+from rich.console import Console
+
+from lit_lm.check.build import CheckPlan, parse, plan_check
+from lit_lm.check.compare import TOLERANCE, compare, likely_cause
+from lit_lm.check.costs import costs
+from lit_lm.check.report import render, summary, to_json
+from lit_lm.parity import run_parity
+
+EXIT_DISAGREES = 1
+
+
+def options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The check's own flags; the rest (--config, --trainer.devices, any dotted key) is `fit`'s."""
+    p = argparse.ArgumentParser(prog="lit-lm check", description=__doc__.split("\n\n")[0], add_help=False)
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps compared (default 2)")
+    p.add_argument("--tolerance", type=float, default=TOLERANCE, help=f"relative tolerance (default {TOLERANCE:g})")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    args, rest = p.parse_known_args(argv)
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    return args, rest
+
+
+def run_checks(plans: list[CheckPlan]) -> dict[int, str]:
+    """Every plan's cases, one spawned world per world size (shared by the plans of that size); fills `plan.runs`.
+    Returns {plan index: why its world did not run} for worlds whose ranks raised (each plan then runs alone, so
+    one failing config does not hide the others)."""
+    errors: dict[int, str] = {}
+    for world in sorted({p.world for p in plans}):
+        members = [i for i, p in enumerate(plans) if p.world == world]
+        try:
+            _run(plans, members, world)
+        except Exception:  # noqa: BLE001 - a rank's exception, reported per plan below
+            for i in members:
+                try:
+                    _run(plans, [i], world)
+                except Exception as err:  # noqa: BLE001
+                    errors[i] = _last_line(err)
+    return errors
+
+
+def _run(plans: list[CheckPlan], members: list[int], world: int) -> None:
+    cases = [c for i in members for c in plans[i].cases]
+    runs = run_parity(cases, world)
+    for i in members:
+        n = len(plans[i].cases)
+        plans[i].runs, runs = runs[:n], runs[n:]
+
+
+def _last_line(err: BaseException) -> str:
+    """A rank's exception as one line: the last line of its traceback (mp.spawn sends the text)."""
+    lines = [line for line in str(err).strip().splitlines() if line.strip()] or \
+        traceback.format_exception_only(type(err), err)
+    return lines[-1].strip()
+
+
+def report(plan: CheckPlan, rtol: float, error: str = "") -> dict[str, Any]:
+    """The summary of a plan whose runs are filled (or whose world failed with `error`)."""
+    tied = plan.small.tie_embeddings
+    results = []
+    for run in plan.runs:
+        result = compare(run, rtol)
+        result["cause"] = "" if result["ok"] else likely_cause(result["lead"], result["message"], plan.dims, tied)
+        results.append(result)
+    measured = costs(plan, plan.runs[-1]) if plan.runs else {}
+    return summary(plan, results, measured, rtol, error)
+
+
+def main(argv: list[str], cli_class: type, defaults: list[str], mutation: Optional[Any] = None) -> None:
+    """`lit-lm check ...` (`lit_lm.cli` passes its LightningCLI class and default configs); exits with the code."""
+    args, rest = options(argv)
+    plan = plan_check(parse(rest, cli_class, defaults), rest, steps=args.steps, mutation=mutation)
+    errors = run_checks([plan])
+    result = report(plan, args.tolerance, errors.get(0, ""))
+    if args.json:
+        print(to_json(result))
+    else:
+        render(result, Console(highlight=False, width=None if sys.stdout.isatty() else 160))
+    if not result["ok"]:
+        sys.exit(2 if result["error"] else EXIT_DISAGREES)

@@ -1,0 +1,150 @@
+"""The report of `lit-lm check`: a verdict line, the layout, what was scaled, a table per case (every parameter's
+gradient agreement), losses and norms, communication and memory against the planner; or the same as JSON.
+
+Colour only on a terminal: rich drops styles when stdout is a file or a pipe (CI logs stay plain text)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from lit_lm.check.build import CheckPlan
+
+
+def summary(plan: CheckPlan, results: list[dict[str, Any]], costs: dict[str, Any], rtol: float,
+            error: str = "") -> dict[str, Any]:
+    """Everything the report says, JSON-ready; `ok` and `verdict` first."""
+    failed = next((r for r in results if not r["ok"]), None)
+    if error:
+        verdict = f"FAIL: the run does not start under {plan.strategy} on {plan.world} ranks: {error}"
+    elif failed is not None:
+        verdict = f"FAIL ({failed['label']}): {_what(failed, rtol)} -- likely: {failed['cause']}"
+    else:
+        steps = plan.cases[0].steps
+        n = len(results[0]["params"]) if results else 0
+        verdict = (f"PASS: {plan.strategy} on {plan.world} ranks agrees with one process within {rtol:g}: losses, "
+                   f"pre-clip norms, the gradients of all {n} parameters and their final values over {steps} steps, "
+                   "plain SGD and the module's optimizer")
+    return _plain({"ok": not error and failed is None, "verdict": verdict, "strategy": plan.strategy,
+                   "world": plan.world, "layout": _layout(plan),
+                   "dims": plan.dims, "tolerance": rtol, "config": plan.argv,
+                   "model": {"params": plan.model.num_params(), "checked_params": plan.small.num_params(),
+                             "changes": plan.notes},
+                   "runs": results, "costs": costs, "error": error})
+
+
+def _layout(plan: CheckPlan) -> str:
+    if plan.parallel is None:
+        return f"{plan.strategy}, dp{plan.world}"
+    return dataclasses.replace(plan.parallel, dp_shard=plan.dims["dp_shard"]).describe()
+
+
+def _what(result: dict[str, Any], rtol: float) -> str:
+    lead = result["lead"]
+    if lead is None:
+        return result["message"].splitlines()[0] if result["message"] else "disagrees"
+    if lead["kind"] == "loss":
+        return f"the loss of batch {lead['batch']} (step {lead['step']}) differs by {lead['error']:.2e} (> {rtol:g})"
+    if lead["kind"] == "norm":
+        return f"the pre-clip gradient norm of step {lead['step']} differs by {lead['error']:.2e} (> {rtol:g})"
+    ratio = "" if lead.get("ratio") is None else f", ratio of norms {lead['ratio']:.4f}"
+    what = "gradient" if lead["kind"] == "gradient" else "final value"
+    return (f"the {what} of {lead['param']} differs from step {lead['step']}: error {lead['error']:.2e} "
+            f"(> {rtol:g}){ratio}")
+
+
+def render(report: dict[str, Any], console: Console) -> None:
+    ok = report["ok"]
+    console.print(f"[bold]lit-lm check[/]: {report['strategy']} on {report['world']} CPU gloo ranks "
+                  f"({report['layout']}), {_count(report['model']['checked_params'])} of the model's "
+                  f"{_count(report['model']['params'])} parameters")
+    for note in report["model"]["changes"]:
+        console.print(f"  scaled: {note}")
+    for run in report["runs"]:
+        console.print(_param_table(run, report["tolerance"]))
+        console.print(f"  losses: worst {_num(_worst(run['losses']))}; pre-clip norms: worst "
+                      f"{_num(_worst(run['norms']))} (relative to one process)")
+        if not run["ok"]:
+            console.print(f"  [red]{run['message'].splitlines()[0] if run['message'] else ''}[/]")
+    costs = report["costs"]
+    if costs.get("comm"):
+        table = Table(title="communication per optimizer step (the check's model), bytes per rank",
+                      title_justify="left")
+        for col in ("group", "op", "measured", "planner", "agree"):
+            table.add_column(col, justify="left" if col in ("group", "op") else "right")
+        for c in costs["comm"]:
+            table.add_row(c["group"], c["op"], _count(c["measured"]), _count(c["estimate"]),
+                          "yes" if c["measured"] == c["estimate"] else "[yellow]no[/]")
+        console.print(table)
+    if costs.get("memory"):
+        m = costs["memory"]
+        console.print(f"model state per rank (the check's model, fp32): measured {_count(m['measured'])}B, "
+                      f"planner {_count(m['estimate'])}B")
+    if costs.get("estimate_error"):
+        console.print(f"planner: {costs['estimate_error']}")
+    if costs.get("full_model"):
+        f = costs["full_model"]
+        wire = ", ".join(f"{g} {_count(b)}B" for g, b in f["wire_bytes"].items()) or "none"
+        console.print(f"your model at full size (planner): {_count(f['peak_bytes'])}B per rank at peak (state "
+                      f"{_count(f['model_state_bytes'])}B, activations {_count(f['activation_bytes'])}B); on the "
+                      f"wire per step: {wire}")
+    t = costs.get("time") or {}
+    if t.get("ranks") is not None:
+        console.print(f"time per step (the check's model, CPU): {t['ranks'] * 1e3:.0f} ms on the ranks, "
+                      f"{(t['single'] or 0) * 1e3:.0f} ms in one process")
+    style = "bold green" if ok else "bold red"
+    console.print(f"[{style}]{report['verdict']}[/]")
+
+
+def _param_table(run: dict[str, Any], rtol: float) -> Table:
+    table = Table(title=f"{run['label']}: gradients against one process (tolerance {rtol:g})", title_justify="left")
+    for col in ("parameter", "shape", "ratio of norms", "error", "breaks at", "final"):
+        table.add_column(col, justify="left" if col in ("parameter", "shape") else "right")
+    for row in run["params"]:
+        bad = row["step"] is not None or (row["final"] is not None and float(row["final"]) > rtol)
+        name = f"[red]{row['name']}[/]" if bad else row["name"]
+        ratio = "-" if row["ratio"] is None else f"{row['ratio']:.4f}"
+        step = "-" if row["step"] is None else f"step {row['step']}"
+        shape = "none" if row["shape"] is None else "x".join(map(str, row["shape"]))
+        table.add_row(name, shape, ratio, _num(row["error"]), step + (f" {row['problem']}" if row["problem"] else ""),
+                      _num(row["final"]))
+    return table
+
+
+def _worst(values: list[Any]) -> float:
+    return max((float(v) for v in values), default=0.0)
+
+
+def _num(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    return f"{x:.1e}" if x else "0"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:g}"
+
+
+def _plain(x: Any) -> Any:
+    """JSON-ready: tuples to lists, infinities and NaN to strings."""
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return x
+
+
+def to_json(report: dict[str, Any]) -> str:
+    return json.dumps(report, indent=2)
