@@ -5,9 +5,10 @@
     python scripts/ckpt.py export-hf runs/.../checkpoints/last.ckpt hf/        # a Hugging Face Llama model
 
 Every command takes any checkpoint a run writes: a single file (`make train`, Lightning's strategies) or a
-sharded directory (lit-lm's strategies). `inspect` reads no tensor data: a directory's DCP metadata, marker and
-meta.pt, or a file memory-mapped, so it is instant on any size; `convert` writes the whole state as one plain
-torch.save file (`strategies.checkpoint.to_single_file` for a directory) and needs it in CPU memory; `export-hf`
+sharded directory (lit-lm's strategies), and a Hugging Face model folder (config.json + safetensors). `inspect`
+reads no tensor data: a directory's DCP metadata, marker and meta.pt, a file memory-mapped, or the safetensors
+headers, so it is instant on any size; `convert` writes the whole state as one plain torch.save file
+(`strategies.checkpoint.to_single_file` for a directory) and needs it in CPU memory; `export-hf`
 is `lit_lm.hf_export.export_hf`. Errors are one line (`lit-lm: error: ...`, exit 2; `--debug` for a traceback).
 """
 
@@ -27,7 +28,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lit_lm.checkpoints import read_checkpoint, read_meta  # noqa: E402
 from lit_lm.errors import pop_debug_flag, reporting_errors  # noqa: E402
+from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.hf_export import export_hf  # noqa: E402
+from lit_lm.hf_import import HFWeights, is_hf_folder  # noqa: E402
 from strategies.checkpoint import check_complete, is_sharded_checkpoint, to_single_file  # noqa: E402
 
 
@@ -45,7 +48,14 @@ def _tensors(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.dtype, l
 
 def inspect(path: Path) -> None:
     meta = read_meta(path)  # raises one line for a path that is not a checkpoint
-    if is_sharded_checkpoint(path):
+    if is_hf_folder(path):
+        config = ModelConfig(**meta["hyper_parameters"]["config"])
+        print(f"{path}\n  a Hugging Face model folder: {config.num_params() / 1e6:.2f}M parameters as lit-lm's "
+              f"{json.dumps(meta['hyper_parameters']['config'])}")
+        tensors = [(k, getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(d, "float32")), s)
+                   for k, d, s in HFWeights(path, config).tensor_info()]
+        files = sorted(path.glob("*.safetensors"))
+    elif is_sharded_checkpoint(path):
         print(f"{path}\n  marker: {json.dumps(check_complete(path))}")
         tensors = [(k, v.properties.dtype, list(v.size)) for k, v in
                    dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()

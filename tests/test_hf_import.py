@@ -178,3 +178,65 @@ def test_weights_that_do_not_match_the_config_are_refused(tmp_path):
     _edit_config(tmp_path, tie_word_embeddings=False)  # the file has no lm_head.weight
     with pytest.raises(ConfigError, match="has no tensor lm_head.weight"):
         HFWeights(tmp_path, model_config(tmp_path))
+
+
+def hf_folder_with_tokenizer(folder: Path, corpus: str) -> tuple[Path, object]:
+    """A random Llama whose vocabulary is a byte-level BPE trained with the `tokenizers` library on `corpus`, saved
+    as a Hugging Face folder with its tokenizer.json (EOS `<|endoftext|>`, no BOS)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator([corpus], trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "add_bos_token": False}))
+    config = transformers.LlamaConfig(**{**SHAPE, "vocab_size": tokenizer.get_vocab_size()}, eos_token_id=None,
+                                      bos_token_id=None, pad_token_id=0)
+    return folder, save_hf(folder, config)
+
+
+def test_generate_from_hf_folder_matches_transformers_greedy(tmp_path):
+    """`lit-lm generate --ckpt_path <HF folder>` continues a prompt with transformers' greedy tokens, one for one."""
+    from lit_lm.generate import generate, load
+    from lit_lm.tokenizer import prompt_ids
+    from test_cli import CORPUS, run_cli
+
+    folder, theirs = hf_folder_with_tokenizer(tmp_path / "hf", CORPUS)
+    model, tokenizer = load(str(folder))
+    prompt = "def main("
+    ids = torch.tensor([prompt_ids(tokenizer, prompt)])
+    expected = theirs.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1]:].tolist()
+    got = generate(model, ids, 24, temperature=0.0)[0, ids.shape[1]:].tolist()
+    assert got == expected
+    out = run_cli("generate", "--ckpt_path", str(folder), "--prompt", prompt, "--temperature", "0",
+                  "--max_new_tokens", "24", "--device", "cpu", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    until_eos = expected[:expected.index(tokenizer.eos_id)] if tokenizer.eos_id in expected else expected
+    assert out.stdout == prompt + tokenizer.decode(until_eos) + "\n"
+
+
+def test_fit_from_hf_folder_then_validate_and_inspect_it(tmp_path):
+    """The recipe's commands on a tiny model: fit from an HF folder with its tokenizer (the yaml's model shape
+    replaced, said in one line), `validate --ckpt_path <HF folder>`, `scripts/ckpt.py inspect <HF folder>`."""
+    import subprocess
+    import sys
+
+    from test_cli import CORPUS, REPO, run_cli, tiny_args
+
+    folder, _ = hf_folder_with_tokenizer(tmp_path / "hf", CORPUS)
+    hf_args = ["--model.init_args.init_from", str(folder), "--data.init_args.tokenizer_dir", str(folder)]
+    fit = run_cli("fit", *tiny_args(tmp_path), *hf_args, "--trainer.max_steps", "3", cwd=tmp_path)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    assert "the model is the Hugging Face config's: d_model 32 -> 32" not in fit.stderr  # only what changed
+    assert "n_layers 1 -> 2" in fit.stdout + fit.stderr
+    validate = run_cli("validate", *tiny_args(tmp_path), "--data.init_args.tokenizer_dir", str(folder),
+                       "--ckpt_path", str(folder), cwd=tmp_path)
+    assert validate.returncode == 0, validate.stderr[-3000:]
+    assert "is a Hugging Face model: its weights start the run" in validate.stdout + validate.stderr
+    inspect = subprocess.run([sys.executable, str(REPO / "scripts/ckpt.py"), "inspect", str(folder)],
+                             capture_output=True, text=True)
+    assert inspect.returncode == 0, inspect.stderr[-3000:]
+    assert "a Hugging Face model folder" in inspect.stdout and "model.layers.1.mlp.down_proj.weight" in inspect.stdout
