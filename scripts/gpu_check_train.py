@@ -25,7 +25,7 @@ from kernels import KERNELS
 from lit_lm.config import ModelConfig
 from lit_lm.estimate import flops_per_token
 from lit_lm.module import LanguageModel
-from strategies.registry import DataParallelStrategy
+from strategies.ddp import DataParallelStrategy
 from strategies.zero import ZeroStrategy
 
 STRATEGIES: dict[str, Callable[[], Any]] = {

@@ -1,7 +1,18 @@
-"""`ep`: experts sharded over `expert_parallel_size` ranks carved from dp (the engine: `strategies/experts.py`). A
-preset of `ComposedStrategy` (`strategies/registry.py`); this module keeps the class path of
+"""`ep`: experts sharded over `expert_parallel_size` ranks carved from dp (the engine: `strategies/experts.py`), as
+a preset of `ComposedStrategy` (`strategies/presets.py`); this class keeps the class path of
 configs/strategies/ep*.yaml."""
 
-from strategies.registry import ExpertParallelStrategy
+from __future__ import annotations
 
-__all__ = ["ExpertParallelStrategy"]
+from typing import Any
+
+from strategies.composed import ComposedStrategy
+from strategies.presets import default
+
+
+class ExpertParallelStrategy(ComposedStrategy):
+    """`ep`: experts sharded over `expert_parallel_size` ranks (default 2) carved from dp, everything else data
+    parallel; `zero_stage` 1 or 2 shards dense state over dp and expert state over edp."""
+
+    def __init__(self, expert_parallel_size: int = default("ep", "expert_parallel_size"), **kwargs: Any) -> None:
+        super().__init__(expert_parallel_size=expert_parallel_size, **kwargs)

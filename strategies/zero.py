@@ -1,4 +1,5 @@
-"""`zero1`, `zero2`, `zero3`: ZeRO data parallelism (`strategies/zero_engine.py`) as a preset of `ComposedStrategy`.
+"""`zero1`, `zero2`, `zero3`: ZeRO data parallelism (`strategies/zero_engine.py`) as presets of `ComposedStrategy`
+(`strategies/presets.py`).
 
 Lightning builds the user's optimizer as usual; the strategy then points its param groups at the fp32 master
 shards in place, so any torch optimizer, its param groups and LR schedulers keep working on shards. ZeRO-3 builds
@@ -10,23 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from typing_extensions import override
-
 from strategies.composed import ComposedStrategy
-from strategies.zero_engine import STAGES, check_stage
+from strategies.presets import default
+from strategies.zero_engine import check_stage
 
 
 class ZeroStrategy(ComposedStrategy):
     """ZeRO over the data-parallel ranks: stage 1 shards optimizer state and master weights, 2 also gradients,
-    3 also parameters; composes with `tensor_parallel_size`, `pipeline_parallel_size` (stages 1-2),
-    `expert_parallel_size` (stages 1-2) and `data_parallel_replicate_size` (HSDP) like the other presets."""
+    3 also parameters (the presets zero1, zero2, zero3; the default is zero2's); composes with
+    `tensor_parallel_size`, `pipeline_parallel_size` (stages 1-2), `expert_parallel_size` (stages 1-2) and
+    `data_parallel_replicate_size` (HSDP) like the other presets."""
 
-    def __init__(self, stage: int = 2, **kwargs: Any) -> None:
+    def __init__(self, stage: int = default("zero2", "stage"), **kwargs: Any) -> None:
         super().__init__(zero_stage=check_stage(stage), **kwargs)
-
-    @classmethod
-    @override
-    def register_strategies(cls, registry: Any) -> None:
-        for stage, what in STAGES.items():
-            registry.register(f"zero{stage}", cls, description=f"ZeRO-{stage}: shards {what}", override=True,
-                              stage=stage)

@@ -21,14 +21,16 @@ from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
 from strategies import pp_runner
 from strategies.comm import COMM_LOG
-from strategies.pp import PipelineStrategy, split_layers
+from strategies.errors import ConfigError
+from strategies.pp import PipelineStrategy
 from strategies.pp_runner import PipelineRunner
 from strategies.pp_schedules import SCHEDULES, Action, bubble_theory, build_schedule, print_timeline
+from strategies.pp_split import split_layers
 
 
 def _cases(p: int) -> list[tuple[str, int, int]]:
     """(schedule, microbatches, virtual stages) for p stages: every schedule, m in {p, 2p}."""
-    return [(name, m, 2 if name == "interleaved_1f1b" else 1) for name in SCHEDULES for m in (p, 2 * p)]
+    return [(name, m, 2 if spec.chunked else 1) for name, spec in SCHEDULES.items() for m in (p, 2 * p)]
 
 
 # -- schedules as data ---------------------------------------------------------------------------------------------
@@ -53,8 +55,8 @@ def test_schedules_are_valid_with_bounded_memory(p: int) -> None:
 def test_simulated_bubble_is_theory_and_zb_h1_beats_1f1b(p: int) -> None:
     for m in (p, 2 * p, 3 * p):
         lengths = {}
-        for name in SCHEDULES:
-            v = 2 if name == "interleaved_1f1b" else 1
+        for name, spec in SCHEDULES.items():
+            v = 2 if spec.chunked else 1
             schedule = build_schedule(name, p, m, v)
             assert schedule.simulated_bubble() == pytest.approx([bubble_theory(name, p, m, v)] * p, abs=1e-12)
             lengths[name] = max(end for line in schedule.timeline for _, end, _ in line)
@@ -86,9 +88,18 @@ def test_validate_catches_a_broken_schedule() -> None:
         swapped.validate()
 
 
+def test_an_unknown_schedule_is_one_error_everywhere() -> None:
+    """The registry answers for every reader: the strategy, the schedule builder and the bubble formula (which
+    once gave any new name ZB-H1's)."""
+    message = "schedule: unknown 'pipedream'; choose one of " + ", ".join(SCHEDULES)
+    for read in (lambda: PipelineStrategy(schedule="pipedream"), lambda: build_schedule("pipedream", 2, 4),
+                 lambda: bubble_theory("pipedream", 2, 4)):
+        with pytest.raises(ConfigError) as error:
+            read()
+        assert str(error.value) == message
+
+
 def test_bad_configurations_name_the_field() -> None:
-    with pytest.raises(ValueError, match="schedule: unknown 'pipedream'"):
-        PipelineStrategy(schedule="pipedream")
     with pytest.raises(ValueError, match="virtual_stages=2 needs schedule: interleaved_1f1b"):
         PipelineStrategy(schedule="1f1b", virtual_stages=2)
     with pytest.raises(ValueError, match="pipeline_parallel_size = 4 stages but the model has 3 layers"):
