@@ -17,7 +17,9 @@ from kernels.rope import RotaryEmbedding
 from kernels.runtime import check_backend
 from kernels.swiglu import SwiGLU
 
-# kernel name -> (class name in lit_lm.model, drop-in replacement)
+# kernel name -> (class name in lit_lm.model, drop-in replacement). Named, not imported: kernels/ never imports
+# lit_lm/ (the layering contract in pyproject.toml), lit_lm imports kernels.
+MODEL_MODULE = "lit_lm.model"
 KERNELS: dict[str, tuple[str, type[nn.Module]]] = {
     "rmsnorm": ("RMSNorm", RMSNorm),
     "swiglu": ("SwiGLU", SwiGLU),
@@ -40,13 +42,12 @@ def apply(model: nn.Module, names: list[str], backend: str = "auto") -> nn.Modul
     if unknown:
         raise ValueError(f"unknown kernel name(s) {unknown}: valid names are {', '.join(KERNELS)}")
     check_backend(backend)
-    import lit_lm.model  # here, not at the top: lit_lm may itself import kernels
-
-    swaps = {getattr(lit_lm.model, KERNELS[name][0]): KERNELS[name][1] for name in names}
+    swaps = {f"{MODEL_MODULE}.{KERNELS[name][0]}": KERNELS[name][1] for name in names}
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
-            if type(child) in swaps:
-                setattr(parent, child_name, swaps[type(child)].from_reference(child, backend))
+            kind = f"{type(child).__module__}.{type(child).__qualname__}"
+            if kind in swaps:
+                setattr(parent, child_name, swaps[kind].from_reference(child, backend))
     return model
 
 
