@@ -79,7 +79,7 @@ class LanguageModel(L.LightningModule):
         self.save_hyperparameters({"config": asdict(config), "lr": lr, "betas": tuple(betas), "eps": eps,
                                    "weight_decay": weight_decay, "warmup_steps": warmup_steps,
                                    "min_lr_ratio": min_lr_ratio, "kernels": self.kernels,
-                                   "schedule_steps": schedule_steps, "init_from": init_from})
+                                   "schedule_steps": schedule_steps})  # not init_from: `config` is its shape
         self.model: Optional[Transformer] = None
         self._horizon: Optional[int] = None  # the LR schedule's, once known (the run's state: kept by checkpoints)
         self._saved_horizon: Optional[int] = None  # the checkpoint's, when resuming
@@ -120,7 +120,7 @@ class LanguageModel(L.LightningModule):
             raise ConfigError(f"{folder}: the model is built already; pass it as model.init_args.init_from")
         self.init_from = folder
         self.config = self._hf_config(folder, self.config)
-        self.hparams["config"], self.hparams["init_from"] = asdict(self.config), folder
+        self.hparams["config"] = asdict(self.config)
 
     def configure_model(self) -> None:
         if self.model is not None:
