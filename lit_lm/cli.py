@@ -29,6 +29,7 @@ from lit_lm.data import TextDataModule, model_vocab_size
 from lit_lm.errors import EXIT_CODE, check_trainer_config, pop_debug_flag, reporting_errors, stop_other_ranks
 from lit_lm.module import LanguageModel
 from lit_lm.quiet import silence_known_noise
+from lit_lm.tokenizer import load_tokenizer
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -48,6 +49,9 @@ class LitLMCLI(LightningCLI):
         cfg = self.config[self.subcommand].trainer
         check_trainer_config(cfg)
         check_model_config(self.config[self.subcommand].model)
+        tokenizer_dir = getattr(getattr(self.config[self.subcommand].data, "init_args", None), "tokenizer_dir", None)
+        if tokenizer_dir is not None:
+            load_tokenizer(tokenizer_dir)  # one line now for a folder it cannot read (not wrapped by the vocab link)
         if cfg.logger in (None, True):
             root = cfg.default_root_dir or "."
             cfg.logger = [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": root}},
@@ -96,7 +100,7 @@ class LitLMCLI(LightningCLI):
 
 
 def _linked_vocab_size(vocab_size: int, tokenizer_dir: Optional[str]) -> int:
-    """`model_vocab_size`; a tokenizer_dir it cannot read is left to the data module to report in one line
+    """`model_vocab_size`; a tokenizer_dir it cannot read is reported by `before_instantiate_classes` in one line
     (jsonargparse would wrap the error in its usage text)."""
     try:
         return model_vocab_size(vocab_size, tokenizer_dir)

@@ -62,7 +62,7 @@ def read_configs(paths: list[str]) -> dict[str, Any]:
 
 
 def workload_from(config: dict[str, Any], args: argparse.Namespace, world: int) -> Workload:
-    from lit_lm.data import TextDataModule  # its defaults for what the yaml leaves out
+    from lit_lm.data import TextDataModule, model_vocab_size  # its defaults for what the yaml leaves out
 
     defaults = {k: p.default for k, p in inspect.signature(TextDataModule.__init__).parameters.items()}
     data = {**defaults, **((config.get("data") or {}).get("init_args") or {})}
@@ -71,7 +71,8 @@ def workload_from(config: dict[str, Any], args: argparse.Namespace, world: int) 
     unknown = set(model) - {f.name for f in dataclasses.fields(ModelConfig)}
     if unknown:
         raise ConfigError(f"model.init_args.config: unknown field(s) {', '.join(sorted(unknown))}")
-    cfg = ModelConfig(**{**model, "vocab_size": data["vocab_size"], "max_seq_len": data["seq_len"]})
+    vocab = model_vocab_size(data["vocab_size"], data["tokenizer_dir"])  # as `fit` links it
+    cfg = ModelConfig(**{**model, "vocab_size": vocab, "max_seq_len": data["seq_len"]})
     precision = str(args.precision or trainer.get("precision") or "32-true")
     if precision not in PRECISIONS:
         raise ConfigError(f"trainer.precision {precision!r}: the planner knows {', '.join(PRECISIONS)} "

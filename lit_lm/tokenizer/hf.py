@@ -140,20 +140,25 @@ class HFTokenizer:
 
 
 class TextStream:
-    """The library's streaming decoder: text as soon as the ids so far make whole characters; `end` has nothing left
-    to flush (ids that stop inside a character give no text, as in `transformers`' streamers)."""
+    """The library's streaming decoder: text as soon as the ids so far make whole characters; `end` gives what it
+    still holds back (an incomplete character as U+FFFD, as `decode` writes it)."""
 
     def __init__(self, tokenizer: _LibraryTokenizer, prompt_ids: Sequence[int]) -> None:
         self._tok = tokenizer
+        self._ids = list(prompt_ids)
         self._stream = DecodeStream(skip_special_tokens=False)
-        for token_id in prompt_ids:  # the context the first new token's text depends on (e.g. a leading space)
+        for token_id in self._ids:  # the context the first new token's text depends on (e.g. a leading space)
             self._stream.step(tokenizer, token_id)
+        self._written = len(tokenizer.decode(self._ids, skip_special_tokens=False))
 
     def step(self, token_id: int) -> str:
-        return self._stream.step(self._tok, token_id) or ""
+        self._ids.append(token_id)
+        text = self._stream.step(self._tok, token_id) or ""
+        self._written += len(text)
+        return text
 
     def end(self) -> str:
-        return ""
+        return self._tok.decode(self._ids, skip_special_tokens=False)[self._written:]
 
 
 def _post_processor_bos(tokenizer: _LibraryTokenizer, source: str) -> Optional[str]:
