@@ -206,12 +206,14 @@ class LanguageModel(L.LightningModule):
         return batch[:, :-1], batch[:, 1:]
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        """The loss, logged every step as a device tensor (no host read: `prog_bar` would make Lightning read it
-        every step; `StepProgress` shows it at logging steps); the MoE statistics are summed on the device and
-        logged as their mean over each logging interval, read once."""
+        """The loss, logged at the steps Lightning writes (the ranks' mean: `sync_dist` is a collective, so the other
+        steps have none) as a device tensor (no host read: `prog_bar` would make Lightning read it every step;
+        `StepProgress` shows it at logging steps); the MoE statistics are summed on the device and logged as their
+        mean over each logging interval, read once."""
         x, y = self._split(batch, batch_idx)
         loss, _ = self.model.loss(x, y)
-        self.log("train_loss", loss.detach(), sync_dist=True)
+        if self._trainer is not None and logs_this_batch(self._trainer):
+            self.log("train_loss", loss.detach(), sync_dist=True)
         self._log_moe_metrics()
         return loss
 
