@@ -3,12 +3,13 @@ the pipeline bubble. Plain arithmetic on the model's shapes: no Lightning API an
 `strategies` for its pure helpers still registers the strategies with Lightning, as for every engine).
 
     est = estimate(Workload(cfg, seq_len=4096, global_batch=512, precision="bf16-mixed"),
-                   Layout(dp_shard=8, zero_stage=3, tp=8))
+                   ParallelConfig(dp_shard=8, zero_stage=3, tp=8))
     est.peak_bytes, est.flops, est.wire_bytes, est.bubble
 
-The layout space is the full one of the composed strategy (`pp x dp_replicate x dp_shard x cp x tp`, with `ep`
-carved from `dp_shard x cp`, activation checkpointing none | full | selective); `runs_today` says whether the
-strategies of this tree can run it (`lit_lm.plan` only emits those).
+The configuration is the strategy's own (`strategies.layout.ParallelConfig`: `pp x dp_replicate x dp_shard x cp x
+tp`, with `ep` carved from `dp_shard x cp`; the workload adds activation checkpointing none | full | selective and
+gradient accumulation); `refused` is the `strategies.layout.REFUSED` entry the strategy would raise for it (None:
+it runs; `lit_lm.plan` plans only those).
 
 Where the figures come from, so that they match what the strategies allocate and send:
 - shapes: the model built on the meta device (the same `Transformer`), its `tensor_parallel_plan()` and
@@ -26,8 +27,11 @@ Where the figures come from, so that they match what the strategies allocate and
   the per-block figures are `tests/test_ac.py`'s expected bytes (fp32, dense and MoE, exact);
 - communication: the collectives the strategies issue, in the accounting layer's terms (`strategies.comm`: the
   full logical tensor per call; on the wire times `wire_factor`): all-reduce 2(N-1)/N Φ, ZeRO-3 3(N-1)/N Φ,
-  tensor parallelism 4 collectives per block per step each way, pipelines their activations, experts 4 all-to-alls
-  per MoE layer; the bubble from `strategies.pp_schedules.bubble_theory`.
+  tensor parallelism 2 collectives per region (attention, a dense MLP) per step each way, pipelines their
+  activations, experts 4 all-to-alls per MoE layer; the bubble from `strategies.pp_schedules.bubble_theory`;
+- MoE layers under tensor parallelism: the model's plan replicates them over tp (`batch` style, sequence
+  parallelism off): every tp rank holds every expert (or its ep share) and computes the layer whole, so its FLOPs
+  are not divided by tp (`RankEstimate.replicated_flops`: the part the tp peers repeat).
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ import torch
 from lit_lm.config import ConfigError, ModelConfig
 from strategies.ac import MODES as CHECKPOINTING
 from strategies.comm import wire_factor
-from strategies.layout import ParallelDims
-from strategies.pp_schedules import SCHEDULES, bubble_theory, build_schedule
+from strategies.layout import ParallelConfig, Refusal
+from strategies.pp_schedules import bubble_theory, build_schedule, schedule_spec
 from strategies.pp_split import split_layers
 
 PRECISIONS = {"32-true": (4, 4), "bf16-mixed": (4, 2), "bf16-true": (2, 2)}  # (parameter, activation) bytes
@@ -64,58 +68,24 @@ def flops_per_token(num_params: int, n_layers: int, d_model: int, seq_len: int) 
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Sizes of each parallel dimension; world = pp * dp_replicate * dp_shard * cp * tp. ZeRO shards over
-    dp_shard (stage 0: plain all-reduce); dp_replicate replicates those shards (HSDP); ep divides dp_shard * cp."""
-
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    zero_stage: int = 0
-    tp: int = 1
-    sequence_parallel: bool = True
-    pp: int = 1
-    schedule: str = "1f1b"
-    microbatches: int = 1
-    virtual_stages: int = 1
-    cp: int = 1
-    ep: int = 1
-    accumulate: int = 1  # Lightning's accumulate_grad_batches: micro-steps per optimizer step
-
-    @property
-    def dims(self) -> ParallelDims:
-        """The sizes as the strategies' layout holds them (unvalidated: `ParallelDims.of` checks a real world)."""
-        return ParallelDims(self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp, self.ep)
-
-    dp = property(lambda self: self.dims.dp)
-    world = property(lambda self: self.dims.world)
-
-    def describe(self) -> str:
-        parts = [f"{k}{v}" for k, v in (("pp", self.pp), ("tp", self.tp), ("cp", self.cp), ("ep", self.ep)) if v > 1]
-        dp = f"dp{self.dp_shard}" if self.dp_replicate == 1 else f"dp{self.dp_replicate}x{self.dp_shard}"
-        parts.insert(0, dp + (f" zero{self.zero_stage}" if self.zero_stage else ""))
-        if self.pp > 1:
-            v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
-            parts.append(f"{self.schedule} m{self.microbatches}{v}")
-        if self.accumulate > 1:
-            parts.append(f"accum{self.accumulate}")
-        return " ".join(parts)
-
-
-@dataclass(frozen=True)
 class Workload:
-    """What is trained: the model, tokens per sequence and per optimizer step, precision and recomputation."""
+    """What is trained and how each rank runs it besides the parallel configuration: the model, tokens per
+    sequence and per optimizer step, precision, recomputation and gradient accumulation."""
 
     config: ModelConfig
     seq_len: int
     global_batch: int  # sequences per optimizer step, over all replicas
     precision: str = "bf16-mixed"
     checkpointing: str = "none"  # none | full | selective, as `strategies.ac` runs them
+    accumulate: int = 1  # Lightning's accumulate_grad_batches: micro-steps per optimizer step
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision {self.precision!r}: the estimate knows {', '.join(PRECISIONS)}")
         if self.checkpointing not in CHECKPOINTING:
             raise ConfigError(f"activation checkpointing {self.checkpointing!r}: choose {', '.join(CHECKPOINTING)}")
+        if not isinstance(self.accumulate, int) or self.accumulate < 1:
+            raise ConfigError(f"accumulate {self.accumulate!r}: must be an integer >= 1")
 
     @property
     def tokens(self) -> int:
@@ -132,6 +102,7 @@ class RankEstimate:
     buffers: int = 0  # communication buffers: ZeRO-3 gathered units, pipeline outputs held (DDP buckets are the grads)
     activations: int = 0
     flops: float = 0.0  # model FLOPs (what MFU counts)
+    replicated_flops: float = 0.0  # what the tp peers compute again (MoE layers are replicated over tp)
     recompute_flops: float = 0.0  # the forwards activation checkpointing runs again
     comm: dict[tuple[str, str], int] = field(default_factory=dict)  # (group, op) -> logical bytes, as recorded
     _sizes: dict[str, int] = field(default_factory=dict, repr=False)  # ranks per group
@@ -143,6 +114,11 @@ class RankEstimate:
     @property
     def peak(self) -> int:
         return self.model_state + self.buffers + self.activations
+
+    @property
+    def work_flops(self) -> float:
+        """What this rank computes: its model FLOPs, what its tp peers compute too, and the recomputation."""
+        return self.flops + self.replicated_flops + self.recompute_flops
 
     def wire(self, group: Optional[str] = None, op: Optional[str] = None) -> float:
         """Bytes this rank sends per step (ring algorithm), over one group (and op) or all."""
@@ -158,11 +134,15 @@ class RankEstimate:
 @dataclass
 class Estimate:
     workload: Workload
-    layout: Layout
+    config: ParallelConfig
     ranks: list[RankEstimate]  # per pipeline rank
     bubble: float
-    runs_today: bool
-    why_not: str = ""  # what the strategies of this tree lack for this layout
+    refused: Optional[Refusal] = None  # the `REFUSED` entry the strategy raises for this config; None: it runs
+
+    def describe(self) -> str:
+        """The configuration and the accumulation, as the planner prints them."""
+        accumulate = self.workload.accumulate
+        return self.config.describe() + (f" accum{accumulate}" if accumulate > 1 else "")
 
     @property
     def worst(self) -> RankEstimate:
@@ -175,6 +155,11 @@ class Estimate:
     @property
     def flops(self) -> float:
         return max(r.flops for r in self.ranks)
+
+    @property
+    def work_flops(self) -> float:
+        """The busiest pipeline rank's computation (`RankEstimate.work_flops`): what its step time is made of."""
+        return max(r.work_flops for r in self.ranks)
 
     def wire_bytes(self, group: Optional[str] = None, op: Optional[str] = None) -> float:
         return max(r.wire(group, op) for r in self.ranks)
@@ -206,10 +191,7 @@ def _inventory(key: tuple) -> tuple[ParamSpec, ...]:
     cfg = ModelConfig(**dict(key))
     with torch.device("meta"):
         model = Transformer(cfg)
-    try:
-        plan = model.tensor_parallel_plan()
-    except ConfigError:  # MoE: no tensor-parallel plan (yet)
-        plan = {}
+    plan = model.tensor_parallel_plan()  # MoE layers: `batch`, their parameters unsplit
     experts = set(model.expert_plan())
     out = []
     for name, p in model.named_parameters():
@@ -225,7 +207,7 @@ def _chunk(n: int, parts: int) -> int:
     return -(-n // parts)
 
 
-def _local_shape(p: ParamSpec, layout: Layout) -> tuple[int, ...]:
+def _local_shape(p: ParamSpec, layout: ParallelConfig) -> tuple[int, ...]:
     """The shape rank 0 of the tp (and ep) group holds."""
     shape = list(p.shape)
     if layout.tp > 1 and p.tp_style in ("column", "vocab_embedding", "vocab_head"):
@@ -239,11 +221,12 @@ def _local_shape(p: ParamSpec, layout: Layout) -> tuple[int, ...]:
 
 # -- model state -----------------------------------------------------------------------------------------------
 def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], stage: int, group: int,
-                 pbytes: int, group_name: str, accumulate: int) -> None:
+                 pbytes: int, group_name: str, accumulate: int, reduce_in_backward: bool) -> None:
     """Params, grads, optimizer state and the data-parallel collectives of `units` ({unit: local shapes}) under
     ZeRO `stage` over `group` ranks (stage 0: `GradSync`'s bucketed all-reduce). Under accumulation stages 2-3
     reduce-scatter after every micro-step's backward into the shard (docs/zero.md), stage 1 and GradSync once at the
-    window's end; ZeRO-3 gathers for every forward and backward."""
+    window's end; ZeRO-3 gathers for every forward and backward. Without `reduce_in_backward` (a pipeline runs many
+    backwards per step) stage 2 keeps the full gradient until the window's end and reduces it once, as stage 1."""
     shapes = [s for unit in units.values() for s in unit]
     numel = sum(math.prod(s) for s in shapes)
     if stage == 0:
@@ -260,11 +243,15 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
         full = sum(math.prod(s) for s in shapes)
         rank.params += full * pbytes * (stage < 3) + local * 4 * (stage == 3 or master_copy)
         # stage 1: the full gradient (and an fp32 copy of the owned rows below fp32); stages 2-3: the reduced rows
-        # in the flat fp32 gradient buffer of the optimizer step (strategies/flat_step.py)
-        rank.grads += full * pbytes + local * 4 * master_copy if stage == 1 else local * 4
+        # in the flat fp32 gradient buffer of the optimizer step (strategies/flat_step.py), under a pipeline stage 2
+        # also the full gradient until it is reduced
+        if stage == 1:
+            rank.grads += full * pbytes + local * 4 * master_copy
+        else:
+            rank.grads += local * 4 + full * pbytes * (not reduce_in_backward)
         rank.optimizer += 2 * local * 4 + 4 * len(shapes)
         gathers = 2 * accumulate if stage == 3 else 1
-        reduces = accumulate if stage >= 2 else 1
+        reduces = accumulate if stage >= 2 and reduce_in_backward else 1
         rank.add_comm(group_name, "reduce_scatter", reduces * group * segment * pbytes, group)
         rank.add_comm(group_name, "all_gather", gathers * group * segment * pbytes, group)
     if stage == 3:  # the unit being used and the one prefetched, whole
@@ -278,12 +265,12 @@ def rope_table_bytes(cfg: ModelConfig, t: int) -> int:
     return t * cfg.head_dim * 4
 
 
-def _block_activations(cfg: ModelConfig, layer: int, b: int, t: int, layout: Layout, abytes: int,
+def _block_activations(cfg: ModelConfig, layer: int, b: int, t: int, layout: ParallelConfig, abytes: int,
                        autocast: bool) -> int:
     """Bytes one block saves for backward on one rank for b sequences of t positions (t already split by cp).
     Under autocast each projection casts (and saves) its own copy of the region's input: q, k, v three, gate
     and up two."""
-    tp, sp = layout.tp, layout.tp if layout.sequence_parallel else 1
+    tp, sp = layout.tp, layout.tp if layout.sp else 1
     d, kv, h = cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg.n_heads
     bt = b * t
     norm = (2 * bt * d * 4 + bt * 4) // sp  # RMSNorm: its input and normalised value, 1/rms: fp32
@@ -301,7 +288,7 @@ def _block_activations(cfg: ModelConfig, layer: int, b: int, t: int, layout: Lay
     return 2 * norm + attn + mlp
 
 
-def block_kept(cfg: ModelConfig, layer: int, b: int, t: int, layout: Layout, pbytes: int, abytes: int,
+def block_kept(cfg: ModelConfig, layer: int, b: int, t: int, layout: ParallelConfig, pbytes: int, abytes: int,
                checkpointing: str) -> int:
     """Bytes one checkpointed block keeps from its forward to its backward (`strategies.ac`'s modes; `none` is
     `_block_activations`). full: its input, the residual stream in the weights' dtype (split by sequence
@@ -310,7 +297,7 @@ def block_kept(cfg: ModelConfig, layer: int, b: int, t: int, layout: Layout, pby
     ring/all-gather attention is an autograd function that saves its own), gate and up split by tp, while the row-parallel wo and w_down outputs are whole (partial sums, before their reduction); an MoE layer
     (fp32 rows) keeps its router logits and each routed pair's gate, up and down outputs and the shared
     experts'."""
-    sp = layout.tp if layout.sequence_parallel else 1
+    sp = layout.tp if layout.sp else 1
     bt, d = b * t, cfg.d_model
     kept = bt * d * pbytes // sp
     if checkpointing == "full":
@@ -325,11 +312,11 @@ def block_kept(cfg: ModelConfig, layer: int, b: int, t: int, layout: Layout, pby
 
 
 def _stage_activations(cfg: ModelConfig, layers: list[int], first: bool, last: bool, b: int, t: int,
-                       layout: Layout, pbytes: int, abytes: int, checkpointing: str) -> tuple[int, int]:
+                       layout: ParallelConfig, pbytes: int, abytes: int, checkpointing: str) -> tuple[int, int]:
     """(bytes one microbatch keeps through a stage between its forward and backward, the extra bytes of the
     block recomputed during backward under checkpointing: what it keeps without, less what it keeps with)."""
     autocast = pbytes != abytes  # bf16-mixed
-    sp = layout.tp if layout.sequence_parallel else 1
+    sp = layout.tp if layout.sp else 1
     blocks = [_block_activations(cfg, i, b, t, layout, abytes, autocast) for i in layers]
     if checkpointing == "none":
         kept, recompute = sum(blocks), 0
@@ -346,61 +333,47 @@ def _stage_activations(cfg: ModelConfig, layers: list[int], first: bool, last: b
 
 
 # -- the estimate ----------------------------------------------------------------------------------------------
-def check_layout(work: Workload, layout: Layout) -> None:
-    """Raise ConfigError naming what does not divide."""
-    cfg = work.config
-    if layout.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"zero_stage {layout.zero_stage}: choose 0, 1, 2 or 3")
-    if layout.schedule not in SCHEDULES:
-        raise ConfigError(f"schedule {layout.schedule!r}: choose {', '.join(SCHEDULES)}")
-    if work.global_batch % layout.dp:
-        raise ConfigError(f"global batch {work.global_batch} is not divisible by dp {layout.dp}")
-    local = work.global_batch // layout.dp
-    if local % layout.accumulate or local // layout.accumulate % layout.microbatches:
-        raise ConfigError(f"accumulate {layout.accumulate} x microbatches {layout.microbatches} must divide the "
-                          f"per-replica batch {local}")
-    if layout.pp * layout.virtual_stages > cfg.n_layers:
-        raise ConfigError(f"pp x virtual_stages = {layout.pp * layout.virtual_stages} exceeds n_layers {cfg.n_layers}")
-    if cfg.n_kv_heads % layout.tp or cfg.d_ff % layout.tp:
+def _pipeline(layout: ParallelConfig) -> tuple[int, int, int]:
+    """(stages, microbatches, virtual stages) as the strategy runs them: (1, 1, 1) without a pipeline."""
+    return (layout.pp, layout.microbatches, layout.virtual_stages) if layout.pp > 1 else (1, 1, 1)
+
+
+def check_layout(work: Workload, layout: ParallelConfig) -> None:
+    """Raise ConfigError naming what does not divide (what the model's shapes and the batch allow; what the
+    strategy refuses whatever the shapes is `ParallelConfig.refusal`)."""
+    cfg, dims = work.config, layout.dims()
+    p, m, v = _pipeline(layout)
+    if p > 1:
+        schedule_spec(layout.schedule)  # an unknown schedule: the one error that names them all
+    if work.global_batch % dims.dp:
+        raise ConfigError(f"global batch {work.global_batch} is not divisible by dp {dims.dp}")
+    local = work.global_batch // dims.dp
+    if local % work.accumulate or local // work.accumulate % m:
+        raise ConfigError(f"accumulate {work.accumulate} x microbatches {m} must divide the per-replica batch {local}")
+    if p * v > cfg.n_layers:
+        raise ConfigError(f"pp x virtual_stages = {p * v} exceeds n_layers {cfg.n_layers}")
+    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.n_layers))  # MoE layers are not split over tp
+    if cfg.n_kv_heads % layout.tp or (dense and cfg.d_ff % layout.tp):
         raise ConfigError(f"tp {layout.tp} must divide n_kv_heads {cfg.n_kv_heads} and d_ff {cfg.d_ff}")
-    if layout.tp > 1 and layout.sequence_parallel and work.seq_len // layout.cp % layout.tp:
+    if layout.sp and work.seq_len // layout.cp % layout.tp:
         raise ConfigError(f"sequence parallelism: tp {layout.tp} must divide the sequence {work.seq_len}")
     if work.seq_len % (2 * layout.cp) and layout.cp > 1:
         raise ConfigError(f"cp {layout.cp}: the sequence {work.seq_len} must split into 2 x cp chunks")
-    if layout.ep > 1 and (not cfg.moe_experts or cfg.moe_experts % layout.ep or
-                          (layout.dp_shard * layout.cp) % layout.ep):
+    if layout.ep > 1 and (not cfg.moe_experts or cfg.moe_experts % layout.ep or (dims.dp_shard * layout.cp) % layout.ep):
         raise ConfigError(f"ep {layout.ep} must divide moe_experts {cfg.moe_experts} and dp_shard x cp")
 
 
-def runnable_today(cfg: ModelConfig, layout: Layout) -> str:
-    """"" when `strategies.composed.ComposedStrategy` runs `layout`, else what it lacks (the combinations it refuses
-    at construction, docs/parallelism.md)."""
-    if layout.cp > 1 and layout.pp > 1:
-        return "context parallelism with pipeline parallelism (cp composes with dp, tp and ZeRO)"
-    if layout.cp > 1 and (layout.ep > 1 or cfg.moe_experts):
-        return "context parallelism of MoE layers (cp runs dense models)"
-    if layout.zero_stage == 3 and (layout.pp > 1 or layout.ep > 1):
-        return "ZeRO-3 with pp or ep (ZeRO-1/2 compose with them)"
-    if layout.ep > 1 and layout.dp_replicate > 1:
-        return "ep with HSDP"
-    if layout.dp_replicate > 1 and not layout.zero_stage:
-        return "HSDP without ZeRO"
-    if cfg.moe_experts and layout.tp > 1 and layout.sequence_parallel:
-        return "MoE layers under sequence parallelism"
-    return ""
-
-
-def estimate(work: Workload, layout: Layout) -> Estimate:
+def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
     """Per-rank bytes, FLOPs and communication of one optimizer step of `work` under `layout`."""
     check_layout(work, layout)
-    cfg = work.config
+    cfg, dims = work.config, layout.dims()
     pbytes, abytes = PRECISIONS[work.precision]
     inventory = _inventory(_config_key(cfg))
-    p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
+    p, m, v = _pipeline(layout)
     stages = _split(cfg.n_layers, p, v)
     in_flight = peak_in_flight(layout.schedule, p, m, v) if p > 1 else [1]
-    local_batch = work.global_batch // layout.dp
-    micro = local_batch // layout.accumulate  # sequences of one forward/backward (one Lightning batch)
+    local_batch = work.global_batch // dims.dp
+    micro = local_batch // work.accumulate  # sequences of one forward/backward (one Lightning batch)
     mb, t = micro // m, work.seq_len // layout.cp
     tokens_per_rank = local_batch * work.seq_len / layout.cp  # each tp peer works on all of them
     ranks = []
@@ -417,14 +390,14 @@ def estimate(work: Workload, layout: Layout) -> Estimate:
         experts: dict[str, list[tuple[int, ...]]] = {}
         for q in keep:
             (experts if q.expert else dense).setdefault(q.unit, []).append(_local_shape(q, layout))
-        dp_group = layout.dp_shard * layout.cp  # gradients are averaged over every rank that saw other tokens
-        # named as the strategy's group: GradSync all-reduces over dp, ZeRO shards over dp_shard (HSDP: in a replica)
-        _model_state(rank, dense, layout.zero_stage, dp_group, pbytes, "dp_shard" if layout.zero_stage else "dp",
-                     layout.accumulate)
-        if experts:  # one unit, over the ranks holding the same experts
+        # dense gradients over the strategy's group (every rank that saw other tokens; under ZeRO within a replica,
+        # HSDP all-reducing the shard over the replicas), experts over the ranks holding the same experts
+        dp_group = dims.size(layout.dense_group)
+        _model_state(rank, dense, layout.zero_stage, dp_group, pbytes, layout.dense_group, work.accumulate, p == 1)
+        if experts:  # one unit
             _model_state(rank, {"experts": [s for u in experts.values() for s in u]}, layout.zero_stage,
-                         dp_group // layout.ep, pbytes, "edp", layout.accumulate)
-        if layout.dp_replicate > 1:  # HSDP: the shard's gradient averaged over the replicas
+                         dims.size("edp"), pbytes, "edp", work.accumulate, p == 1)
+        if layout.dp_replicate > 1:
             shard = sum(_chunk(s[0], dp_group) * math.prod(s[1:]) for u in dense.values() for s in u)
             rank.add_comm("dp_replicate", "all_reduce", shard * pbytes, layout.dp_replicate)
 
@@ -434,20 +407,29 @@ def estimate(work: Workload, layout: Layout) -> Estimate:
         if pbytes != abytes:  # autocast's low-precision copies of the matmul weights, saved for backward
             rank.activations += abytes * sum(math.prod(_local_shape(q, layout)) for q in keep if _cast(q, cfg, p))
         if p > 1:  # the runner keeps each in-flight microbatch's stage output for its backward
-            rank.buffers += in_flight[r] * mb * t * cfg.d_model * pbytes // (layout.tp if layout.sequence_parallel
-                                                                               else 1)
+            rank.buffers += in_flight[r] * mb * t * cfg.d_model * pbytes // (layout.tp if layout.sp else 1)
 
         n_active = cfg.num_params(include_embedding=False, active=True)
         share = sum(len(c) for c in chunks) / cfg.n_layers
         rank.flops = flops_per_token(n_active, cfg.n_layers, cfg.d_model, work.seq_len) * share * tokens_per_rank
         rank.flops /= layout.tp
+        if layout.tp > 1:  # MoE layers are replicated over tp: each peer computes them whole, 6 FLOPs per parameter
+            moe = 6 * sum(_moe_active_params(inventory, cfg, i) for i in layers if cfg.is_moe_layer(i))
+            rank.replicated_flops = moe * tokens_per_rank * (1 - 1 / layout.tp)
         if work.checkpointing == "full":  # every block's forward again (2N of 6N); selective recomputes no matmul
-            rank.recompute_flops = rank.flops / 3
-        _activation_comm(rank, r, cfg, layout, chunks, first, last, mb, t, local_batch, abytes, pbytes)
+            rank.recompute_flops = (rank.flops + rank.replicated_flops) / 3
+        _activation_comm(rank, r, cfg, layout, chunks, first, last, mb, t, local_batch, work.accumulate, abytes,
+                         pbytes)
         ranks.append(rank)
     bubble = bubble_theory(layout.schedule, p, m, v) if p > 1 else 0.0
-    why = runnable_today(cfg, layout)
-    return Estimate(work, layout, ranks, bubble, not why, why)
+    return Estimate(work, layout, ranks, bubble, layout.refusal(moe=cfg.moe_experts > 0))
+
+
+def _moe_active_params(inventory: tuple[ParamSpec, ...], cfg: ModelConfig, layer: int) -> float:
+    """The parameters of MoE layer `layer` one token multiplies by: router, shared experts, top_k of the routed."""
+    prefix = f"blocks.{layer}.mlp."
+    return sum(math.prod(q.shape) * (cfg.moe_top_k / cfg.moe_experts if q.expert else 1)
+               for q in inventory if q.name.startswith(prefix))
 
 
 def _cast(q: ParamSpec, cfg: ModelConfig, pp: int) -> bool:
@@ -478,17 +460,18 @@ def _split(n_layers: int, p: int, v: int) -> list[list[int]]:
     return split_layers(n_layers, p, v)
 
 
-def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout: Layout, chunks: list[list[int]],
-                     first: bool, last: bool, mb: int, t: int, local_batch: int, abytes: int, pbytes: int) -> None:
+def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout: ParallelConfig,
+                     chunks: list[list[int]], first: bool, last: bool, mb: int, t: int, local_batch: int,
+                     accumulate: int, abytes: int, pbytes: int) -> None:
     """The collectives that move activations: tp region borders, pipeline sends, cp ring, ep all-to-alls."""
     layers = [i for c in chunks for i in c]
     act = local_batch * t * cfg.d_model * abytes  # one (B, T, d) activation of the whole local batch
     tokens = local_batch * t
     if layout.tp > 1:
-        # per block: 2 regions, each an entry and an exit collective forward and their conjugates backward; the
-        # embedding exits like a region, the head enters like one
-        calls = 4 * len(layers) + first + last
-        if layout.sequence_parallel:
+        # per region (attention, a dense MLP; an MoE layer is replicated, no region): an entry and an exit
+        # collective forward and their conjugates backward; the embedding exits like a region, the head enters like one
+        calls = sum(2 + 2 * (not cfg.is_moe_layer(i)) for i in layers) + first + last
+        if layout.sp:
             rank.add_comm("tp", "all_gather", calls * act, layout.tp)
             rank.add_comm("tp", "reduce_scatter", calls * act, layout.tp)
             partial = (2 * len(layers) + last) * cfg.d_model  # norm weights on sequence shards
@@ -497,7 +480,7 @@ def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout:
             partial = 0
         partial += 2 * len(layers) * cfg.head_dim if cfg.qk_norm else 0
         if partial:  # one all-reduce of the partial gradients (under ZeRO: this rank's dp rows of each)
-            rows = _chunk(cfg.d_model, layout.dp_shard) if layout.zero_stage else cfg.d_model
+            rows = _chunk(cfg.d_model, layout.dims().dp_shard) if layout.zero_stage else cfg.d_model
             rank.add_comm("tp", "all_reduce", partial * rows // cfg.d_model * pbytes, layout.tp)
         if last:  # loss-parallel cross-entropy: max, sum-exp and target logit per token, fp32
             rank.add_comm("tp", "all_reduce", 3 * tokens * 4, layout.tp)
@@ -508,9 +491,9 @@ def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout:
         for c in range(layout.virtual_stages):
             stage = c * p + pp_rank  # as `Schedule.stage`: chunk c of rank r
             sends = (stage < stages - 1) + (stage > 0)  # activations forward, their gradients back
-            rank.add_comm("pp", "send", layout.accumulate * sends * n * one // layout.tp, p)
-            rank.add_comm("pp", "recv", layout.accumulate * sends * n * one // layout.tp, p)
-        rank.add_comm("pp", "all_reduce", layout.accumulate * 2 * 4, p)  # the batch loss and ce (+ stages' aux)
+            rank.add_comm("pp", "send", accumulate * sends * n * one // layout.tp, p)
+            rank.add_comm("pp", "recv", accumulate * sends * n * one // layout.tp, p)
+        rank.add_comm("pp", "all_reduce", accumulate * 2 * 4, p)  # the batch loss and ce (+ stages' aux)
         if cfg.tie_embeddings and (first or last):
             emb = _chunk(cfg.padded_vocab_size, layout.tp) * cfg.d_model
             rank.add_comm("pp_embedding", "all_reduce", emb * pbytes, 2)

@@ -1,8 +1,12 @@
 """The planner: every layout of a cluster, those that fit memory ranked by estimated step time, the winner as yaml.
 
     ranked = plan(workload, Cluster(nodes=2, gpus_per_node=8, gpu_memory=80e9))
-    ranked[0].layout, ranked[0].step_time, ranked[0].reason
-    strategy_yaml(best_runnable(ranked), workload, cluster)   # for `lit-lm fit --config ... --config plan.yaml`
+    ranked[0].config, ranked[0].step_time, ranked[0].reason
+    strategy_yaml(ranked[0], cluster)   # for `lit-lm fit --config ... --config plan.yaml`
+
+The layouts are `strategies.layout.ParallelConfig`s, the strategy's own configuration: every combination of sizes
+and options that `strategies.layout.REFUSED` allows for the model (tp with MoE layers included, sequence
+parallelism off there), so every ranked layout runs and the yaml is its `strategy_args()`.
 
 The 3D rule it rediscovers from the estimates rather than hard-codes: tensor parallelism up to the GPUs of one
 node (its collectives are on the critical path and want NVLink), pipeline stages or ZeRO-3 across nodes when the
@@ -24,8 +28,9 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 from lit_lm.config import ConfigError
-from lit_lm.estimate import CHECKPOINTING, Estimate, Layout, Workload, estimate
-from strategies.layout import ParallelDims, rank_grid
+from lit_lm.estimate import CHECKPOINTING, Estimate, Workload, estimate
+from strategies.layout import ParallelConfig, ParallelDims, rank_grid
+from strategies.pp_schedules import SCHEDULES
 
 USABLE_MEMORY = 0.9  # of a GPU's memory: the CUDA context, allocator fragmentation and workspaces take the rest
 MAX_PP = 16  # deeper pipelines are not planned (Llama 3 405B used 16): the schedule simulation grows as p^2 m^2
@@ -55,14 +60,14 @@ class Ranked:
     reason: str = ""
 
     @property
-    def layout(self) -> Layout:
-        return self.estimate.layout
+    def config(self) -> ParallelConfig:
+        return self.estimate.config
 
 
 # -- time --------------------------------------------------------------------------------------------------------
-# the layout group that carries each of the estimator's labels: under cp, ZeRO shards rows over dp_shard x cp and
-# plain data parallelism averages over dp x cp (`ComposedStrategy._dense_group`)
-_CARRIER = {"dp": "dp_cp", "dp_shard": "dp_shard_cp"}
+# the groups that reduce gradients (`ParallelConfig.dense_group`, the experts' edp, HSDP's replicas): their traffic
+# overlaps the backward
+GRADIENT_GROUPS = ("dp", "dp_cp", "dp_shard", "dp_shard_cp", "edp", "dp_replicate")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -74,17 +79,17 @@ def _intra_node(dims: ParallelDims, gpus_per_node: int) -> dict[str, bool]:
 
 
 def step_time(est: Estimate, cluster: Cluster) -> tuple[float, dict[str, float]]:
-    layout = est.layout
-    intra = _intra_node(layout.dims, cluster.gpus_per_node)
-    compute = (est.flops + max(r.recompute_flops for r in est.ranks)) / (cluster.peak_flops * cluster.mfu)
+    config = est.config
+    intra = _intra_node(config.dims(), cluster.gpus_per_node)
+    compute = est.work_flops / (cluster.peak_flops * cluster.mfu)
     parts = {"compute": compute, "bubble": compute * est.bubble / (1 - est.bubble)}
-    hidden = compute if layout.zero_stage == 3 else BACKWARD_SHARE * compute
+    hidden = compute if config.zero_stage == 3 else BACKWARD_SHARE * compute
     for group in est.groups:
-        bw = cluster.intra_bw if intra[_CARRIER.get(group, group)] else cluster.inter_bw
+        bw = cluster.intra_bw if intra[group] else cluster.inter_bw
         seconds = est.wire_bytes(group) / bw
-        if group in ("dp", "dp_shard", "edp", "dp_replicate"):
+        if group in GRADIENT_GROUPS:
             # ZeRO-1/2 gather the updated shards after the step: that part cannot hide behind the backward
-            after_step = est.wire_bytes(group, "all_gather") / bw if layout.zero_stage in (1, 2) else 0.0
+            after_step = est.wire_bytes(group, "all_gather") / bw if config.zero_stage in (1, 2) else 0.0
             seconds = after_step + max(0.0, seconds - after_step - hidden)
         parts[group] = seconds
     return sum(parts.values()), parts
@@ -95,45 +100,48 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(work: Workload, cluster: Cluster) -> Iterator[Layout]:
-    """Every layout the estimator accepts on `cluster` (accumulation and microbatches left to `plan`)."""
+def layouts(work: Workload, cluster: Cluster) -> Iterator[ParallelConfig]:
+    """Every configuration of `cluster` that `REFUSED` allows for the model and the estimator accepts
+    (accumulation and microbatches left to `plan`). Pruned, as never faster: context parallelism below 16k
+    positions, ZeRO over one rank, pipelines deeper than `MAX_PP`."""
     cfg, gpn = work.config, cluster.gpus_per_node
     moe = cfg.moe_experts > 0
     for tp in _divisors(gpn):
-        if moe and tp > 1:  # the model publishes no tensor-parallel plan for MoE layers
-            continue
         for cp in (c for c in (1, 2, 4, 8) if tp * c <= gpn and (c == 1 or work.seq_len >= 16384)):
             for pp in _divisors(cluster.world // (tp * cp)):
                 if pp > min(cfg.n_layers, MAX_PP):
                     continue
                 dp = cluster.world // (tp * cp * pp)
-                stages = (0, 1) if pp > 1 else (0, 1, 2, 3)  # ZeRO-2/3 under pp would reduce every microbatch
-                for zero in stages if dp * cp > 1 else (0,):
+                for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
                     for replicate in _replicas(dp, tp * cp, gpn, zero):
                         for ep in (_divisors(cfg.moe_experts) if moe else [1]):
-                            if (dp // replicate * cp) % ep:
-                                continue
-                            yield from _schedules(Layout(dp_replicate=replicate, dp_shard=dp // replicate,
-                                                         zero_stage=zero, tp=tp, pp=pp, cp=cp, ep=ep), cfg.n_layers)
+                            for sp in (True, False) if tp > 1 else (True,):
+                                config = ParallelConfig(tp=tp, sequence_parallel=sp, pp=pp, cp=cp, ep=ep,
+                                                        dp_replicate=replicate, dp_shard=dp // replicate,
+                                                        zero_stage=zero)
+                                if (dp // replicate * cp) % ep == 0 and config.refusal(moe) is None:
+                                    yield from _schedules(config, cfg.n_layers)
 
 
 def _replicas(dp: int, inner: int, gpn: int, zero: int) -> list[int]:
-    """No replication, and for ZeRO-3 also HSDP: shards within a node, replicas across nodes."""
+    """No replication, and under ZeRO also HSDP: shards within a node, replicas across nodes."""
     within = max(1, gpn // inner)
-    return [1, dp // within] if zero == 3 and dp > within and dp % within == 0 else [1]
+    return [1, dp // within] if zero and dp > within and dp % within == 0 else [1]
 
 
-def _schedules(layout: Layout, n_layers: int) -> Iterator[Layout]:
+def _schedules(layout: ParallelConfig, n_layers: int) -> Iterator[ParallelConfig]:
+    """Every schedule the registry marks `planned`; one with virtual stages as 2 chunks per rank, if the layers
+    allow (`strategies/pp_schedules.py`)."""
     if layout.pp == 1:
         yield layout
         return
-    yield dataclasses.replace(layout, schedule="1f1b")
-    yield dataclasses.replace(layout, schedule="zb_h1")
-    if n_layers >= 2 * layout.pp:
-        yield dataclasses.replace(layout, schedule="interleaved_1f1b", virtual_stages=2)
+    for name, spec in SCHEDULES.items():
+        v = 2 if spec.chunked else 1
+        if spec.planned and layout.pp * v <= n_layers:
+            yield dataclasses.replace(layout, schedule=name, virtual_stages=v)
 
 
-def fitting(work: Workload, layout: Layout, budget: float) -> Optional[Estimate]:
+def fitting(work: Workload, layout: ParallelConfig, budget: float) -> Optional[Estimate]:
     """The layout with the least accumulation that fits `budget` bytes per GPU, or None."""
     local = work.global_batch // layout.dp if work.global_batch % layout.dp == 0 else 0
     options = [a for a in _divisors(local) if layout.pp == 1 or local // a >= layout.pp]
@@ -153,7 +161,7 @@ def fitting(work: Workload, layout: Layout, budget: float) -> Optional[Estimate]
     return found
 
 
-def _estimate(work: Workload, layout: Layout, accumulate: int) -> Optional[Estimate]:
+def _estimate(work: Workload, layout: ParallelConfig, accumulate: int) -> Optional[Estimate]:
     """With `accumulate` micro-steps; a pipeline gets 4 microbatches per stage (or the most the batch allows)."""
     micro = work.global_batch // layout.dp // accumulate
     if layout.pp > 1:
@@ -162,7 +170,7 @@ def _estimate(work: Workload, layout: Layout, accumulate: int) -> Optional[Estim
             return None
         layout = dataclasses.replace(layout, microbatches=m)
     try:
-        return estimate(work, dataclasses.replace(layout, accumulate=accumulate))
+        return estimate(dataclasses.replace(work, accumulate=accumulate), layout)
     except ConfigError:
         return None
 
@@ -177,23 +185,21 @@ def plan(work: Workload, cluster: Cluster, checkpointing: Sequence[str] = CHECKP
             if est is not None:
                 seconds, parts = step_time(est, cluster)
                 ranked.append(Ranked(est, seconds, parts))
-    ranked.sort(key=lambda r: (r.step_time, r.layout.world - r.layout.dp))  # ties: the simpler layout
+    ranked.sort(key=lambda r: (r.step_time, r.config.world - r.config.dp))  # ties: the simpler layout
     for r in ranked:
         r.reason = reason(r, cluster)
     return ranked
 
 
-def best_runnable(ranked: list[Ranked]) -> Optional[Ranked]:
-    return next((r for r in ranked if r.estimate.runs_today), None)
-
-
 # -- explaining ---------------------------------------------------------------------------------------------------
 def reason(r: Ranked, cluster: Cluster) -> str:
     """Why each dimension is there, and what the step time is made of."""
-    lay, est = r.layout, r.estimate
+    lay, est = r.config, r.estimate
     why = []
     if lay.tp > 1:
-        why.append(f"tp{lay.tp} inside a node splits weights and activations, its collectives on NVLink")
+        sp = "" if lay.sp else ", sequence parallelism off" + (" (MoE layers are replicated over tp)"
+                                                                  if est.workload.config.moe_experts else "")
+        why.append(f"tp{lay.tp} inside a node splits weights and activations, its collectives on NVLink{sp}")
     if lay.pp > 1:
         why.append(f"pp{lay.pp} across {'nodes' if lay.world > cluster.gpus_per_node else 'GPUs'}: only "
                    f"activations cross stage borders, bubble {est.bubble:.0%}")
@@ -203,49 +209,33 @@ def reason(r: Ranked, cluster: Cluster) -> str:
         why.append(f"ep{lay.ep}: each rank holds 1/{lay.ep} of the experts")
     if lay.zero_stage:
         shard = {1: "optimizer state", 2: "optimizer state + gradients", 3: "all model state"}[lay.zero_stage]
-        why.append(f"ZeRO-{lay.zero_stage} shards {shard} over {lay.dp_shard * lay.cp} ranks")
+        why.append(f"ZeRO-{lay.zero_stage} shards {shard} over {lay.dims().size(lay.dense_group)} ranks")
     if lay.dp_replicate > 1:
         why.append(f"replicated over {lay.dp_replicate} groups: the gradient all-reduce crosses nodes once")
     if est.workload.checkpointing == "full":
         why.append("full activation checkpointing keeps each block's input and runs its forward again")
     elif est.workload.checkpointing == "selective":
         why.append("selective activation checkpointing keeps the matmul and attention outputs, recomputes the rest")
-    if lay.accumulate > 1:
-        why.append(f"{lay.accumulate} accumulation micro-steps keep the activations in memory")
+    if est.workload.accumulate > 1:
+        why.append(f"{est.workload.accumulate} accumulation micro-steps keep the activations in memory")
     comm = sum(v for k, v in r.parts.items() if k not in ("compute", "bubble"))
     why.append(f"exposed comm {comm / r.step_time:.0%} of the step")
-    if not est.runs_today:
-        why.append(f"needs {est.why_not}")
     return "; ".join(why)
 
 
 # -- the yaml ----------------------------------------------------------------------------------------------------
-def strategy_args(lay: Layout) -> dict:
-    """`ComposedStrategy`'s arguments for `lay` (pipeline and sequence-parallel options only where they apply: the
-    strategy refuses options it would not read)."""
-    args: dict = {"tensor_parallel_size": lay.tp, "context_parallel_size": lay.cp, "pipeline_parallel_size": lay.pp,
-                  "expert_parallel_size": lay.ep, "data_parallel_replicate_size": lay.dp_replicate,
-                  "zero_stage": lay.zero_stage}
-    if lay.tp > 1:
-        args["sequence_parallel"] = lay.sequence_parallel
-    if lay.pp > 1:
-        args.update(microbatches=lay.microbatches, schedule=lay.schedule, virtual_stages=lay.virtual_stages,
-                    balance="layers")
-    return args
-
-
 def strategy_yaml(r: Ranked, cluster: Cluster, precision: Optional[str] = None) -> dict:
-    """The `trainer` and `data` settings that run layout `r` with the strategies of this tree."""
-    lay = r.layout
-    if not r.estimate.runs_today:
-        raise ConfigError(f"layout {lay.describe()} needs {r.estimate.why_not}: no strategy of this tree runs it")
-    args = strategy_args(lay)
-    if r.estimate.workload.checkpointing != "none":
-        args["activation_checkpointing"] = r.estimate.workload.checkpointing
+    """The `trainer` and `data` settings that run layout `r` with `ComposedStrategy` (its arguments are the
+    config's `strategy_args()`); a refused config raises the strategy's own error."""
+    config, work = r.config, r.estimate.workload
+    config.check(moe=work.config.moe_experts > 0)
+    args = config.strategy_args()
+    if work.checkpointing != "none":
+        args["activation_checkpointing"] = work.checkpointing
     strategy = {"class_path": "strategies.composed.ComposedStrategy", "init_args": args}
     trainer = {"num_nodes": cluster.nodes, "devices": cluster.gpus_per_node,
-               "accumulate_grad_batches": lay.accumulate, "strategy": strategy}
+               "accumulate_grad_batches": work.accumulate, "strategy": strategy}
     if precision is not None:
         trainer["precision"] = precision
-    micro = r.estimate.workload.global_batch // lay.dp // lay.accumulate
+    micro = work.global_batch // config.dp // work.accumulate
     return {"trainer": trainer, "data": {"init_args": {"batch_size": micro}}}

@@ -7,8 +7,8 @@ Reads the same yaml as `fit` (configs/default.yaml first, later files win): the 
 `model.init_args.config`, the sequence length, vocabulary and per-device batch from `data.init_args`, precision and
 accumulation from `trainer`. The global batch defaults to what that per-device batch gives on every GPU of the
 cluster (`--global-batch` to fix it); the plan keeps it and sets the per-device batch and accumulation to match.
-Prints the fastest layouts that fit (`lit_lm.plan`) with the reason for each, and writes the fastest one the
-strategies of this tree run as yaml. `--answer` adds the two questions asked before every run: the largest
+Prints the fastest layouts that fit (`lit_lm.plan`: only those the strategy runs) with the reason for each, and
+writes the fastest as yaml. `--answer` adds the two questions asked before every run: the largest
 model that fits the cluster, and how many days N tokens take.
 """
 
@@ -27,7 +27,7 @@ from rich.table import Table
 
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.estimate import CHECKPOINTING, PRECISIONS, Workload, flops_per_token
-from lit_lm.plan import USABLE_MEMORY, Cluster, Ranked, best_runnable, fitting, layouts, plan, strategy_yaml
+from lit_lm.plan import USABLE_MEMORY, Cluster, Ranked, fitting, layouts, plan, strategy_yaml
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -97,7 +97,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpointing", default="auto", choices=("auto", *CHECKPOINTING),
                    help="activation checkpointing to consider (auto: all three)")
     p.add_argument("--top", type=int, default=8, help="rows of the table")
-    p.add_argument("--out", default=None, help="write the fastest runnable layout here as yaml")
+    p.add_argument("--out", default=None, help="write the fastest layout here as yaml")
     p.add_argument("--answer", action="store_true", help="the largest model that fits; days to train --tokens")
     p.add_argument("--tokens", type=float, default=15e12, help="tokens to train, for --answer")
     return p
@@ -128,15 +128,10 @@ def run(args: argparse.Namespace) -> None:
         raise ConfigError("no layout fits: add GPUs (--nodes), allow activation checkpointing (--checkpointing "
                           "auto) or shorten data.init_args.seq_len")
     print_table(console, ranked[: args.top], cluster)
-    winner = best_runnable(ranked)
-    if winner is None:
-        console.print("[yellow]no layout that the strategies of this tree run fits; the ones above say what it lacks[/]")
-    elif winner is not ranked[0]:
-        console.print(f"fastest runnable today: [bold]{winner.layout.describe()}[/] "
-                      f"({winner.step_time:.3g} s/step, #{ranked.index(winner) + 1})")
-    if args.out and winner is not None:
+    winner = ranked[0]
+    if args.out:
         text = yaml.safe_dump(strategy_yaml(winner, cluster, args.precision), sort_keys=False)
-        header = (f"# lit-lm plan: {winner.layout.describe()} on {cluster.nodes} x {cluster.gpus_per_node} GPUs, "
+        header = (f"# lit-lm plan: {winner.estimate.describe()} on {cluster.nodes} x {cluster.gpus_per_node} GPUs, "
                   f"est. {winner.step_time:.3g} s/step, peak {winner.estimate.peak_bytes / 2**30:.1f} GiB/GPU\n"
                   f"#   lit-lm fit {' '.join(f'--config {c}' for c in args.config)} --config {args.out}\n")
         Path(args.out).write_text(header + text)
@@ -147,15 +142,13 @@ def run(args: argparse.Namespace) -> None:
 
 def print_table(console: Console, rows: list[Ranked], cluster: Cluster) -> None:
     table = Table(title="layouts that fit, fastest first (estimated)")
-    for col in ("#", "layout", "ckpt", "runs today", "step s", "MFU", "peak GiB", "state/act GiB", "exposed comm",
-                "bubble"):
-        table.add_column(col, justify="left" if col in ("layout", "runs today", "ckpt") else "right")
+    for col in ("#", "layout", "ckpt", "step s", "MFU", "peak GiB", "state/act GiB", "exposed comm", "bubble"):
+        table.add_column(col, justify="left" if col in ("layout", "ckpt") else "right")
     for i, r in enumerate(rows, 1):
         est, w = r.estimate, r.estimate.worst
         comm = sum(v for k, v in r.parts.items() if k not in ("compute", "bubble"))
         mfu = est.flops / (r.step_time * cluster.peak_flops)
-        table.add_row(str(i), r.layout.describe(), est.workload.checkpointing,
-                      "yes" if est.runs_today else f"needs {est.why_not}", f"{r.step_time:.3g}", f"{mfu:.0%}",
+        table.add_row(str(i), est.describe(), est.workload.checkpointing, f"{r.step_time:.3g}", f"{mfu:.0%}",
                       f"{est.peak_bytes / 2**30:.1f}", f"{w.model_state / 2**30:.1f}/{w.activations / 2**30:.1f}",
                       f"{comm / r.step_time:.0%}", f"{est.bubble:.0%}")
     console.print(table)
@@ -169,37 +162,33 @@ def _count(n: float) -> str:
 
 
 def answer(console: Console, work: Workload, cluster: Cluster, ranked: list[Ranked], tokens: float) -> None:
-    """The largest Llama-shaped model with a fitting layout (any, and one this tree runs); days to train."""
-    def fits(shape: tuple, runnable: bool) -> bool:
+    """The largest Llama-shaped model with a fitting layout; days to train."""
+    def fits(shape: tuple) -> bool:
         _, d, n_layers, heads, kv, ff = shape
         cfg = dataclasses.replace(work.config, d_model=d, n_layers=n_layers, n_heads=heads, n_kv_heads=kv, d_ff=ff,
                                   moe_experts=0)
         w = dataclasses.replace(work, config=cfg, checkpointing="full")
         budget = cluster.gpu_memory * USABLE_MEMORY
-        return any((e := fitting(w, lay, budget)) is not None and (e.runs_today or not runnable)
-                   for lay in layouts(w, cluster))
+        return any(fitting(w, lay, budget) is not None for lay in layouts(w, cluster))
 
-    for runnable in (True, False):
-        lo, hi = 0, len(LADDER) - 1  # bisection: a larger model never fits where a smaller one does not
-        best = None
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            if fits(LADDER[mid], runnable):
-                best, lo = LADDER[mid][0], mid + 1
-            else:
-                hi = mid - 1
-        what = "with full activation checkpointing and the strategies of this tree" if runnable else \
-            "with full activation checkpointing and any layout"
-        console.print(f"largest Llama-shaped model that fits {cluster.world} GPUs {what}: {best or 'none'} "
-                      f"(sequence {work.seq_len}, global batch {work.global_batch}, AdamW, {work.precision})")
+    lo, hi = 0, len(LADDER) - 1  # bisection: a larger model never fits where a smaller one does not
+    best = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(LADDER[mid]):
+            best, lo = LADDER[mid][0], mid + 1
+        else:
+            hi = mid - 1
+    console.print(f"largest Llama-shaped model that fits {cluster.world} GPUs with full activation checkpointing: "
+                  f"{best or 'none'} (sequence {work.seq_len}, global batch {work.global_batch}, AdamW, "
+                  f"{work.precision})")
     cfg = work.config
     ideal = flops_per_token(cfg.num_params(False, active=True), cfg.n_layers, cfg.d_model, work.seq_len) * tokens / \
         (cluster.world * cluster.peak_flops * cluster.mfu) / 86400
     size = _count(cfg.num_params(False, active=True))
     console.print(f"{tokens:.3g} tokens on the configured model ({size} active, not the largest above): "
                   f"{ideal:.3g} days at MFU {cluster.mfu:.0%} (6N + attention)")
-    runnable = best_runnable(ranked)
-    for r in [ranked[0]] + ([runnable] if runnable is not None and runnable is not ranked[0] else []):
-        days = tokens / work.tokens * r.step_time / 86400
-        console.print(f"  with {r.layout.describe()} ({r.estimate.workload.checkpointing} checkpointing): "
-                      f"{days:.3g} days (bubble, exposed communication and recomputation included)")
+    r = ranked[0]
+    days = tokens / work.tokens * r.step_time / 86400
+    console.print(f"  with {r.estimate.describe()} ({r.estimate.workload.checkpointing} checkpointing): "
+                  f"{days:.3g} days (bubble, exposed communication and recomputation included)")

@@ -4,6 +4,7 @@ figures against the textbook theory."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from typing import Any
@@ -16,33 +17,40 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dist_utils import TINY, TinyLM, rank_share, run_distributed, token_data
 from lit_lm.config import ModelConfig
-from lit_lm.estimate import Layout, Workload, estimate, flops_per_token, peak_in_flight
+from lit_lm.estimate import Workload, estimate, flops_per_token, peak_in_flight
 from lit_lm.model import Transformer
 from strategies.comm import COMM_LOG
-from strategies.pp import PipelineStrategy
+from strategies.composed import ComposedStrategy
+from strategies.layout import ParallelConfig
 from strategies.pp_schedules import build_schedule
-from strategies.tp import TensorParallelStrategy
-from strategies.zero import ZeroStrategy
 from strategies.zero_engine import model_state_bytes
 
 # uneven rows on purpose: 61 vocabulary rows split 16/16/16/13 over 4 ZeRO ranks, 31/30 over 2 tp ranks
 MODEL = dict(TINY, vocab_size=61, vocab_multiple_of=1, n_layers=4)
 GLOBAL_BATCH, SEQ = 8, TINY["max_seq_len"]
 WORLD = 4
-LAYOUTS = {  # name: the estimator's layout on 4 ranks (the strategy is built from it)
-    "zero1": Layout(dp_shard=4, zero_stage=1),
-    "zero2": Layout(dp_shard=4, zero_stage=2),
-    "zero3": Layout(dp_shard=4, zero_stage=3),
-    "tp2_zero1": Layout(dp_shard=2, tp=2, zero_stage=1),
-    "pp2_1f1b": Layout(dp_shard=2, pp=2, schedule="1f1b", microbatches=4),
-    "pp2_gpipe": Layout(dp_shard=2, pp=2, schedule="gpipe", microbatches=2),
+LAYOUTS = {  # name: the configuration on 4 ranks, estimated and run (`ComposedStrategy(**strategy_args())`)
+    "zero1": ParallelConfig(dp_shard=4, zero_stage=1),
+    "zero2": ParallelConfig(dp_shard=4, zero_stage=2),
+    "zero3": ParallelConfig(dp_shard=4, zero_stage=3),
+    "tp2_zero1": ParallelConfig(dp_shard=2, tp=2, zero_stage=1),
+    "pp2_1f1b": ParallelConfig(dp_shard=2, pp=2, schedule="1f1b", microbatches=4),
+    "pp2_gpipe": ParallelConfig(dp_shard=2, pp=2, schedule="gpipe", microbatches=2),
+    "tp2_moe_zero1": ParallelConfig(dp_shard=2, tp=2, sequence_parallel=False, zero_stage=1),
 }
+# block 0 dense, block 1 MoE (replicated over tp: the model's plan), a shared expert
+MODELS = {"tp2_moe_zero1": dict(MODEL, moe_experts=4, moe_top_k=2, moe_d_ff=16, moe_shared_experts=1,
+                                moe_first_dense=1)}
 
 
 class EstimateLM(TinyLM):
+    def __init__(self, model: dict) -> None:
+        super().__init__()
+        self.config = ModelConfig(**model)
+
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = Transformer(ModelConfig(**MODEL))
+            self.model = Transformer(self.config)
 
 
 class LiveSavedBytes(torch.autograd.graph.saved_tensors_hooks):
@@ -108,14 +116,6 @@ class Measure(L.Callback):
         self.out.update(activations=self.saved.peak, comm=comm)
 
 
-def _strategy(layout: Layout) -> Any:
-    if layout.pp > 1:
-        return PipelineStrategy(layout.pp, layout.microbatches, layout.schedule)
-    if layout.tp > 1:
-        return TensorParallelStrategy(layout.tp, sequence_parallel=True, zero_stage=layout.zero_stage)
-    return ZeroStrategy(stage=layout.zero_stage)
-
-
 def _measure(names: list[str]) -> list[dict[str, Any]]:
     out = []
     for name in names:
@@ -126,10 +126,11 @@ def _measure(names: list[str]) -> list[dict[str, Any]]:
         loader = DataLoader(TensorDataset(data), batch_size=GLOBAL_BATCH // layout.dp)
         L.seed_everything(0, verbose=False)
         probe = Measure()
-        trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=_strategy(layout), max_steps=2,
+        trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=ComposedStrategy(**layout.strategy_args()),
+                            max_steps=2,
                             callbacks=[probe], logger=False, enable_progress_bar=False, enable_model_summary=False,
                             use_distributed_sampler=False, num_sanity_val_steps=0, enable_checkpointing=False)
-        trainer.fit(EstimateLM(), loader)
+        trainer.fit(EstimateLM(MODELS.get(name, MODEL)), loader)
         out.append(probe.out)
     return out
 
@@ -137,11 +138,11 @@ def _measure(names: list[str]) -> list[dict[str, Any]]:
 def test_estimate_matches_measurement_of_every_strategy() -> None:
     names = list(LAYOUTS)
     ranks = run_distributed(_measure, WORLD, names, init_process_group=False)
-    work = Workload(ModelConfig(**dict(MODEL, max_seq_len=SEQ)), SEQ, GLOBAL_BATCH, "32-true")
     for i, name in enumerate(names):
         layout = LAYOUTS[name]
+        work = Workload(ModelConfig(**dict(MODELS.get(name, MODEL), max_seq_len=SEQ)), SEQ, GLOBAL_BATCH, "32-true")
         est = estimate(work, layout)
-        assert est.runs_today, name
+        assert est.refused is None, name
         for rank, measured in enumerate(r[i] for r in ranks):
             pp_rank, dp_rank = rank // (layout.dp * layout.tp), rank // layout.tp % layout.dp
             expected = est.ranks[pp_rank]
@@ -165,7 +166,7 @@ def test_model_state_follows_the_zero_paper() -> None:
     work, n, phi = Workload(cfg, 128, 64, "32-true"), 8, _phi(cfg)
     theory = {0: 16, 1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n}
     for stage, k in theory.items():
-        rank = estimate(work, Layout(dp_shard=n, zero_stage=stage)).ranks[0]
+        rank = estimate(work, ParallelConfig(dp_shard=n, zero_stage=stage)).ranks[0]
         assert rank.model_state == pytest.approx(k * phi, rel=0.01), stage
         wire = rank.wire("dp_shard" if stage else "dp")
         assert wire == pytest.approx((3 if stage == 3 else 2) * (n - 1) / n * phi * 4, rel=0.01), stage
@@ -179,9 +180,9 @@ def test_moe_parameters_flops_and_expert_sharding() -> None:
     expert = 3 * 64 * 32
     assert cfg.num_params(active=True) == cfg.num_params() - 2 * (8 - 2) * expert  # 2 MoE layers
     work = Workload(cfg, 64, 16, "32-true")
-    est = estimate(work, Layout(dp_shard=4, ep=2, zero_stage=1))
-    assert est.runs_today
-    one = estimate(work, Layout())
+    est = estimate(work, ParallelConfig(dp_shard=4, ep=2, zero_stage=1))
+    assert est.refused is None
+    one = estimate(work, ParallelConfig())
     tokens = 16 * 64
     assert one.flops == flops_per_token(cfg.num_params(False, active=True), 3, 64, 64) * tokens
     assert est.flops == pytest.approx(one.flops / 4)
@@ -194,29 +195,69 @@ def test_moe_parameters_flops_and_expert_sharding() -> None:
 def test_pipeline_bubble_and_in_flight_microbatches() -> None:
     cfg = ModelConfig(d_model=64, n_layers=8, n_heads=4, vocab_size=256)
     work = Workload(cfg, 32, 16, "32-true")
-    gpipe = estimate(work, Layout(pp=4, microbatches=8, schedule="gpipe"))
-    one_f = estimate(work, Layout(pp=4, microbatches=8, schedule="1f1b"))
+    gpipe = estimate(work, ParallelConfig(pp=4, microbatches=8, schedule="gpipe"))
+    one_f = estimate(work, ParallelConfig(pp=4, microbatches=8, schedule="1f1b"))
     assert gpipe.bubble == one_f.bubble == pytest.approx(3 / 11)
     # rank 1 holds 2 blocks of every microbatch: all 8 under GPipe, 3 (p - rank) under 1F1B
     assert gpipe.ranks[1].activations / one_f.ranks[1].activations == pytest.approx(8 / 3)
-    assert estimate(work, Layout(pp=4, microbatches=8, schedule="zb_h1")).bubble < one_f.bubble
+    assert estimate(work, ParallelConfig(pp=4, microbatches=8, schedule="zb_h1")).bubble < one_f.bubble
     # the steady state: simulating 2pv microbatches gives the peak of any larger count
     for name, p, v in (("1f1b", 4, 1), ("interleaved_1f1b", 4, 2), ("zb_h1", 3, 1), ("interleaved_1f1b", 2, 3)):
         for m in (3 * p * v, 5 * p * v):
             assert peak_in_flight(name, p, m, v) == build_schedule(name, p, m, v).peak_in_flight(), (name, m)
 
 
-def test_layouts_beyond_this_tree_are_estimated_and_marked() -> None:
+def test_refused_configurations_are_estimated_and_marked() -> None:
     cfg = ModelConfig(d_model=64, n_layers=4, n_heads=4, vocab_size=256)
     work = Workload(cfg, 64, 16, "bf16-mixed", checkpointing="full")
-    est = estimate(work, Layout(dp_replicate=2, dp_shard=2, zero_stage=3, tp=2, cp=2))
-    assert est.runs_today, est.why_not  # HSDP ZeRO-3 x tp x cp composes (tests/test_composed.py)
-    piped = estimate(work, Layout(dp_shard=2, zero_stage=1, tp=2, cp=2, pp=2, microbatches=2))
-    assert not piped.runs_today and "context parallelism with pipeline parallelism" in piped.why_not
-    none = estimate(Workload(cfg, 64, 16, "bf16-mixed"), Layout(dp_replicate=2, dp_shard=2, zero_stage=3, tp=2, cp=2))
+    est = estimate(work, ParallelConfig(dp_replicate=2, dp_shard=2, zero_stage=3, tp=2, cp=2))
+    assert est.refused is None  # HSDP ZeRO-3 x tp x cp composes (tests/test_composed.py)
+    piped = estimate(work, ParallelConfig(dp_shard=2, zero_stage=1, tp=2, cp=2, pp=2, microbatches=2))
+    assert piped.refused is not None and piped.refused.message.startswith("context_parallel_size > 1 with pipeline")
+    none = estimate(Workload(cfg, 64, 16, "bf16-mixed"),
+                    ParallelConfig(dp_replicate=2, dp_shard=2, zero_stage=3, tp=2, cp=2))
     assert est.ranks[0].activations < none.ranks[0].activations
     assert est.ranks[0].recompute_flops == pytest.approx(est.flops / 3)
-    assert {"cp", "tp", "dp_shard", "dp_replicate"} <= set(est.groups)
+    # under cp the dense gradients are sharded over dp_shard x cp: the strategy's group, by its name
+    assert {"cp", "tp", "dp_shard_cp", "dp_replicate"} <= set(est.groups)
+
+
+def test_moe_under_tensor_parallelism_replicates_the_moe_layers() -> None:
+    """The model's tp plan splits attention, the dense MLP, embedding and head, and replicates MoE layers over tp
+    (`batch` style): their parameters are whole on every tp rank, their FLOPs repeated, their block has one tp
+    region (attention) instead of two; sequence parallelism is refused for them (`REFUSED`)."""
+    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, vocab_size=256, moe_experts=4, moe_top_k=2, moe_d_ff=32,
+                      moe_first_dense=1)  # block 0 dense, block 1 MoE
+    work = Workload(cfg, 32, 8, "32-true")
+    one, dense = estimate(work, ParallelConfig()), Workload(dataclasses.replace(cfg, moe_experts=0), 32, 8, "32-true")
+    tp = estimate(work, ParallelConfig(tp=2, sequence_parallel=False))
+    assert tp.refused is None
+    params = dict(Transformer(cfg).named_parameters())
+    whole = sum(p.numel() for n, p in params.items() if n.startswith("blocks.1.mlp.") or "norm" in n)
+    split = cfg.num_params() - whole  # every other parameter is split in two (even shapes here)
+    assert tp.ranks[0].params == (split // 2 + whole) * 4
+    moe_active = 4 * 64 + 2 * 3 * 64 * 32  # router, top-2 experts
+    assert tp.flops == pytest.approx(one.flops / 2)  # model FLOPs: what MFU counts
+    assert tp.ranks[0].replicated_flops == pytest.approx(6 * moe_active * 8 * 32 / 2)
+    tp_dense = estimate(dense, ParallelConfig(tp=2, sequence_parallel=False))
+    act = 8 * 32 * 64 * 4
+    assert tp_dense.ranks[0].comm[("tp", "all_reduce")] - tp.ranks[0].comm[("tp", "all_reduce")] == 2 * act
+    refused = estimate(work, ParallelConfig(tp=2)).refused
+    assert refused is not None and refused.moe and "set sequence_parallel: false" in refused.message
+
+
+def test_zero2_under_a_pipeline_reduces_once_per_step() -> None:
+    """The pipeline runs many backwards per step: ZeRO-2 then keeps the full gradient and reduce-scatters it once
+    (as ZeRO-1), with its flat buffer of owned rows besides; it never costs less than ZeRO-1 there."""
+    cfg = ModelConfig(d_model=64, n_layers=4, n_heads=4, vocab_size=256)
+    work = Workload(cfg, 32, 16, "32-true", accumulate=2)
+    zero = {z: estimate(work, ParallelConfig(dp_shard=2, pp=2, zero_stage=z, microbatches=4)).ranks[0] for z in (1, 2)}
+    assert zero[2].comm == zero[1].comm
+    assert zero[2].grads > zero[1].grads and zero[2].grads - zero[1].grads == pytest.approx(zero[2].optimizer / 2,
+                                                                                           rel=0.01)
+    flat = estimate(work, ParallelConfig(dp_shard=2, zero_stage=2)).ranks[0]  # no pipeline: once per micro-step
+    assert flat.comm[("dp_shard", "reduce_scatter")] == 2 * estimate(work, ParallelConfig(dp_shard=2, zero_stage=1)
+                                                                      ).ranks[0].comm[("dp_shard", "reduce_scatter")]
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
@@ -231,5 +272,5 @@ def test_saved_activations_of_one_process(precision: str, moe: bool) -> None:
     saved = LiveSavedBytes()
     with saved, torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
         model.loss(tokens[:, :-1], tokens[:, 1:])
-    expected = estimate(Workload(cfg, 32, batch, precision), Layout()).ranks[0].activations
+    expected = estimate(Workload(cfg, 32, batch, precision), ParallelConfig()).ranks[0].activations
     assert saved.peak == pytest.approx(expected, rel=0.1 if moe else 0.01)

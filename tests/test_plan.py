@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import itertools
 from pathlib import Path
 
 import pytest
 import yaml
 
 from lit_lm.config import ConfigError, ModelConfig
-from lit_lm.estimate import Layout, Workload, estimate
-from lit_lm.plan import Cluster, Ranked, best_runnable, plan, strategy_yaml
+from lit_lm.estimate import Workload, estimate
+from lit_lm.plan import Cluster, Ranked, layouts, plan, strategy_yaml
 from lit_lm.plan_cli import quantity
+from strategies.composed import ComposedStrategy
+from strategies.layout import ParallelConfig
 from test_cli import CORPUS, REPO, read_metrics, run_cli
 
 STRATEGIES = {"strategies.composed.ComposedStrategy"}
@@ -63,7 +67,7 @@ def test_plan_for_two_nodes_ranks_layouts_and_answers(tmp_path: Path) -> None:
     assert "largest Llama-shaped model that fits 16 GPUs" in planned.stdout and "days" in planned.stdout
     assert "on the configured model" in planned.stdout  # not to be read as the largest model's time
     with_layout = [line for line in planned.stdout.splitlines() if line.startswith("  with ")]
-    assert 1 <= len(with_layout) == len(set(with_layout)) <= 2  # the fastest, and the fastest runnable if another
+    assert len(with_layout) == 1  # the fastest (every ranked layout runs)
     assert yaml.safe_load(out.read_text())["trainer"]["num_nodes"] == 2
 
     bad = run_cli("plan", "--gpu-memory", "eighty", cwd=tmp_path)
@@ -74,34 +78,73 @@ def test_plan_for_two_nodes_ranks_layouts_and_answers(tmp_path: Path) -> None:
 
 def test_the_3d_rule_comes_out_of_the_estimates() -> None:
     """A model that fits one GPU trains data-parallel; one whose state needs sharding gets ZeRO or tp inside the
-    node; tp never spans nodes; a layout the strategies cannot run is never emitted."""
+    node; tp never spans nodes; a refused layout is never emitted."""
     small = Workload(ModelConfig(d_model=512, n_layers=8, n_heads=8, vocab_size=32000, max_seq_len=1024), 1024,
                      256, "bf16-mixed")
     cluster = Cluster(nodes=2, gpus_per_node=8, gpu_memory=80e9)
     ranked = plan(small, cluster, ("none",))
-    assert ranked[0].layout.tp == ranked[0].layout.pp == 1
+    assert ranked[0].config.tp == ranked[0].config.pp == 1
     big = Workload(ModelConfig(d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=28672, vocab_size=128256,
                                max_seq_len=4096), 4096, 512, "bf16-mixed")
     ranked = plan(big, Cluster(nodes=8, gpus_per_node=8, gpu_memory=80e9), ("none",))
-    assert ranked and all(r.layout.tp <= 8 for r in ranked)
+    assert ranked and all(r.config.tp <= 8 for r in ranked)
     assert all(r.estimate.peak_bytes <= 80e9 for r in ranked)
-    assert ranked[0].layout.tp * ranked[0].layout.pp > 1 or ranked[0].layout.zero_stage == 3
-    best = best_runnable(ranked)
-    if best is not None:
-        assert strategy_yaml(best, cluster)["trainer"]["strategy"]["class_path"] in STRATEGIES
-    needs = estimate(big, Layout(dp_shard=4, tp=8, cp=8, pp=2, microbatches=4, zero_stage=1))  # cp x pp: not composed
-    assert not needs.runs_today
-    with pytest.raises(ConfigError, match="needs context parallelism with pipeline.*no strategy of this tree runs it"):
+    assert ranked[0].config.tp * ranked[0].config.pp > 1 or ranked[0].config.zero_stage == 3
+    assert strategy_yaml(ranked[0], cluster)["trainer"]["strategy"]["class_path"] in STRATEGIES
+    needs = estimate(big, ParallelConfig(dp_shard=4, tp=8, cp=8, pp=2, microbatches=4, zero_stage=1))  # cp x pp
+    assert needs.refused is not None
+    with pytest.raises(ConfigError, match="context_parallel_size > 1 with pipeline_parallel_size > 1: "):
         strategy_yaml(Ranked(needs, 1.0, {}), cluster)
 
 
-@pytest.mark.parametrize("layout", [Layout(), Layout(dp_shard=4, zero_stage=2), Layout(dp_shard=2, tp=2, zero_stage=1),
-                                    Layout(dp_shard=2, pp=2, microbatches=4, schedule="zb_h1"),
-                                    Layout(dp_shard=4, ep=2, zero_stage=1), Layout(dp_shard=2, cp=2, zero_stage=3)])
+FEATURES = {"tp": dict(tp=2, sequence_parallel=True), "tp_no_sp": dict(tp=2, sequence_parallel=False), "pp": dict(pp=2), "cp": dict(cp=2),
+            "ep": dict(ep=2), "hsdp": dict(dp_replicate=2), "zero1": dict(zero_stage=1), "zero2": dict(zero_stage=2),
+            "zero3": dict(zero_stage=3)}
+
+
+def _features(config: ParallelConfig) -> set[str]:
+    """The FEATURES `config` has: a dimension of any size > 1, an option or ZeRO stage equal."""
+    def has(key: str, value: object) -> bool:
+        return getattr(config, key) > 1 if key in ("tp", "pp", "cp", "ep", "dp_replicate") else getattr(config, key) == value
+
+    return {name for name, kwargs in FEATURES.items() if all(has(k, v) for k, v in kwargs.items())}
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_planner_tries_every_pair_the_table_allows_and_proposes_no_refused_one(moe: bool) -> None:
+    """Every pair of features (tp, sequence parallelism off, pp, cp, ep, HSDP, a ZeRO stage) that `REFUSED`
+    allows for the model is among the layouts the planner tries (tp x MoE, ZeRO-2 x pp, HSDP with ZeRO-1/2
+    included), no layout it tries or ranks is refused, and the yaml of each ranked kind constructs."""
+    extra = dict(moe_experts=4, moe_d_ff=64) if moe else {}
+    work = Workload(ModelConfig(d_model=64, n_layers=4, n_heads=4, vocab_size=256, **extra), 16384, 64, "bf16-mixed")
+    cluster = Cluster(nodes=4, gpus_per_node=4, gpu_memory=80e9)  # pp2 leaves dp across nodes: HSDP is tried
+    tried = list(layouts(work, cluster))
+    assert all(c.refusal(moe) is None for c in tried)
+    seen = {frozenset(p) for c in tried for f in [_features(c)] for p in itertools.combinations(sorted(f), 2)}
+    for a, b in itertools.combinations(FEATURES, 2):
+        if a[:2] == b[:2] or (not moe and "ep" in (a, b)):  # two ZeRO stages, tp with and without SP: no pair
+            continue
+        kwargs = {**FEATURES[a], **FEATURES[b]}
+        allowed = {"hsdp": dict(zero_stage=1)}.get(a, {}) | {"hsdp": dict(zero_stage=1)}.get(b, {}) | kwargs
+        if ParallelConfig(**allowed).refusal(moe) is None:  # HSDP needs a ZeRO stage: paired with one
+            assert frozenset((a, b)) in seen, (a, b)
+        else:
+            assert frozenset((a, b)) not in seen or "hsdp" in (a, b), (a, b)
+    ranked = plan(work, cluster, ("full",))
+    assert ranked and all(r.config.refusal(moe) is None for r in ranked)
+    assert any(r.config.tp > 1 for r in ranked)  # with MoE layers too (sequence parallelism off)
+    for r in {tuple(sorted(_features(r.config))): r for r in ranked}.values():
+        ComposedStrategy(**strategy_yaml(r, cluster)["trainer"]["strategy"]["init_args"])
+
+
+@pytest.mark.parametrize("layout", [
+    ParallelConfig(), ParallelConfig(dp_shard=4, zero_stage=2), ParallelConfig(dp_shard=2, tp=2, zero_stage=1),
+    ParallelConfig(dp_shard=2, pp=2, microbatches=4, schedule="zb_h1"), ParallelConfig(dp_shard=4, ep=2, zero_stage=1),
+    ParallelConfig(dp_shard=2, cp=2, zero_stage=3), ParallelConfig(dp_shard=2, ep=2, tp=2, sequence_parallel=False)])
 @pytest.mark.parametrize("checkpointing", ["none", "selective"])
-def test_emitted_strategy_arguments_are_the_strategies_own(layout: Layout, checkpointing: str) -> None:
+def test_emitted_strategy_arguments_are_the_strategies_own(layout: ParallelConfig, checkpointing: str) -> None:
     """Every runnable kind's yaml names a strategy class and arguments its constructor takes, the activation
-    checkpointing the estimate assumed included."""
+    checkpointing the estimate assumed included; read back, they are the configuration planned."""
     moe = dict(moe_experts=4, moe_d_ff=64) if layout.ep > 1 else {}
     work = Workload(ModelConfig(d_model=64, n_layers=4, n_heads=4, vocab_size=256, **moe), 32, 16, "32-true",
                     checkpointing)
@@ -111,6 +154,8 @@ def test_emitted_strategy_arguments_are_the_strategies_own(layout: Layout, check
     module, _, name = strategy["class_path"].rpartition(".")
     cls = getattr(importlib.import_module(module), name)
     assert cls(**strategy["init_args"]).activation_checkpointing == checkpointing
+    args = {k: v for k, v in strategy["init_args"].items() if k != "activation_checkpointing"}
+    assert ParallelConfig.from_args(**args) == dataclasses.replace(layout, dp_shard=None)
     assert emitted["data"]["init_args"]["batch_size"] == 16 // layout.dp
 
 
