@@ -15,12 +15,13 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from dist_utils import TINY, run_distributed, token_data
 from lit_lm.config import ModelConfig
-from lit_lm.estimate import Layout, block_kept
+from lit_lm.estimate import block_kept
 from lit_lm.model import Transformer
 from lit_lm.moe import moe_aux_loss, moe_layers, update_router_bias
 from lit_lm.parity import MOE, Case, assert_parity, run_parity
 from strategies.ac import ActivationMemory, Checkpointed, apply_activation_checkpointing, check_mode
 from strategies.cp import parallelize_context
+from strategies.layout import ParallelConfig
 from strategies.plan import find_block_model
 from strategies.zero import ZeroStrategy
 
@@ -102,7 +103,7 @@ def measure(model: Transformer, blocks: list[str]) -> tuple[int, int]:
     return kept, mem.peak - out
 
 
-def kept_bytes(cfg: ModelConfig, layer: int, mode: str, layout: Layout = Layout()) -> int:
+def kept_bytes(cfg: ModelConfig, layer: int, mode: str, layout: ParallelConfig = ParallelConfig()) -> int:
     """What the planner's estimate says one checkpointed block keeps (fp32, one rank): the figure held to
     measurement here."""
     return block_kept(cfg, layer, BATCH, SEQ, layout, 4, 4, mode)
@@ -155,7 +156,7 @@ def test_selective_keeps_nothing_inside_a_custom_autograd_function() -> None:
     the attention kernel's outputs, and the function is recomputed whole."""
     config = ModelConfig(**TINY)
     attention = 4 * BATCH * SEQ * (config.n_heads * config.head_dim + config.n_heads)
-    kept = sum(kept_bytes(config, i, "selective", Layout(cp=2)) for i in range(config.n_layers))
+    kept = sum(kept_bytes(config, i, "selective", ParallelConfig(cp=2)) for i in range(config.n_layers))
     assert kept == sum(kept_bytes(config, i, "selective") for i in range(config.n_layers)) - config.n_layers * attention
     assert run_distributed(_context_parallel_kept, 1) == [kept]
 
