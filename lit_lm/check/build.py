@@ -21,7 +21,7 @@ import importlib
 import sys
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Optional
+from typing import Any
 from unittest import mock
 
 import lightning as L
@@ -54,7 +54,7 @@ class CheckPlan:
     model: ModelConfig  # the user's
     small: ModelConfig  # what is trained
     notes: list[str]  # what the check changed, one line each
-    parallel: Optional[ParallelConfig]  # None: not a lit-lm strategy (its dims: plain dp)
+    parallel: ParallelConfig
     strategy: str  # as the yaml names it
     precision: str  # the user's (the check trains fp32)
     batch_size: int  # the user's per-device batch
@@ -92,12 +92,13 @@ def plan_check(config: Namespace, argv: list[str], steps: int = 2, mutation: Any
     trainer = config.trainer
     world = _world(trainer)
     spec, strategy_name, strategy = _strategy(trainer.strategy)
-    parallel = strategy.config if isinstance(strategy, ComposedStrategy) else None
-    dims_obj = strategy.parallel_dims(world) if isinstance(strategy, ComposedStrategy) else None
-    dims = dataclasses.asdict(dims_obj) if dims_obj is not None else {"dp_shard": world}
-    dp = dims_obj.dp if dims_obj is not None else world
-    if dims_obj is not None:
-        dims["dp"] = dp
+    if not isinstance(strategy, ComposedStrategy):
+        raise ConfigError(f"trainer.strategy {strategy_name}: the check runs lit-lm's strategies (ComposedStrategy "
+                          "and its presets, configs/strategies/*.yaml), whose gradients it can name")
+    parallel = strategy.config
+    dims_obj = strategy.parallel_dims(world)
+    dims = {**dataclasses.asdict(dims_obj), "dp": dims_obj.dp}
+    dp = dims_obj.dp
     module_path, module_kwargs, full = _model(config)
     small, notes = scaled_config(full, parallel)
     accumulate = int(trainer.accumulate_grad_batches or 1)

@@ -101,14 +101,15 @@ def _lead(rows: dict[str, dict[str, Any]], losses: list[float], norms: list[floa
     """The first disagreement in training order: a loss of the step's batches, a gradient (the worst at that step),
     the pre-clip norm; after the last step a final value."""
     for k in range(steps):
-        for b in range(k * accumulate, (k + 1) * accumulate):
-            if b < len(losses) and losses[b] > rtol:
-                return {"kind": "loss", "step": k, "batch": b, "error": losses[b]}
         broken = [r for r in rows.values() if r["step"] == k]
-        if broken:
-            row = max(broken, key=lambda r: r["error"])
-            return {"kind": "gradient", "step": k, "param": row["name"], "error": row["error"], "ratio": row["ratio"],
-                    "problem": row["problem"]}
+        worst = max(broken, key=lambda r: r["error"]) if broken else None
+        param = {} if worst is None else {"param": worst["name"], "ratio": worst["ratio"], "problem": worst["problem"],
+                                          "param_error": worst["error"]}
+        for b in range(k * accumulate, (k + 1) * accumulate):
+            if b < len(losses) and losses[b] > rtol:  # with the worst gradient of that step, if one breaks
+                return {"kind": "loss", "step": k, "batch": b, "error": losses[b], **param}
+        if worst is not None:
+            return {"kind": "gradient", "step": k, "error": worst["error"], **param}
         if k < len(norms) and norms[k] > rtol:
             return {"kind": "norm", "step": k, "error": norms[k]}
     final = [r for r in rows.values() if (r["final"] or 0.0) > rtol]
@@ -121,22 +122,31 @@ def _lead(rows: dict[str, dict[str, Any]], losses: list[float], norms: list[floa
 
 def likely_cause(lead: Optional[dict[str, Any]], message: str, dims: dict[str, int], tied: bool) -> str:
     """What usually produces this disagreement, from its kind, the ratio of norms and the layout's sizes."""
+    if rows_message(message):
+        return "the ranks read the wrong rows: sampler settings (distributed_sampler_kwargs) from the wrong group"
     if lead is None:
-        if "read" in message and "row" in message:
-            return "the ranks read the wrong rows: sampler settings (distributed_sampler_kwargs) from the wrong group"
         if "no rank holds" in message:
             return "no rank returns part of a gradient: a parameter left out of the strategy's named_grads"
         return "a parameter or buffer differs after loading or training (see the message)"
     kind = lead["kind"]
     if kind == "loss":
-        return ("the forward differs: the batch split (sampler settings), attention over a split sequence (cp), a "
-                "sharded layer (tp) or a pipeline stage's inputs")
+        forward = ("the forward differs: attention over a split sequence (cp), a sharded layer (tp), a pipeline "
+                   "stage's inputs or the batch split")
+        if lead.get("param"):
+            return f"{forward}; its gradients: {ratio_cause(lead['ratio'], dims, lead['param'], tied, lead['problem'])}"
+        return forward
     if kind == "norm":
         return "the global norm counts some gradient shards twice or misses some (the groups it is summed over)"
     if kind == "final":
         return ("the update differs, not the gradient: the optimizer's param groups or settings on sharded state "
                 "(weight decay, lr, eps), clipping, or a step callback (pruning masks) applied differently")
     return ratio_cause(lead.get("ratio"), dims, lead.get("param", ""), tied, lead.get("problem", ""))
+
+
+def rows_message(message: str) -> bool:
+    """`assert_parity`'s report of the rows the ranks read (checked before anything else)."""
+    return any(m in message for m in ("read the same row", "read other rows", "read a row twice",
+                                      "not the one-process batch"))
 
 
 def ratio_cause(ratio: Optional[float], dims: dict[str, int], name: str = "", tied: bool = False,

@@ -45,9 +45,7 @@ def _meter(records: dict[str, Any]) -> Meter:
 
 
 def _estimate(plan: CheckPlan, cfg: Any, global_batch: int, precision: str) -> Any:
-    """The planner's estimate, or why there is none (a strategy not of lit-lm, a layout it does not model)."""
-    if plan.parallel is None:
-        return f"{plan.strategy} is not a lit-lm strategy: the planner has no figures for it"
+    """The planner's estimate, or why there is none (a layout it does not model)."""
     layout = dataclasses.replace(plan.parallel, dp_shard=plan.dims["dp_shard"])
     try:
         return estimate(Workload(cfg, cfg.max_seq_len, global_batch, precision, accumulate=plan.accumulate), layout)

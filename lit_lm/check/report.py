@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lit_lm.check.build import CheckPlan
+from lit_lm.check.compare import rows_message
 
 
 def summary(plan: CheckPlan, results: list[dict[str, Any]], costs: dict[str, Any], rtol: float,
@@ -39,20 +40,21 @@ def summary(plan: CheckPlan, results: list[dict[str, Any]], costs: dict[str, Any
 
 
 def _layout(plan: CheckPlan) -> str:
-    if plan.parallel is None:
-        return f"{plan.strategy}, dp{plan.world}"
     return dataclasses.replace(plan.parallel, dp_shard=plan.dims["dp_shard"]).describe()
 
 
 def _what(result: dict[str, Any], rtol: float) -> str:
-    lead = result["lead"]
-    if lead is None:
-        return result["message"].splitlines()[0] if result["message"] else "disagrees"
+    lead, message = result["lead"], result["message"]
+    if lead is None or rows_message(message):
+        return message.splitlines()[0] if message else "disagrees"
+    ratio = "" if lead.get("ratio") is None else f", ratio of norms {lead['ratio']:.4f}"
     if lead["kind"] == "loss":
-        return f"the loss of batch {lead['batch']} (step {lead['step']}) differs by {lead['error']:.2e} (> {rtol:g})"
+        text = f"the loss of batch {lead['batch']} (step {lead['step']}) differs by {lead['error']:.2e} (> {rtol:g})"
+        if lead.get("param"):
+            text += (f"; the worst gradient of that step: {lead['param']}, error {lead['param_error']:.2e}{ratio}")
+        return text
     if lead["kind"] == "norm":
         return f"the pre-clip gradient norm of step {lead['step']} differs by {lead['error']:.2e} (> {rtol:g})"
-    ratio = "" if lead.get("ratio") is None else f", ratio of norms {lead['ratio']:.4f}"
     what = "gradient" if lead["kind"] == "gradient" else "final value"
     return (f"the {what} of {lead['param']} differs from step {lead['step']}: error {lead['error']:.2e} "
             f"(> {rtol:g}){ratio}")
