@@ -92,19 +92,21 @@ def summarize(rounds: list[list[tuple[str, dict[str, Any]]]]) -> dict[str, dict[
     return table
 
 
-def paired_ratios(rounds: list[list[tuple[str, dict[str, Any]]]], a: str, b: str, metric: str) -> dict[str, Any]:
-    """`a`'s `metric` over `b`'s in each round where both ran (the two ran minutes apart, under the same load):
-    median, min, max, n and the ratios in round order. Steadier than the ratio of the medians when the load drifts
-    between rounds."""
-    ratios = []
+def paired(rounds: list[list[tuple[str, dict[str, Any]]]], a: str, b: str, metric: str,
+           how: str = "ratio") -> dict[str, Any]:
+    """`a`'s `metric` over `b`'s (`how="ratio"`) or minus it (`"difference"`) in each round where both ran (minutes
+    apart, under about the same load): median, min, max, n and the values in round order. Steadier than comparing
+    the medians when the load drifts between rounds."""
+    values = []
     for this_round in rounds:
         got = dict(this_round)
         if a in got and b in got:
-            ratios.append(got[a][metric] / got[b][metric])
-    if not ratios:
+            x, y = got[a][metric], got[b][metric]
+            values.append(x / y if how == "ratio" else x - y)
+    if not values:
         raise ValueError(f"no round ran both {a!r} and {b!r}")
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "n": len(ratios),
-            "ratios": ratios}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values),
+            "values": values}
 
 
 def write_json(path: str | Path, rounds: list, table: dict, **extra: Any) -> None:
