@@ -339,12 +339,9 @@ class ComposedStrategy(BaseStrategy):
 
     def _init(self, model: nn.Module, dot: str, first_use: dict[str, str], name: str, tensor: Tensor,
               rows: Optional[tuple[int, int]] = None) -> bool:
-        part = getattr(model, "init_parameter_part", None)
-        if rows is not None and part is None:
-            return False
         global_name = first_use.get(dot + name, dot + name)
-        init_local(model.init_parameter, global_name[len(dot):], tensor, self._placements.get(dot + name), part, rows)
-        return True
+        return init_local(model.init_parameter, global_name[len(dot):], tensor, self._placements.get(dot + name),
+                          getattr(model, "init_parameter_part", None), rows)
 
     @staticmethod
     def _init_buffer(model: nn.Module, name: str, tensor: Tensor) -> None:

@@ -56,24 +56,26 @@ def global_index(placement: Optional[Placement], rows: Optional[tuple[int, int]]
 
 def init_local(init: Callable[[str, Tensor], None], name: str, tensor: Tensor, placement: Optional[Placement],
                init_part: Optional[Callable[[str, Tensor, tuple[slice, ...]], bool]] = None,
-               rows: Optional[tuple[int, int]] = None) -> None:
+               rows: Optional[tuple[int, int]] = None) -> bool:
     """Fill `tensor` with this rank's part of parameter `name`'s initial value: the whole value when it is not
     split, else the global tensor is initialised on the same device and sliced (the values do not depend on the
     split). `init_part(name, tensor, index)` (the model's `init_parameter_part`, when it has one) fills the part
     directly, e.g. read from files, and says whether it could. `rows`: `tensor` is only ZeRO-3's rows
-    [start, end) of the local tensor (then `init_part` must fill it)."""
+    [start, end) of the local tensor, filled by `init_part` only. Returns whether `tensor` was filled (False: rows
+    that `init_part` could not fill; the caller initialises the whole local tensor instead)."""
     index = global_index(placement, rows)
     if index and init_part is not None and init_part(name, tensor, index):
-        return
+        return True
     if rows is not None:
-        raise ValueError(f"{name}: only a model that reads its values by slice (init_parameter_part) fills rows")
+        return False
     if placement is None:
         init(name, tensor)
-        return
+        return True
     full = torch.empty(placement.global_shape, dtype=tensor.dtype, device=tensor.device)
     init(name, full)
     with torch.no_grad():
         tensor.copy_(full[placement.index])
+    return True
 
 
 def materialize(model: nn.Module, device: torch.device, init: Callable[[str, Tensor], None],
