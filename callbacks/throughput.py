@@ -1,4 +1,6 @@
-"""Throughput callback: tokens/s, model FLOPs per token, MFU and peak memory, logged every `window` batches."""
+"""Throughput callback: tokens/s, model FLOPs per token, MFU and peak memory, logged at Lightning's logging steps.
+
+The one place tokens/s is measured (`LanguageModel` adds this callback unless the trainer has one already)."""
 
 from __future__ import annotations
 
@@ -60,28 +62,32 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class Throughput(L.Callback):
-    """Logs `throughput/{tokens_per_sec, flops_per_token, mfu, peak_memory_gb}` every `window` training batches.
+    """Logs `tokens_per_s` and `throughput/{flops_per_token, mfu, peak_memory_gb}` at the steps Lightning writes
+    (every `log_every_n_steps` optimizer steps, `logs_this_batch`), over the interval since the last of them.
 
     Reads the model shape from `pl_module.model.config` (a `lit_lm` ModelConfig: `num_params` (MoE: the active
-    ones), `n_layers`, `d_model`) and the sequence length from the batch, a (B, T + 1) LongTensor. Time runs from
-    batch start to batch start (data loading and optimizer step included) with CUDA synchronised at both ends, so it
-    measures what a run achieves, not one kernel. tokens/s is summed over the data-parallel replicas (tp and pp
-    peers of a replica read the same tokens: counting them would overcount); MFU = achieved model FLOP/s per
-    device (the replicas' FLOP/s over all `trainer.world_size` devices) / `peak_flops` (looked up from the device
-    name when not given; without a peak, MFU is not logged).
+    ones), `n_layers`, `d_model`) and the sequence length from the batch, a (B, T + 1) LongTensor. The interval's time
+    runs from batch start to batch end (data loading and optimizer steps included, validations inside it not), read
+    with the device synchronised once per interval, so it measures kernels run, not launched, and the steps in
+    between run without a host read. tokens/s is summed over the data-parallel replicas (tp and pp peers of a
+    replica read the same tokens: counting them would overcount); MFU = achieved model FLOP/s per device (the
+    replicas' FLOP/s over all `trainer.world_size` devices) / `peak_flops` (looked up from the device name when not
+    given; without a peak, MFU is not logged).
     """
 
-    def __init__(self, peak_flops: Optional[float] = None, window: int = 10) -> None:
+    def __init__(self, peak_flops: Optional[float] = None) -> None:
         super().__init__()
         self.peak_flops = peak_flops
-        self.window = window
-        self._start: Optional[float] = None
+        self._start: Optional[float] = None  # when the current interval began (synchronised clock)
         self._tokens = 0
-        self._batches = 0
+        self._paused: Optional[float] = None  # when a validation inside the interval began
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.peak_flops is None and pl_module.device.type == "cuda":
             self.peak_flops = peak_flops_for(torch.cuda.get_device_name(pl_module.device))
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start, self._tokens, self._paused = None, 0, None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -91,22 +97,29 @@ class Throughput(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         seq_len = batch.shape[1] - 1
-        self._tokens += batch.shape[0] * seq_len
-        self._batches += 1
-        if self._batches < self.window:
+        self._tokens += batch.shape[0] * seq_len * data_parallel_size(trainer)
+        if not logs_this_batch(trainer):
             return
         now = synchronized_clock(pl_module.device)
-        tokens_per_sec = self._tokens / (now - self._start)
+        tokens_per_sec = self._tokens / max(now - self._start, 1e-9)
         cfg = pl_module.model.config
         flops = flops_per_token(cfg.num_params(include_embedding=False, active=True), cfg.n_layers, cfg.d_model,
                                 seq_len)
-        tokens_per_sec *= data_parallel_size(trainer)
         metrics = {
-            "throughput/tokens_per_sec": tokens_per_sec,
+            "tokens_per_s": tokens_per_sec,
             "throughput/flops_per_token": float(flops),
             "throughput/peak_memory_gb": peak_memory_bytes(pl_module.device) / 1e9,
         }
         if self.peak_flops:
             metrics["throughput/mfu"] = tokens_per_sec * flops / (trainer.world_size * self.peak_flops)
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
-        self._start, self._tokens, self._batches = now, 0, 0
+        self._start, self._tokens = now, 0
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._start is not None:  # inside a fit's interval: its time is not the interval's
+            self._paused = synchronized_clock(pl_module.device)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._paused is not None:
+            self._start += synchronized_clock(pl_module.device) - self._paused
+            self._paused = None

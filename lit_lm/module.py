@@ -12,7 +12,7 @@ from torch import Tensor
 from lightning.pytorch.utilities import rank_zero_info
 from torchmetrics import MeanMetric
 
-from callbacks.throughput import data_parallel_size, flops_per_token, logs_this_batch, synchronized_clock
+from callbacks.throughput import Throughput, flops_per_token, logs_this_batch
 
 from lit_lm.checkpoints import with_tied_head
 from lit_lm.config import ConfigError, ModelConfig
@@ -22,6 +22,7 @@ from lit_lm.moe import moe_layers, moe_metrics, update_router_bias
 from strategies.base import BaseStrategy
 from strategies.checkpoint import OPTIMIZER_FQNS
 from strategies.clip import clip_grad_norm_, local_grad_shards
+from strategies.plan import LossSeam
 
 SCHEDULE_HORIZON = "lit_lm_schedule_horizon"  # the checkpoint's key for the LR schedule's horizon (steps)
 
@@ -84,9 +85,6 @@ class LanguageModel(L.LightningModule):
         self._horizon: Optional[int] = None  # the LR schedule's, once known (the run's state: kept by checkpoints)
         self._saved_horizon: Optional[int] = None  # the checkpoint's, when resuming
         self.val_loss = MeanMetric()
-        self._interval: Optional[float] = None  # when the current logging interval began (synchronised clock)
-        self._interval_tokens = 0
-        self._paused: Optional[float] = None  # when a validation inside the interval began
         self._moe_sum: Optional[Tensor] = None  # MoE statistics summed over the interval's batches, on the device
         self._moe_batches = 0
 
@@ -190,7 +188,7 @@ class LanguageModel(L.LightningModule):
         return self._horizon
 
     def on_fit_start(self) -> None:
-        self._interval, self._interval_tokens, self._moe_sum, self._moe_batches = None, 0, None, 0
+        self._moe_sum, self._moe_batches = None, 0
         cfg, seq_len = self.config, self.config.max_seq_len
         flops = flops_per_token(cfg.num_params(include_embedding=False), cfg.n_layers, cfg.d_model, seq_len)
         rank_zero_info(f"[lit-lm] model: {cfg.num_params() / 1e6:.2f}M parameters, {cfg.n_layers} layers x d_model "
@@ -205,13 +203,20 @@ class LanguageModel(L.LightningModule):
                                   "the data's tokenizer is larger than the model's vocabulary; make them equal")
         return batch[:, :-1], batch[:, 1:]
 
+    def step_loss(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """The step's (loss, ce), through the strategy's loss seam (`strategies.plan.LossSeam`): a pipeline runs its
+        schedule, a context split feeds the model its share of the tokens; other strategies call `model.loss`."""
+        strategy = getattr(self._trainer, "strategy", None)
+        loss_fn = strategy.loss_fn(self.model) if isinstance(strategy, LossSeam) else self.model.loss
+        return loss_fn(inputs, targets)
+
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         """The loss, logged at the steps Lightning writes (the ranks' mean: `sync_dist` is a collective, so the other
         steps have none) as a device tensor (no host read: `prog_bar` would make Lightning read it every step;
         `StepProgress` shows it at logging steps); the MoE statistics are summed on the device and logged as their
         mean over each logging interval, read once."""
         x, y = self._split(batch, batch_idx)
-        loss, _ = self.model.loss(x, y)
+        loss, _ = self.step_loss(x, y)
         if self._trainer is not None and logs_this_batch(self._trainer):
             self.log("train_loss", loss.detach(), sync_dist=True)
         self._log_moe_metrics()
@@ -229,7 +234,7 @@ class LanguageModel(L.LightningModule):
 
     def _eval_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         x, y = self._split(batch, batch_idx)
-        _, ce = self.model.loss(x, y)
+        _, ce = self.step_loss(x, y)
         self.val_loss.update(ce, weight=y.numel())
         return ce
 
@@ -259,31 +264,17 @@ class LanguageModel(L.LightningModule):
         return {"prompt": prompt, "completion": out[:, prompt.shape[1]:]}
 
     # -- throughput and lr ---------------------------------------------------------------------------------
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._interval is None:
-            self._interval = synchronized_clock(self.device)
+    def configure_callbacks(self) -> list[L.Callback]:
+        """tokens/s, FLOPs per token, MFU and peak memory: `callbacks.throughput.Throughput` (the one place they are
+        measured), unless the trainer has one already (e.g. with a `peak_flops`)."""
+        callbacks = self._trainer.callbacks if self._trainer is not None else []
+        return [] if any(isinstance(c, Throughput) for c in callbacks) else [Throughput()]
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """tokens/s over the logging interval (data loading and optimizer steps included; validations not): the
-        clock is read with the device synchronised, once per interval, so it measures kernels run, not launched.
-        The lr too is logged at logging steps only: Lightning copies a logged Python number to the device, a
-        blocking copy on CUDA."""
-        self._interval_tokens += (batch.shape[1] - 1) * batch.shape[0] * data_parallel_size(self.trainer)
-        if not logs_this_batch(self.trainer):
-            return
-        now = synchronized_clock(self.device)
-        self.log("tokens_per_s", self._interval_tokens / max(now - self._interval, 1e-9))
-        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
-        self._interval, self._interval_tokens = now, 0
-
-    def on_validation_start(self) -> None:
-        if self._interval is not None:  # inside a fit's interval: its time is not the interval's
-            self._paused = synchronized_clock(self.device)
-
-    def on_validation_end(self) -> None:
-        if self._paused is not None:
-            self._interval += synchronized_clock(self.device) - self._paused
-            self._paused = None
+        """The lr, at logging steps only: Lightning copies a logged Python number to the device, a blocking copy on
+        CUDA."""
+        if logs_this_batch(self.trainer):
+            self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
 
     # -- optimisation --------------------------------------------------------------------------------------
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from kernels.attention import flash_attention_lse, flash_attention_lse_backward
 from kernels.runtime import check_backend, use_triton
 from strategies import comm
+from strategies.errors import ConfigError
 from strategies.plan import ContextParallelModel
 
 METHODS = ("ring", "allgather")
@@ -407,6 +408,34 @@ def parallelize_context(root: nn.Module, group: Optional[dist.ProcessGroup] = No
         core = ContextParallelAttention(group, method, spec.sliding_window, backend)
         setattr(model.get_submodule(parent), child, core)
     return len(plan)
+
+
+def check_data_seq_len(module: nn.Module, cp: int) -> None:
+    """The LightningModule's data's sequence length against the zigzag split, refused at setup, not at step 1."""
+    seq_len = getattr(getattr(getattr(module, "_trainer", None), "datamodule", None), "seq_len", None)
+    if isinstance(seq_len, int) and seq_len % (2 * cp):
+        raise ConfigError(f"context_parallel_size={cp} splits each sequence into 2·cp={2 * cp} zigzag chunks, but "
+                          f"seq_len is {seq_len} (data.init_args.seq_len); use a multiple of {2 * cp}, or another cp")
+
+
+def context_loss(model: nn.Module, group: Optional[dist.ProcessGroup] = None
+                 ) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """The step's loss under context parallelism: `model.loss(inputs, targets)` of the whole (B, T) sequences run on
+    this cp rank's zigzag share (with its positions, for RoPE). Autograd sees this rank's loss times the share of
+    valid targets it holds (`zigzag_batch`), whose gradients the dp x cp mean makes the whole batch's; the VALUE
+    returned, and the cross-entropy, are the cp group's mean, so what the step logs is the whole sequences' loss."""
+    cp = dist.get_world_size(group)
+
+    def loss_fn(inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        share, share_targets, positions, weight = zigzag_batch(inputs, targets, group)
+        loss, ce = model.loss(share, share_targets, positions)
+        loss, ce = loss * weight, ce * weight
+        mean = torch.stack((loss.detach(), ce.detach()))
+        comm.all_reduce(mean, group, label="cp loss")
+        mean /= cp
+        return loss + (mean[0] - loss.detach()), mean[1]
+
+    return loss_fn
 
 
 # -- communication theory (per rank, per attention call), for tests and benchmarks -----------------------------

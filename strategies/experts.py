@@ -68,35 +68,40 @@ def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: d
     return out
 
 
-class ExpertShard(nn.Module):
-    """Holds this rank's E/ep experts of an expert module and moves the tokens to the experts and back.
+class ExpertShard:
+    """This rank's E/ep experts of an expert module, and the token exchange around its forward.
 
-    The expert module keeps computing (on its sliced parameters); this wrapper registers those same Parameters
-    under the same names, so the state-dict keys do not change. The expert module itself is kept out of the
-    module tree for that reason.
+    The expert module stays where it is (its parameters keep their names, so the state-dict keys do not change); its
+    parameters are cut to this rank's experts in place, and two forward hooks move the tokens: the pre-hook
+    dispatches them to the ranks holding their experts, the post-hook combines the outputs back. Nothing else holds
+    the parameters, so a strategy may replace them (materialising from the meta device) with nothing to re-point.
+    Calling the shard calls the expert module.
     """
 
     def __init__(self, experts: nn.Module, num_experts: int, group: dist.ProcessGroup) -> None:
-        super().__init__()
-        self.group = group
+        self.experts, self.group = experts, group
         self.ep_size, ep_rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_experts, self.num_local = num_experts, num_experts // self.ep_size
         self.start = ep_rank * self.num_local
         for name, p in list(experts.named_parameters(recurse=False)):
-            shard = nn.Parameter(p.detach()[self.start: self.start + self.num_local].clone(), p.requires_grad)
-            setattr(experts, name, shard)
-            self.register_parameter(name, shard)
-        self._experts = [experts]
+            setattr(experts, name, nn.Parameter(p.detach()[self.start: self.start + self.num_local].clone(),
+                                                p.requires_grad))
+        self._routes: list[tuple[Tensor, list[int], list[int], int]] = []  # one per forward in flight
+        self._hooks = [experts.register_forward_pre_hook(self._dispatch),
+                       experts.register_forward_hook(self._combine)]
 
-    def rebind(self) -> None:
-        """Point the expert module at this wrapper's Parameters again (after a strategy replaced them, e.g. when
-        it materialised the model from the meta device)."""
-        for name, p in self.named_parameters(recurse=False):
-            setattr(self._experts[0], name, p)
+    def __call__(self, x: Tensor, counts: Tensor) -> Tensor:
+        return self.experts(x, counts)
 
-    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        """`x` grouped by expert, `counts[e]` rows for expert e, then rows of no expert (dropped by a capacity:
-        not sent, zero in the output)."""
+    def global_shapes(self) -> dict[str, torch.Size]:
+        """Each parameter's shape over all E experts, by its name in the expert module."""
+        return {name: torch.Size((self.num_experts, *p.shape[1:]))
+                for name, p in self.experts.named_parameters(recurse=False)}
+
+    def _dispatch(self, _module: nn.Module, args: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """`x` grouped by expert, `counts[e]` rows for expert e, then rows of no expert (dropped by a capacity: not
+        sent, zero in the output) -> the rows of this rank's experts from every peer, grouped by expert."""
+        x, counts = args
         send = counts.view(self.ep_size, self.num_local)  # rows for each peer's experts, in expert order
         recv = torch.empty_like(send)
         comm.all_to_all(recv, send.contiguous(), self.group)
@@ -106,14 +111,19 @@ class ExpertShard(nn.Module):
         received = _AllToAll.apply(x[:sent], out_splits, in_splits, self.group)  # grouped by source, then expert
         local = torch.arange(self.num_local, device=x.device).repeat(self.ep_size)
         order = torch.repeat_interleave(local, recv.reshape(-1), output_size=sum(out_splits)).argsort(stable=True)
-        y = self._experts[0](received[order], recv.sum(0))
+        self._routes.append((order, in_splits, out_splits, x.shape[0] - sent))
+        return received[order], recv.sum(0)
+
+    def _combine(self, _module: nn.Module, _args: tuple[Tensor, Tensor], y: Tensor) -> Tensor:
+        """The experts' outputs back to where their tokens came from, in the original order."""
+        order, in_splits, out_splits, dropped = self._routes.pop()
         out = _AllToAll.apply(y[order.argsort()], in_splits, out_splits, self.group)
-        return F.pad(out, (0, 0, 0, x.shape[0] - sent))
+        return F.pad(out, (0, 0, 0, dropped))
 
 
 def shard_experts(root: nn.Module, group: dist.ProcessGroup) -> dict[str, ExpertShard]:
-    """Replace every expert module of the `ExpertModel` inside `root` by its `ExpertShard`; returns them by name
-    (relative to `root`). Raises when the experts cannot be split evenly over the group."""
+    """Shard every expert module of the `ExpertModel` inside `root` (`ExpertShard`); returns the shards by the expert
+    module's name (relative to `root`). Raises when the experts cannot be split evenly over the group."""
     found = [(prefix, m) for prefix, m in root.named_modules() if isinstance(m, ExpertModel)]
     if not found:
         raise ValueError("expert parallelism needs a model with an `expert_plan()` (strategies.plan.ExpertModel)")
@@ -121,10 +131,7 @@ def shard_experts(root: nn.Module, group: dist.ProcessGroup) -> dict[str, Expert
     shards = {}
     for name, spec in model.expert_plan().items():
         check_expert_parallel(dist.get_world_size(group), dist.get_world_size(group), spec.num_experts)
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        shard = ExpertShard(getattr(parent, child), spec.num_experts, group)
-        setattr(parent, child, shard)
-        shards[f"{prefix}.{name}" if prefix else name] = shard
+        shards[f"{prefix}.{name}" if prefix else name] = ExpertShard(model.get_submodule(name), spec.num_experts,
+                                                                     group)
     return shards
 

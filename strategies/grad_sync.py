@@ -17,7 +17,7 @@ backward; instead (as torch DDP does):
   *asynchronous* in-place all-reduce of its buffer is launched, so it overlaps the rest of backward. Buckets
   launch strictly in order, so every rank issues the same collectives in the same order even when gradients
   arrive in a different order;
-- `finish()` launches what is left (a parameter that got no gradient on this rank, i.e. unused, contributes its
+- `finish_grad_sync()` launches what is left (a parameter that got no gradient on this rank, i.e. unused, contributes its
   zeroed slice, so no rank waits forever), waits, and divides each buffer by the group size in place. Every
   trainable parameter then has the same gradient on every rank (zeros if no rank used it), so the replicas cannot
   drift.
@@ -113,11 +113,12 @@ class GradSync(nn.Module):
     """Averages the gradients of `module` over `group` during backward. Usable without Lightning:
 
         model = GradSync(model, group=None, bucket_cap_mb=25)   # on an initialised process group
-        loss = model(x).sum(); loss.backward(); model.finish(); optimizer.step()
+        loss = model(x).sum(); loss.backward(); model.finish_grad_sync(); optimizer.step()
         with model.no_sync(): ...                                # accumulate locally, no communication
 
     Construction broadcasts the first rank's parameters and buffers so the replicas start equal. After the first
-    backward every trainable `.grad` is a view into `buckets[i].flat` (see the module docstring).
+    backward every trainable `.grad` is a view into `buckets[i].flat` (see the module docstring). The verbs are the
+    data-parallel engine protocol's (`strategies/dp_engine.py`), shared with `ZeroEngine`.
     """
 
     def __init__(self, module: nn.Module, group: Optional[dist.ProcessGroup] = None, bucket_cap_mb: float = 25.0,
@@ -133,8 +134,8 @@ class GradSync(nn.Module):
         self.buckets = [_Bucket.of(b) for b in groups]
         self._slot = {p: (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
         self._next = 0  # the first bucket not launched yet
-        self._hooks = [h for p in params for h in (p.register_hook(partial(self._before_accumulate, p)),
-                                                   p.register_post_accumulate_grad_hook(self._on_grad_ready))]
+        self._hooks: list[Any] = []
+        self.attach()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -162,7 +163,7 @@ class GradSync(nn.Module):
         if j in bucket.ready:
             raise RuntimeError(
                 "a parameter got a second gradient in one synchronised step (several backward passes before "
-                "finish()): run all but the last of them inside no_sync()"
+                "finish_grad_sync()): run all but the last of them inside no_sync()"
             )
         bucket.ready.add(j)
         while self._next < len(self.buckets) and self.buckets[self._next].full:
@@ -174,7 +175,7 @@ class GradSync(nn.Module):
                                       label="GradSync bucket")
         self._next += 1
 
-    def finish(self) -> None:
+    def finish_grad_sync(self) -> None:
         """Launch the remaining buckets, wait for all, and average them in place (the `.grad`s are their views)."""
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
@@ -212,10 +213,20 @@ class GradSync(nn.Module):
         self._slot = {p: (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
         return out
 
-    def remove_hooks(self) -> None:
+    def attach(self) -> None:
+        """Register the gradient hooks (construction does); `detach()` removes them."""
+        self.detach()
+        params = [p for b in self.buckets for p in b.params]
+        self._hooks = [h for p in params for h in (p.register_hook(partial(self._before_accumulate, p)),
+                                                   p.register_post_accumulate_grad_hook(self._on_grad_ready))]
+
+    def detach(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+    def after_step(self) -> None:
+        """Nothing to do after the update: every rank stepped the same whole parameters (the protocol's verb)."""
 
 
 def flat_step(optimizer: torch.optim.Optimizer, syncs: list[GradSync]) -> None:

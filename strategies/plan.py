@@ -6,12 +6,15 @@ from its name; each strategy decides *how* to shard, gather, split or wrap it.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal, Optional, Protocol, Union, runtime_checkable
+from typing import Any, Callable, Generator, Literal, Optional, Protocol, Union, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from strategies.errors import ConfigError
 
 
 @runtime_checkable
@@ -36,6 +39,13 @@ def find_block_model(root: nn.Module) -> tuple[str, Optional[BlockModel]]:
         if isinstance(module, BlockModel) and isinstance(getattr(module, "blocks", None), nn.ModuleDict):
             return prefix, module
     return "", None
+
+
+def require_plan(model: Optional[nn.Module], protocol: type, setting: str, method: str, root: nn.Module) -> None:
+    """Refuse `setting` (e.g. "tensor_parallel_size=2") for a LightningModule `root` whose block model lacks `method`."""
+    if not isinstance(model, protocol):
+        raise ConfigError(f"{setting}: {type(root).__name__} holds no model with a {method} "
+                          f"(strategies.plan.{protocol.__name__})")
 
 
 # -- tensor parallelism: what the model says about each submodule (the strategy decides how) -------------------
@@ -86,8 +96,8 @@ class PipelineModel(BlockModel, Protocol):
       `targets`, finish the model and return (loss, detached cross-entropy). Without, the hidden state, or
       (hidden state, auxiliary loss) when these layers add a loss of their own (MoE balancing): the runner
       backpropagates it with the stage and adds it to the reported loss.
-    - `loss(inputs, targets)`: the whole model's (loss, ce); the LightningModule calls it once per step, and
-      the pipeline strategy runs its schedule in its place.
+    - `loss(inputs, targets)`: the whole model's (loss, ce). Under pipeline parallelism the LightningModule's
+      step asks the strategy for the loss function instead (`LossSeam`), which runs the schedule.
     """
 
     def pipeline_split(self, stage_layers: list[int], is_first: bool, is_last: bool) -> None: ...
@@ -139,3 +149,63 @@ class ContextParallelModel(Protocol):
     `ContextParallel`, and its forward/loss take `positions` (T,) of the tokens given."""
 
     def context_parallel_plan(self) -> dict[str, ContextParallel]: ...
+
+
+# -- the loss seam: a strategy that computes the model's loss its own way -----------------------------------------
+LossFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # (inputs, targets) -> (loss, detached ce)
+
+
+@runtime_checkable
+class LossSeam(Protocol):
+    """A strategy that computes the loss of a step its own way (a pipeline runs its schedule, a context split feeds the
+    model its share of the tokens). A LightningModule's step takes its loss function from the strategy,
+
+        loss, ce = trainer.strategy.loss_fn(self.model)(inputs, targets)
+
+    which is `model.loss` itself where the strategy has nothing to add (dp, ZeRO, tp): calling `model.loss` directly
+    keeps working there. Where it has (`StepLoss`), calling the model directly inside a step is refused."""
+
+    def loss_fn(self, model: nn.Module) -> LossFn: ...
+
+
+class StepLoss:
+    """One step's loss function for a strategy whose model must not be called directly: `fn(inputs, targets,
+    **step_kwargs)` called exactly once inside each `step(...)`, the one place this rule is kept. A second call, no
+    call, or the model's forward run by the step outside `fn` raises, naming `what` and the seam."""
+
+    def __init__(self, model: nn.Module, fn: Callable[..., tuple[Tensor, Tensor]], what: str) -> None:
+        self.fn, self.what = fn, what
+        self._calls: Optional[int] = None  # calls in the open step; None: no step open
+        self._kwargs: dict[str, Any] = {}
+        self._inside = False
+        model.register_forward_pre_hook(self._guard)
+
+    @contextmanager
+    def step(self, **kwargs: Any) -> Generator["StepLoss", None, None]:
+        self._calls, self._kwargs = 0, kwargs
+        try:
+            yield self
+        finally:
+            calls, self._calls = self._calls, None
+        if not calls:
+            raise RuntimeError(f"{self.what} needs the LightningModule's step to compute its loss with the "
+                               "strategy's `loss_fn(model)(inputs, targets)`; the step never called it")
+
+    def __call__(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        if self._calls is None:
+            raise RuntimeError(f"{self.what}: the strategy's loss function runs inside a training, validation or "
+                               "test step only")
+        self._calls += 1
+        if self._calls > 1:
+            raise RuntimeError(f"{self.what} computes the whole step's loss per call of the strategy's loss "
+                               "function: call it once per step")
+        self._inside = True
+        try:
+            return self.fn(inputs, targets, **self._kwargs)
+        finally:
+            self._inside = False
+
+    def _guard(self, module: nn.Module, args: Any) -> None:
+        if self._calls is not None and not self._inside:
+            raise RuntimeError(f"{self.what}: the step called the model directly; compute the loss with "
+                               "`trainer.strategy.loss_fn(model)(inputs, targets)` (strategies.plan.LossSeam)")

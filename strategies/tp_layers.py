@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -155,7 +155,8 @@ class TPGroup:
 
 # -- layers holding one shard ----------------------------------------------------------------------------------
 class _ShardedLinear(nn.Module):
-    """An nn.Linear (no bias) keeping only this rank's 1/t of the weight along `dim`; no communication."""
+    """An nn.Linear keeping only this rank's 1/t of the weight along `dim` (and of a column split's bias, e.g.
+    Qwen2's q/k/v biases); no communication."""
 
     dim: int
 
@@ -249,22 +250,29 @@ class VocabParallelLoss(nn.Module):
 # -- applying a model's plan ----------------------------------------------------------------------------------
 @dataclass
 class TPShards:
-    """What `parallelize_model` did: the sharded parameters (dim, global shape) and the replicated ones whose
-    gradients are partial on each tp rank."""
+    """What `parallelize_model` did, by parameter NAME (relative to the model it parallelised, every name of a tied
+    weight), so it stays true when the Parameter objects are replaced (a model materialised from the meta device):
+    the sharded parameters (dim, global shape) and the replicated ones whose gradients are partial on each tp rank."""
 
     tp: TPGroup
-    sharded: dict[nn.Parameter, tuple[int, torch.Size]] = field(default_factory=dict)
-    partial: list[nn.Parameter] = field(default_factory=list)
+    sharded: dict[str, tuple[int, torch.Size]] = field(default_factory=dict)
+    partial: list[str] = field(default_factory=list)
 
-    def sum_partial_grads(self, grad_of: Callable[[nn.Parameter], Optional[Tensor]] = lambda p: p.grad) -> None:
-        """One all-reduce over tp of every partial gradient (norms under SP, QK-norms): after backward. `grad_of`
-        says where a parameter's gradient lives (under ZeRO: its dp rows, on the master shard)."""
-        grads = [g for g in map(grad_of, self.partial) if g is not None]
-        if not grads:
-            return
-        flat = _all_reduce(torch.cat([g.reshape(-1) for g in grads]), self.tp.group)
-        for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(reduced.view_as(g))
+    def sum_partial_grads(self, model: nn.Module) -> None:
+        """`sum_partial_grads` of `model`'s partial parameters' `.grad` (a model without other gradient engines)."""
+        params = dict(model.named_parameters())
+        sum_partial_grads([params[n].grad for n in self.partial if n in params], self.tp.group)
+
+
+def sum_partial_grads(grads: list[Optional[Tensor]], group: Optional[dist.ProcessGroup]) -> None:
+    """One all-reduce over tp of every partial gradient (norms under SP, QK-norms), in place: after backward. The
+    caller says where each gradient lives (under ZeRO: its dp rows, on the master shard)."""
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return
+    flat = _all_reduce(torch.cat([g.reshape(-1) for g in grads]), group)
+    for g, reduced in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(reduced.view_as(g))
 
 
 def parallelize_model(model: nn.Module, plan: dict[str, TensorParallel], tp: TPGroup) -> TPShards:
@@ -274,15 +282,19 @@ def parallelize_model(model: nn.Module, plan: dict[str, TensorParallel], tp: TPG
     local: dict[nn.Parameter, nn.Parameter] = {}
     vocab_start: dict[str, int] = {}  # where each vocab split starts on this rank (the loss needs the head's)
 
-    def shard(name: str, weight: nn.Parameter, dim: int, spec: Optional[TensorParallel]) -> nn.Parameter:
+    def shard(name: str, weight: nn.Parameter, dim: int, spec: Optional[TensorParallel], leaf: str = "weight"
+              ) -> nn.Parameter:
         if weight not in local:
             n = weight.shape[dim]
             if spec is not None and (n % spec.unit or n // spec.unit % tp.size):
                 raise ValueError(f"{name}: {n // spec.unit} {spec.unit_name} cannot be split evenly over "
                                  f"tensor_parallel_size={tp.size}: choose a tensor_parallel_size that divides it")
             local[weight] = nn.Parameter(tp.shard(weight.detach(), dim).clone(), weight.requires_grad)
-            shards.sharded[local[weight]] = (dim, weight.shape)
+        shards.sharded[f"{name}.{leaf}" if name else leaf] = (dim, weight.shape)
         return local[weight]
+
+    def partial(name: str, module: nn.Module) -> None:
+        shards.partial.extend(f"{name}.{n}" if name else n for n, _ in module.named_parameters())
 
     for name, spec in plan.items():
         module = model.get_submodule(name)
@@ -292,15 +304,15 @@ def parallelize_model(model: nn.Module, plan: dict[str, TensorParallel], tp: TPG
         if spec.style in ("column", "row"):
             cls = ColumnParallelLinear if spec.style == "column" else RowParallelLinear
             model.set_submodule(name, cls(shard(name, module.weight, cls.dim, spec),
-                                          None if bias is None else shard(name, bias, 0, spec)))
+                                          None if bias is None else shard(name, bias, 0, spec, "bias")))
         elif spec.style == "region":  # hooks, not a wrapper module: the parameter names stay the same
             module.register_forward_pre_hook(lambda _, args: (tp.enter(args[0]), *args[1:]))
             module.register_forward_hook(lambda _, args, out: tp.exit(out))
         elif spec.style == "sequence":
             if tp.sequence_parallel:  # on 1/t of the positions: partial gradients
-                shards.partial.extend(module.parameters())
+                partial(name, module)
         elif spec.style == "per_head":
-            shards.partial.extend(module.parameters())
+            partial(name, module)
         elif spec.style == "batch":
             if tp.sequence_parallel:
                 raise ConfigError(f"{name}: computes statistics over the whole batch (MoE routing), which sequence "

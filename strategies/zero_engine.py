@@ -177,7 +177,8 @@ class ZeroEngine:
     Use: build (meta parameters are materialised here with the model's `init_parameter`), `shard_optimizer(opt)`,
     then per step: forward/backward (any number of them: accumulation, all but the last inside `no_sync()`),
     `finish_grad_sync()`, clip `owned_grads()`,
-    `optimizer.step()`, `optimizer.zero_grad()`, `after_step()`.
+    `optimizer.step()`, `optimizer.zero_grad()`, `after_step()`: the data-parallel engine protocol's verbs
+    (`strategies/dp_engine.py`), shared with `GradSync`.
     """
 
     def __init__(self, module: nn.Module, stage: int, group: Optional[dist.ProcessGroup] = None,
@@ -541,7 +542,8 @@ class ZeroEngine:
                 self._complete_gather(unit)
 
     def after_step(self) -> None:
-        """After the update: bring the replicas up to date and drop the full gradients (stage 1 kept them)."""
+        """After the update (or a loaded checkpoint): bring the replicas up to date from the master rows and drop the
+        full gradients (stage 1 kept them)."""
         self.refresh_params()
         for unit in self.units:
             for sp in unit.params:

@@ -16,12 +16,16 @@ from typing import Any
 
 import lightning as L
 import pytest
+import torch
 
+from dist_utils import TinyLM, token_data
 from lit_lm.parity import CLIP_ABOVE, MOE, TINY, Case, assert_parity, run_parity
+from lit_lm.spawn import run_distributed
+from strategies import plan
 from strategies.composed import ComposedStrategy
 from strategies.errors import ConfigError
+from strategies.ep import ExpertParallelStrategy
 from strategies.pp import PipelineStrategy
-from strategies.registry import ExpertParallelStrategy
 from strategies.tp import TensorParallelStrategy
 from strategies.zero import ZeroStrategy
 
@@ -164,11 +168,12 @@ def test_unsupported_combinations_are_refused_at_construction(kwargs: dict, mess
 
 def test_presets_are_the_composed_strategy() -> None:
     tp = TensorParallelStrategy(zero_stage=2, pipeline_parallel_size=2)  # no option is silently ignored any more
-    assert isinstance(tp, ComposedStrategy) and (tp.tp_size, tp.pp_size, tp.zero_stage) == (2, 2, 2)
-    assert ZeroStrategy(stage=3, tensor_parallel_size=2).tp_size == 2
+    assert isinstance(tp, ComposedStrategy) and (tp.config.tp, tp.config.pp, tp.config.zero_stage) == (2, 2, 2)
+    assert ZeroStrategy(stage=3, tensor_parallel_size=2).config.tp == 2
 
 
-ENGINES = ["ac", "comm", "cp", "ddp", "ep", "layout", "placement", "plan", "pp_runner", "pp_schedules", "pp_split",
+ENGINES = ["ac", "comm", "cp", "dp_engine", "experts", "grad_sync", "layout", "placement", "plan", "pp_runner",
+           "pp_schedules", "pp_split", "pp_step",
            "tp_layers", "zero_engine"]
 
 
@@ -179,3 +184,48 @@ def test_engines_import_without_lightning() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# -- the loss seam: one rule (strategies.plan.StepLoss), kept where a strategy computes the step's loss itself ------
+def test_step_loss_is_called_once_per_step_and_the_model_never_directly() -> None:
+    model = torch.nn.Linear(2, 2)
+    seam = plan.StepLoss(model, lambda x, y, **_: (model(x).sum(), y.sum()), "pipeline parallelism")
+    x = torch.ones(1, 2)
+    model(x)  # outside a step the model is anyone's (a callback generating, a test)
+    with seam.step():
+        loss, _ = seam(x, x)
+    assert loss.requires_grad
+    with pytest.raises(RuntimeError, match=r"pipeline parallelism: the step called the model directly; .*loss_fn"):
+        with seam.step():
+            model(x)
+    with pytest.raises(RuntimeError, match="the step never called it"):
+        with seam.step():
+            pass
+    with pytest.raises(RuntimeError, match="call it once per step"):
+        with seam.step():
+            seam(x, x)
+            seam(x, x)
+    with pytest.raises(RuntimeError, match="inside a training, validation or test step only"):
+        seam(x, x)
+
+
+def _fit_direct_loss(kind: str) -> str:
+    """TinyLM calls `model.loss` itself, bypassing the strategy's loss seam: fine under dp, refused under pp."""
+    strategy = PipelineStrategy(microbatches=2) if kind == "pp" else ComposedStrategy()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(token_data(4)), batch_size=2)
+    try:
+        trainer.fit(TinyLM(), data)
+    except RuntimeError as error:
+        return str(error)
+    return "trained"
+
+
+def test_a_step_bypassing_the_loss_seam_is_refused_under_pp_only() -> None:
+    for kind in ("dp", "pp"):
+        out = run_distributed(_fit_direct_loss, 2, kind, init_process_group=False)
+        if kind == "dp":
+            assert out == ["trained", "trained"]
+        else:
+            assert all("pipeline parallelism: the step called the model directly" in o for o in out), out

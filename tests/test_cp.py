@@ -258,7 +258,7 @@ def _training_worker(method: str, config: dict, dp: int, tp: int = 1, sequence_p
     loss = model.loss(x, y, positions)[0] * weight
     loss.backward()
     if tp_shards is not None:
-        tp_shards.sum_partial_grads()
+        tp_shards.sum_partial_grads(model)
     ref_grads = dict(reference.named_parameters())
     if zero is not None:  # the engine averages the gradients over dp × cp into each rank's shard
         zero.finish_grad_sync()
@@ -278,8 +278,8 @@ def _training_worker(method: str, config: dict, dp: int, tp: int = 1, sequence_p
     grads = {}
     for name, p in model.named_parameters():
         ref = ref_grads[name].grad
-        if tp_shards is not None and p in tp_shards.sharded:
-            ref = tp_shards.tp.shard(ref, tp_shards.sharded[p][0])
+        if tp_shards is not None and name in tp_shards.sharded:
+            ref = tp_shards.tp.shard(ref, tp_shards.sharded[name][0])
         grads[name] = (p.grad, ref)
     return {"loss": (float(loss), float(ref_loss)), "grads": grads}
 

@@ -67,8 +67,8 @@ def _engine_case(bucket_cap_mb: float) -> dict:
     out["local"] = _grads(reference)
     COMM_LOG.reset()
     sync(batches[0], rank == 1).backward()
-    out["launched_in_backward"] = sync._next  # buckets already in flight before finish()
-    sync.finish()
+    out["launched_in_backward"] = sync._next  # buckets already in flight before finish_grad_sync()
+    sync.finish_grad_sync()
     out["synced"] = _grads(model)
     out["reduced_numel"] = COMM_LOG.summary()["all_reduce"]["numel"]
 
@@ -80,7 +80,7 @@ def _engine_case(bucket_cap_mb: float) -> dict:
     with sync.no_sync():
         sync(batches[1], rank == 1).backward()
     sync(batches[2], rank == 1).backward()
-    sync.finish()
+    sync.finish_grad_sync()
     out["local_accum"], out["synced_accum"] = _grads(reference), _grads(model)
     return out
 
@@ -101,11 +101,11 @@ def _in_place_case() -> dict:
         if mode == "replaced":
             model.body.weight.grad = torch.zeros_like(model.body.weight)
         sync(batch, rank == 1).backward()
-        # before finish(): what autograd accumulated is already in the buckets (the unused layer is not yet)
+        # before finish_grad_sync(): what autograd accumulated is already in the buckets (the unused layer is not yet)
         replaced = {"body.weight"} if mode == "replaced" else set()  # still the user's tensor
         in_buffers_before = {n: p.grad.untyped_storage().data_ptr() in buffers
                              for n, p in model.named_parameters() if p.grad is not None and n not in replaced}
-        sync.finish()
+        sync.finish_grad_sync()
         # gradient memory: the distinct storages behind the .grads and the communication buffers
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in [*(p.grad for p in trainable), *(b.flat for b in sync.buckets)]}

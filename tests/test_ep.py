@@ -50,7 +50,7 @@ def _engine_case() -> dict:
     out = shard(x, counts)
     out.square().sum().backward()
     return {"out": out.detach(), "expected": expected.detach(), "x_grad": x.grad.clone(),
-            "grads": {n: p.grad.clone() for n, p in shard.named_parameters()}, "local_grads": local_grads,
+            "grads": {n: p.grad.clone() for n, p in shard.experts.named_parameters()}, "local_grads": local_grads,
             "a2a": [r.numel for r in COMM_LOG.records if r.op == "all_to_all"]}
 
 

@@ -23,7 +23,8 @@ import torch.distributed as dist
 import strategies.flat_step as flat_step
 from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
-from strategies.grad_sync import GradSync, flat_step as ddp_flat_step
+from strategies.dp_engine import bind_optimizer
+from strategies.grad_sync import GradSync
 from strategies.zero_engine import ZeroEngine, model_state_bytes
 from tests.dist_utils import TINY, run_distributed, token_data
 
@@ -33,40 +34,19 @@ DDP = 0  # "stage 0": GradSync, with small buckets (several per group)
 BUCKET_MB = 0.05
 
 
-class DataParallel:
-    """GradSync behind the engine calls the test makes (ZeroEngine's); the "shards" are whole parameters."""
-
-    def __init__(self, model: Transformer) -> None:
-        self.model = model
-        self.sync = GradSync(model, bucket_cap_mb=BUCKET_MB)
-        self.no_sync = self.sync.no_sync
-        self.finish_grad_sync = self.sync.finish
-
-    def shard_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        ddp_flat_step(opt, [self.sync])
-
-    def masters(self) -> dict[str, torch.Tensor]:
-        return dict(self.model.named_parameters())
-
-    def after_step(self) -> None:
-        pass
-
-    refresh_params = after_step
-
-
-def _shards(engine: ZeroEngine | DataParallel) -> dict[str, torch.Tensor]:
-    """What the optimizer steps, by global name."""
-    if isinstance(engine, DataParallel):
-        return engine.masters()
+def _shards(engine: ZeroEngine | GradSync) -> dict[str, torch.Tensor]:
+    """What the optimizer steps, by global name (GradSync: the whole parameters)."""
+    if isinstance(engine, GradSync):
+        return dict(engine.module.named_parameters())
     return {sp.fqn: sp.master for sp in engine.sharded_params()}
 
 
 def _build(stage: int, optimizer: str, dtype: torch.dtype
-           ) -> tuple[Transformer, ZeroEngine | DataParallel, torch.optim.Optimizer]:
+           ) -> tuple[Transformer, ZeroEngine | GradSync, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**TINY)).to(dtype)
     model.get_parameter(FROZEN).requires_grad_(False)
-    engine = ZeroEngine(model, stage) if stage != DDP else DataParallel(model)
+    engine = ZeroEngine(model, stage) if stage != DDP else GradSync(model, bucket_cap_mb=BUCKET_MB)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     other = [p for p in model.parameters() if p.dim() < 2]
     if optimizer == "adamw":
@@ -75,11 +55,11 @@ def _build(stage: int, optimizer: str, dtype: torch.dtype
     else:
         opt = torch.optim.SGD([{"params": decay, "weight_decay": 0.1}, {"params": other, "lr": 1e-2}], lr=3e-2,
                               momentum=0.9)
-    engine.shard_optimizer(opt)
+    bind_optimizer(opt, [engine])
     return model, engine, opt
 
 
-def _step(model: Transformer, engine: ZeroEngine | DataParallel, opt: torch.optim.Optimizer, k: int,
+def _step(model: Transformer, engine: ZeroEngine | GradSync, opt: torch.optim.Optimizer, k: int,
           probe: dict) -> None:
     data = token_data(STEPS * ACCUMULATE * 4, seed=3).view(STEPS, ACCUMULATE, 2, 2, -1)
     for micro in range(ACCUMULATE):
@@ -96,7 +76,7 @@ def _step(model: Transformer, engine: ZeroEngine | DataParallel, opt: torch.opti
     engine.after_step()
 
 
-def _masters(engine: ZeroEngine | DataParallel) -> dict[str, torch.Tensor]:
+def _masters(engine: ZeroEngine | GradSync) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in _shards(engine).items()}
 
 
@@ -120,11 +100,11 @@ def _train(stage: int, optimizer: str, dtype: torch.dtype) -> dict[str, Any]:
         for name, t in _shards(engine2).items():
             t.copy_(saved[1][name])
     opt2.load_state_dict(saved[0])
-    engine2.refresh_params()
+    engine2.after_step()  # the loaded masters into the parameters the forward reads
     for k in range(2, STEPS):
         _step(model2, engine2, opt2, k, {})
     # one flat per group (GradSync: per bucket holding any of it), the frozen weight left in its group as it is
-    buckets = engine.sync.buckets if isinstance(engine, DataParallel) else [None]
+    buckets = engine.buckets if isinstance(engine, GradSync) else [None]
     runs = [sum(b is None or any((p.dim() >= 2) == decay for p in b.params) for b in buckets) for decay in (1, 0)]
     return {"masters": _masters(engine), "resumed": _masters(engine2), "seen": seen, "raised": _raise_in_step(opt2),
             "frozen_unchanged": torch.equal(frozen, frozen_before), "frozen_state": frozen in opt.state,

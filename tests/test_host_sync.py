@@ -185,7 +185,7 @@ def _fit(strategy_name: str, config: dict, log_dir: str) -> dict:
     count = CountSteps()
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy_name, max_steps=STEPS,
                         logger=CSVLogger(log_dir), log_every_n_steps=LOG_EVERY, gradient_clip_val=1.0,
-                        callbacks=[count, NanGuard(), Throughput(window=LOG_EVERY), StepProgress(LOG_EVERY)],
+                        callbacks=[count, NanGuard(), Throughput(), StepProgress(LOG_EVERY)],
                         enable_model_summary=False, use_distributed_sampler=False, enable_checkpointing=False)
     real, sigterm_steps = _TrainingEpochLoop._broadcast_sigterm_tensor, []
 

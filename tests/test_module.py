@@ -98,9 +98,10 @@ class _MoEStats(L.Callback):
 
 def test_interval_metrics_are_means_over_the_logging_interval(monkeypatch: pytest.MonkeyPatch) -> None:
     """With log_every_n_steps=2: the MoE statistics logged at a logging step are the mean of the interval's two
-    batches (read once), and tokens/s is the interval's tokens over its (synchronised) clock, 1 s a read here."""
+    batches (read once), and tokens/s (the Throughput callback LanguageModel adds) is the interval's tokens over its
+    (synchronised) clock, 1 s a read here."""
     clock = iter(float(t) for t in range(100))
-    monkeypatch.setattr("lit_lm.module.synchronized_clock", lambda device: next(clock))
+    monkeypatch.setattr("callbacks.throughput.synchronized_clock", lambda device: next(clock))
     config = ModelConfig(**{**CFG.__dict__, "n_layers": 2, "moe_experts": 4, "moe_top_k": 2, "moe_d_ff": 16,
                             "moe_first_dense": 1})
     logger, stats = _Metrics(), _MoEStats()

@@ -41,13 +41,14 @@ from torch import Tensor
 
 from lit_lm.parity import BF16_TRUE_RTOL, CLIP_ABOVE, MOE, TINY, Case, assert_parity, bf16_true_case, run_parity
 from callbacks.clip import GlobalNormClip
-from strategies import clip, comm, composed, grad_sync, zero_engine
+from strategies import clip, comm, grad_sync, params, zero_engine
 from strategies import cp as context
 from strategies.base import BaseStrategy
 from strategies.composed import ComposedStrategy
 from strategies.ddp import DataParallelStrategy
 from strategies.ep import ExpertParallelStrategy
 from strategies.flat_step import FlatStep
+from strategies.layout import ParallelConfig
 from strategies.pp import PipelineStrategy
 from strategies.zero import ZeroStrategy
 from test_checkpoint import MOE_RESUME
@@ -77,8 +78,8 @@ def zero_reduce_scatter_doubled(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def pp_tied_doubled(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The composed strategy's all-reduce of the tied embedding/head over the first and last stage doubles."""
-    _scaled_comm(composed, "all_reduce", 2.0, monkeypatch)
+    """The parameter index's all-reduce of the tied embedding/head over the first and last stage doubles."""
+    _scaled_comm(params, "all_reduce", 2.0, monkeypatch)
 
 
 def ep_forgets_division(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,15 +88,15 @@ def ep_forgets_division(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def without_division(self: ComposedStrategy) -> None:
         finish(self)
-        grads = [rec.grad for rec in self._params if rec.expert and rec.grad is not None]
-        torch._foreach_mul_(grads, self.ep_size)
+        grads = [rec.grad for rec in self._index.records if rec.expert and rec.grad is not None]
+        torch._foreach_mul_(grads, self.config.ep)
 
     monkeypatch.setattr(ComposedStrategy, "finish_grad_sync", without_division)
 
 
 def cp_grads_over_dp(monkeypatch: pytest.MonkeyPatch) -> None:
     """Dense gradients averaged over dp only, as without cp: each cp rank keeps the gradient of its own tokens."""
-    monkeypatch.setattr(ComposedStrategy, "_dense_group", property(lambda self: "dp"))
+    monkeypatch.setattr(ParallelConfig, "dense_group", property(lambda self: "dp"))
 
 
 def ring_backward_tile_lse(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,12 +179,12 @@ def load_without_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def tp_replicated_counted_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
     """The global norm counts a parameter replicated over tp (not split) on every tp rank, not on tp rank 0 only."""
-    counted = ComposedStrategy._counted
+    counted = params.counted
 
-    def every_tp_rank(self: ComposedStrategy, rec: object) -> bool:
-        return rec.placement is None or counted(self, rec)
+    def every_tp_rank(rec: params.ParamRecord, layout: object, config: ParallelConfig) -> bool:
+        return rec.placement is None or counted(rec, layout, config)
 
-    monkeypatch.setattr(ComposedStrategy, "_counted", every_tp_rank)
+    monkeypatch.setattr(params, "counted", every_tp_rank)
 
 
 def zero_global_rank(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,5 @@
-"""The Throughput callback: the FLOPs formula by hand, the peak table, and the keys it logs in a real CPU fit."""
+"""The Throughput callback: the FLOPs formula by hand, the peak table, the keys it logs in a real CPU fit, and that
+it is the one measure of tokens/s (LanguageModel adds it, once)."""
 
 from types import SimpleNamespace
 
@@ -10,6 +11,7 @@ from torch.utils.data import DataLoader
 from callbacks.throughput import Throughput, flops_per_token, peak_flops_for
 from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
+from lit_lm.module import LanguageModel
 
 CONFIG = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16)
 
@@ -45,19 +47,33 @@ class ToyLM(L.LightningModule):
 def test_logs_throughput_keys(peak_flops: float) -> None:
     data = DataLoader(torch.randint(0, 64, (8, 17)), batch_size=2)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Throughput(peak_flops=peak_flops, window=2)])
+                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=2,
+                        callbacks=[Throughput(peak_flops=peak_flops)])
     trainer.fit(ToyLM(), data)
     metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
-    expected = {"throughput/tokens_per_sec", "throughput/flops_per_token", "throughput/peak_memory_gb"}
+    expected = {"tokens_per_s", "throughput/flops_per_token", "throughput/peak_memory_gb"}
     assert expected <= metrics.keys()
     assert ("throughput/mfu" in metrics) == (peak_flops is not None)  # no peak known for a CPU
-    assert metrics["throughput/tokens_per_sec"] > 0 and metrics["throughput/peak_memory_gb"] > 0
+    assert metrics["tokens_per_s"] > 0 and metrics["throughput/peak_memory_gb"] > 0
     cfg = ModelConfig(**CONFIG)
     assert metrics["throughput/flops_per_token"] == flops_per_token(cfg.num_params(False), 2, 32, 16)
     if peak_flops:
-        mfu = metrics["throughput/tokens_per_sec"] * metrics["throughput/flops_per_token"] / peak_flops
+        mfu = metrics["tokens_per_s"] * metrics["throughput/flops_per_token"] / peak_flops
         assert metrics["throughput/mfu"] == pytest.approx(mfu, rel=1e-4)
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_language_model_measures_tokens_once(given: bool) -> None:
+    """LanguageModel brings one Throughput callback; a trainer that has one (e.g. with a peak) keeps it, alone."""
+    mine = Throughput(peak_flops=1e12)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                        callbacks=[mine] if given else [])
+    trainer.fit(LanguageModel(ModelConfig(**CONFIG), warmup_steps=1),
+                DataLoader(torch.randint(0, 64, (4, 17)), batch_size=2))
+    found = [c for c in trainer.callbacks if isinstance(c, Throughput)]
+    assert len(found) == 1 and (found[0] is mine) == given
+    assert ("throughput/mfu" in trainer.callback_metrics) == given and "tokens_per_s" in trainer.callback_metrics
 
 
 def test_tokens_are_counted_per_data_parallel_replica(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,14 +81,15 @@ def test_tokens_are_counted_per_data_parallel_replica(monkeypatch: pytest.Monkey
     processed 2 x 16 tokens in 1 s reports 2 replicas x 32 tokens/s, and MFU divides by all 4 devices."""
     clock = iter([10.0, 11.0])
     monkeypatch.setattr("callbacks.throughput.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("callbacks.throughput.logs_this_batch", lambda trainer: True)  # a logging step
     logged: dict = {}
     strategy = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": 0})
     trainer = SimpleNamespace(strategy=strategy, world_size=4)
     module = SimpleNamespace(device=torch.device("cpu"), model=SimpleNamespace(config=ModelConfig(**CONFIG)),
                              log_dict=lambda metrics, **_: logged.update(metrics))
-    callback = Throughput(peak_flops=1e12, window=1)
+    callback = Throughput(peak_flops=1e12)
     batch = torch.zeros(2, 17, dtype=torch.long)
     callback.on_train_batch_start(trainer, module, batch, 0)
     callback.on_train_batch_end(trainer, module, None, batch, 0)
-    assert logged["throughput/tokens_per_sec"] == 2 * 32.0
+    assert logged["tokens_per_s"] == 2 * 32.0
     assert logged["throughput/mfu"] == pytest.approx(64.0 * logged["throughput/flops_per_token"] / (4 * 1e12))

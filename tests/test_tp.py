@@ -98,7 +98,7 @@ def _layers_worker() -> None:
     _close(y, sp.shard(ref_y.detach(), 1))
     (y * sp.shard(up, 1)).sum().backward()
     for name, p in mlp.named_parameters():
-        dim, shape = shards.sharded[p]
+        dim, shape = shards.sharded[name]
         assert shape == grads[name].shape
         _close(p.grad, sp.shard(grads[name], dim))
     _close(sp_x.grad, sp.shard(ref_x.grad, 1))

@@ -452,4 +452,4 @@ def test_registered_names_select_the_stage() -> None:
     ZeroStrategy.register_strategies(StrategyRegistry)  # what strategies/registry.py does at import
     for stage in (1, 2, 3):
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=f"zero{stage}", logger=False)
-        assert isinstance(trainer.strategy, ZeroStrategy) and trainer.strategy.zero_stage == stage
+        assert isinstance(trainer.strategy, ZeroStrategy) and trainer.strategy.config.zero_stage == stage
