@@ -19,13 +19,13 @@ in turn), Megatron's interleaved order, or for ZB-H1 1F1B's order with the backw
 deferred to fill the time a rank would wait (as in the zero-bubble paper; the first stage does not split, nothing
 waits for its input gradient). An unknown name is one error everywhere (`schedule_spec`).
 
-How a schedule is made. The order is played on a unit-time simulation (F = 1, B = 2, or B = W = 1 when split),
-which proves it free of deadlock (or raises), gives the theoretical bubble and fixes where the messages go: a send
-right after the action that produced it, and the receiver posts its recv at the time of that send. So between any two ranks, recvs
-are posted in exactly the order sends are issued: the non-blocking point-to-point messages pair up by order alone
-(no tags), whatever the real timing. And all messages follow one global order, (time, sending rank, the sender's
-order), of which each rank's are a part: where a rank's point-to-point ops run one after another and a send waits
-for its receive (NCCL's stream), the earliest unfinished message always has both ends at the head, so none
+How a schedule is made. The order is played on a unit-time simulation (F = 1, B = 2, or B = W = 1 when split), which
+proves it free of deadlock (or raises), gives the theoretical bubble and fixes where the messages go: a send right
+after the action that produced it, and the receiver posts its recv at the time of that send. So between any two
+ranks, recvs are posted in exactly the order sends are issued: the non-blocking point-to-point messages pair up by
+order alone (no tags), whatever the real timing. And all messages follow one global order, (time, sending rank, the
+sender's order), of which each rank's are a part: where a rank's point-to-point ops run one after another and a send
+waits for its receive (NCCL's stream), the earliest unfinished message always has both ends at the head, so none
 deadlocks. `Schedule.issue_order` is how a runner posts them: runs of consecutive messages as one batch.
 """
 
