@@ -124,8 +124,7 @@ class ParallelDims:
 # -- the configuration: sizes and each dimension's options, one shape for strategy, estimator, planner and yaml ----
 PIPELINE_DEFAULTS = {"microbatches": 4, "schedule": "1f1b", "virtual_stages": 1, "balance": "layers"}
 BALANCE = ("layers", "params")  # how a pipeline assigns blocks to stages (`strategies.pp_split`)
-ARGS = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "cp": "context_parallel_size",
-        "ep": "expert_parallel_size", "dp_replicate": "data_parallel_replicate_size"}  # field -> strategy argument
+ARGS = {name: arg for name, arg in FIELDS.items() if name != "dp_shard"}  # the sizes the strategy takes
 OPTIONS = {"sequence_parallel": "tp", "cp_method": "cp", "microbatches": "pp", "schedule": "pp",
            "virtual_stages": "pp", "layers_per_stage": "pp", "balance": "pp"}  # option -> the dimension reading it
 
@@ -159,8 +158,7 @@ class ParallelConfig:
     zero_stage: int = 0
 
     def __post_init__(self) -> None:
-        names = dict(ARGS, dp_shard="dp_shard", microbatches="microbatches", virtual_stages="virtual_stages")
-        for name, arg in names.items():
+        for name, arg in dict(FIELDS, microbatches="microbatches", virtual_stages="virtual_stages").items():
             size = getattr(self, name)
             if not (size is None and name == "dp_shard") and (not isinstance(size, int) or size < 1):
                 raise ConfigError(f"{arg}={size!r}: must be an integer >= 1")
