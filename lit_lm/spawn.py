@@ -9,8 +9,8 @@ spawns nothing), pins OMP_NUM_THREADS=1 so N ranks do not oversubscribe the core
 exception in the caller with its traceback. `fn` and its arguments must be picklable (module-level functions);
 results travel back through `torch.save`, so tensors and plain containers are fine.
 
-The ranks are forked from a fork server (`multiprocessing`'s "forkserver" start method) that has imported torch,
-Lightning and lit-lm once per calling process: a world then starts in a fraction of a second where each spawned rank
+The ranks are forked from a fork server (`multiprocessing`'s "forkserver" start method) that has imported torch
+and Lightning once per calling process: a world then starts in a fraction of a second where each spawned rank
 paid those imports again (seconds each, the bulk of a small test's time). A rank still starts as a fresh process
 would: in the caller's working directory and `sys.path`, with the caller's environment of the moment, and with no
 state of the caller's (the server is a clean single-threaded process that only imported modules).
@@ -30,8 +30,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# what every rank imports, imported once in the fork server (a name that fails to import is skipped there)
-PRELOAD = ["torch", "lightning", "lit_lm.module", "lit_lm.parity", "strategies.registry"]
+# the third-party imports of every rank (seconds), imported once in the fork server; lit-lm's own modules are
+# imported by each rank (a fraction of a second): one that fails to import (an edit in progress) then fails in the
+# rank with its traceback, where in the server it would stop the server and every later call with an EOFError
+PRELOAD = ["torch", "lightning", "torch.distributed.checkpoint"]
 
 
 def free_port() -> int:
