@@ -133,15 +133,16 @@ def test_upcycled_checkpoint_generates_alone_and_export_hf_refuses_it_in_one_lin
     assert generated.returncode == 0 and generated.stdout.startswith("def "), generated.stderr[-3000:]
 
     message = one_error_line(script("ckpt.py", "export-hf", moe, tmp_path / "hf", cwd=tmp_path))
-    assert message.startswith("the model uses moe_experts, which Llama does not have "
-                              "(model.init_args.config.moe_experts)")
+    assert message.startswith("the model uses moe_experts, which the exported Llama / Mistral / Qwen2 does not "
+                              "have (model.init_args.config.moe_experts)")
 
 
 def test_a_path_that_is_not_a_checkpoint_is_one_line(run, tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("not a checkpoint\n")
     folder = run["root"] / "run"  # a directory, but no checkpoint
-    for path, why in ((folder, "a directory without meta.pt"), (text, "not a file torch.save wrote")):
+    for path, why in ((folder, "a directory without meta.pt, nor a Hugging Face model folder (config.json and "
+                               "*.safetensors)"), (text, "not a file torch.save wrote")):
         expected = f"{path} is not a checkpoint: {why} (ckpt_path); "
         assert one_error_line(run_cli("generate", "--ckpt_path", str(path), cwd=tmp_path)).startswith(expected)
     assert one_error_line(script("ckpt.py", "inspect", text, cwd=tmp_path)).startswith(f"{text} is not a ")
