@@ -46,12 +46,17 @@ def _tensors(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.dtype, l
             yield from _tensors(item, f"{prefix}.{i}" if prefix else str(i))
 
 
+HF_SHAPE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings", "qkv_bias",
+            "rope_theta", "rope_scaling", "sliding_window")  # what `inspect` shows of a Hugging Face folder's config
+
+
 def inspect(path: Path) -> None:
     meta = read_meta(path)  # raises one line for a path that is not a checkpoint
     if is_hf_folder(path):
         config = ModelConfig(**meta["hyper_parameters"]["config"])
+        shape = {k: v for k, v in meta["hyper_parameters"]["config"].items() if k in HF_SHAPE and v not in (None, False)}
         print(f"{path}\n  a Hugging Face model folder: {config.num_params() / 1e6:.2f}M parameters as lit-lm's "
-              f"{json.dumps(meta['hyper_parameters']['config'])}")
+              f"{json.dumps(shape)}")
         tensors = [(k, getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(d, "float32")), s)
                    for k, d, s in HFWeights(path, config).tensor_info()]
         files = sorted(path.glob("*.safetensors"))
