@@ -87,8 +87,10 @@ def build_strategy(spec: Any) -> Any:
     return _import(spec[0])(**spec[1])
 
 
-def plan_check(config: Namespace, argv: list[str], steps: int = 2, mutation: Any = None) -> CheckPlan:
-    """The cases that check the run `config` describes (a `parse` result)."""
+def plan_check(config: Namespace, argv: list[str], steps: int = 2, mutation: Any = None,
+               optimizers: tuple[str, ...] = ("sgd", "module")) -> CheckPlan:
+    """The cases that check the run `config` describes (a `parse` result): plain SGD and the module's optimizer
+    (`optimizers` picks; a test of a mutant that SGD shows needs no second run)."""
     trainer = config.trainer
     world = _world(trainer)
     spec, strategy_name, strategy = _strategy(trainer.strategy)
@@ -114,8 +116,8 @@ def plan_check(config: Namespace, argv: list[str], steps: int = 2, mutation: Any
     common = dict(strategy=partial(build_strategy, spec), model=model_args(small), steps=steps,
                   global_batch=micro * dp, trainer=settings, callbacks=(*callbacks, Meter()), module=module,
                   mutation=mutation)
-    cases = [Case(optimizer="sgd", label=f"{strategy_name}, SGD", **common),
-             Case(optimizer="module", label=f"{strategy_name}, the module's optimizer", **common)]
+    labels = {"sgd": "SGD", "module": "the module's optimizer"}
+    cases = [Case(optimizer=o, label=f"{strategy_name}, {labels[o]}", **common) for o in optimizers]
     data = config.data.init_args
     return CheckPlan(argv=list(argv), world=world, model=full, small=small, notes=notes, parallel=parallel,
                      strategy=strategy_name, precision=str(trainer.precision), batch_size=int(data.batch_size),
