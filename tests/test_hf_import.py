@@ -101,6 +101,20 @@ def test_logits_equal_transformers(hf_dirs, family):
             assert (without(ids) - expected).abs().max() > 1e-3
 
 
+def test_kernels_keep_rope_scaling_and_window(hf_dirs):
+    """The kernel drop-ins (rope, attention) take the reference's scaled frequencies and window."""
+    import kernels
+
+    for family in ("llama3 rope scaling", "mistral window 5"):
+        ours = load_model(hf_dirs[family])
+        ids = torch.randint(0, SHAPE["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            expected = ours(ids)
+            kernels.apply(ours, ["rope", "attention"], backend="reference")
+            assert type(ours.blocks["0"].attn.rope).__module__ == "kernels.rope"
+            torch.testing.assert_close(ours(ids), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_config_fields(hf_dirs):
     cfg = model_config(hf_dirs["llama3 rope scaling"], ModelConfig(d_model=192, max_seq_len=48, z_loss=1e-4))
     assert (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff, cfg.vocab_size) == (32, 4, 2, 48, 64)
