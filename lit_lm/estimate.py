@@ -28,7 +28,8 @@ Where the figures come from, so that they match what the strategies allocate and
 - communication: the collectives the strategies issue, in the accounting layer's terms (`strategies.comm`: the
   full logical tensor per call; on the wire times `wire_factor`): all-reduce 2(N-1)/N Φ, ZeRO-3 3(N-1)/N Φ,
   tensor parallelism 2 collectives per region (attention, a dense MLP) per step each way, pipelines their
-  activations, experts 4 all-to-alls per MoE layer; the bubble from `strategies.pp_schedules.bubble_theory`;
+  activations, experts 4 all-to-alls per MoE layer, MoE global balancing an all-gather of the per-expert counts over
+  dp per layer and forward; the bubble from `strategies.pp_schedules.bubble_theory`;
 - MoE layers under tensor parallelism: the model's plan replicates them over tp (`batch` style, sequence
   parallelism off): every tp rank holds every expert (or its ep share) and computes the layer whole, so its FLOPs
   are not divided by tp (`RankEstimate.replicated_flops`: the part the tp peers repeat).
@@ -389,7 +390,8 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
         dense: dict[str, list[tuple[int, ...]]] = {}
         experts: dict[str, list[tuple[int, ...]]] = {}
         for q in keep:
-            (experts if q.expert else dense).setdefault(q.unit, []).append(_local_shape(q, layout))
+            # experts get an engine of their own under expert parallelism only (the ranks holding the same ones)
+            (experts if q.expert and layout.ep > 1 else dense).setdefault(q.unit, []).append(_local_shape(q, layout))
         # dense gradients over the strategy's group (every rank that saw other tokens; under ZeRO within a replica,
         # HSDP all-reducing the shard over the replicas), experts over the ranks holding the same experts
         dp_group = dims.size(layout.dense_group)
@@ -501,7 +503,11 @@ def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout:
         kv = cfg.n_kv_heads * cfg.head_dim // layout.tp
         rank.add_comm("cp", "send", 3 * (layout.cp - 1) * len(layers) * 2 * local_batch * t * kv * abytes,
                       layout.cp)
+    moe = [i for i in layers if cfg.is_moe_layer(i)]
     if layout.ep > 1:
-        moe = [i for i in layers if cfg.is_moe_layer(i)]
         rows = tokens * cfg.moe_top_k * cfg.d_model * abytes  # dispatched rows (dropless, balanced routing)
         rank.add_comm("ep", "all_to_all", len(moe) * (4 * rows + cfg.moe_experts * 8), layout.ep)
+    dp = layout.dims().dp
+    if moe and cfg.moe_balance == "global" and dp > 1:  # each forward's per-expert counts (int64) over the batch
+        forwards = accumulate * (layout.microbatches if layout.pp > 1 else 1)  # (recomputed forwards not counted)
+        rank.add_comm("dp", "all_gather", forwards * len(moe) * dp * cfg.moe_experts * 8, dp)
