@@ -9,7 +9,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 from torch import Tensor
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 
 from callbacks.throughput import Throughput, flops_per_token, logs_this_batch
@@ -193,6 +193,11 @@ class LanguageModel(L.LightningModule):
         flops = flops_per_token(cfg.num_params(include_embedding=False), cfg.n_layers, cfg.d_model, seq_len)
         rank_zero_info(f"[lit-lm] model: {cfg.num_params() / 1e6:.2f}M parameters, {cfg.n_layers} layers x d_model "
                        f"{cfg.d_model}; {flops / 1e6:.1f} MFLOPs per trained token (6N + 12·L·d·T, T={seq_len})")
+        data = getattr(self.trainer, "datamodule", None)
+        if self.init_from is not None and data is not None and getattr(data, "tokenizer_dir", "") is None:
+            rank_zero_warn(f"[lit-lm] init_from {self.init_from} without data.init_args.tokenizer_dir: the text is "
+                           "tokenized by a BPE trained on your corpus, whose ids mean nothing to the imported "
+                           f"embedding; pass --data.init_args.tokenizer_dir {self.init_from} (docs/hf.md)")
 
     # -- steps ---------------------------------------------------------------------------------------------
     def _split(self, batch: Tensor, batch_idx: int) -> tuple[Tensor, Tensor]:

@@ -13,6 +13,7 @@ models made with `transformers` in a temporary folder (no network).
 from __future__ import annotations
 
 import json
+import warnings
 from functools import partial
 from pathlib import Path
 
@@ -254,3 +255,16 @@ def test_fit_from_hf_folder_then_validate_and_inspect_it(tmp_path):
                              capture_output=True, text=True)
     assert inspect.returncode == 0, inspect.stderr[-3000:]
     assert "a Hugging Face model folder" in inspect.stdout and "model.layers.1.mlp.down_proj.weight" in inspect.stdout
+
+
+def test_init_from_without_its_tokenizer_is_warned_about(hf_dirs):
+    from types import SimpleNamespace
+
+    module = LanguageModel(ModelConfig(**TINY), init_from=str(hf_dirs["llama tied"]))
+    for tokenizer_dir, warned in ((None, True), (str(hf_dirs["llama tied"]), False)):
+        module._trainer = SimpleNamespace(datamodule=SimpleNamespace(tokenizer_dir=tokenizer_dir))
+        with pytest.warns(UserWarning, match="without data.init_args.tokenizer_dir") if warned else \
+                warnings.catch_warnings():
+            if not warned:
+                warnings.simplefilter("error")
+            module.on_fit_start()
