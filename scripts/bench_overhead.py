@@ -10,8 +10,9 @@ Per engine, two contenders that run the same computation on the same objects:
 - `trainer`: `Trainer.fit` with the engine's strategy (`lm_ddp`: `GradSync`; `zero1`-`zero3`: `ZeroEngine`), the
   benchmark module of `bench_strategies.py` (its `training_step` returns `model.loss`), AdamW;
 - `plain`: the same `Transformer`, batches, AdamW and engine object, built as the strategy builds them (the engine
-  over the layout's dp group, the flat optimizer step), driven by a plain PyTorch loop: forward, `zero_grad`,
-  backward, the engine's finish, `step`, and ZeRO's `after_step`; no Lightning.
+  over the layout's dp group, `dp_engine.bind_optimizer`'s flat step), driven by a plain PyTorch loop through the
+  engine protocol (`strategies/dp_engine.py`): forward, `zero_grad`, backward, `finish_grad_sync`, `step`,
+  `after_step`; no Lightning.
 
 A step is timed from one batch's start to the next (data loading, every hook and the optimizer step included), in
 both loops by the same clock; tokens/s is the global batch over the median steady step. Each contender runs in its
@@ -48,9 +49,10 @@ from bench_strategies import (BenchLM, _env, _spawn, add_run_args, footer, forwa
                               make_trainer, model_config, token_loader)
 from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
-from strategies.grad_sync import GradSync, flat_step  # noqa: E402
+from strategies.dp_engine import DataParallelEngine, bind_optimizer  # noqa: E402
+from strategies.grad_sync import GradSync  # noqa: E402
 from strategies.layout import ParallelDims, ParallelLayout  # noqa: E402
-from strategies.zero_engine import ZeroEngine, shard_optimizer  # noqa: E402
+from strategies.zero_engine import ZeroEngine  # noqa: E402
 
 ENGINES = ["lm_ddp", "zero1", "zero2", "zero3"]
 LOOPS = ["trainer", "plain"]
@@ -121,26 +123,19 @@ def plain_loop(engine: str, args: argparse.Namespace, config: ModelConfig, accel
         model = Transformer(config)
     if stage < 3:
         model.to(device)
-    if stage:
-        sync: Any = ZeroEngine(model, stage, layout.group("dp_shard"), device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        shard_optimizer(optimizer, [sync])
-        finish = sync.finish_grad_sync
-    else:
-        sync = GradSync(model, layout.group("dp"), args.bucket_cap_mb)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        flat_step(optimizer, [sync])
-        finish = getattr(sync, "finish_grad_sync", None) or sync.finish  # the verb GradSync shares with ZeRO
+    sync: DataParallelEngine = (ZeroEngine(model, stage, layout.group("dp_shard"), device) if stage else
+                                GradSync(model, layout.group("dp"), args.bucket_cap_mb))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    bind_optimizer(optimizer, [sync])
     for (tokens,) in loader:
         clock.mark()
         tokens = tokens.to(device)
         loss = model.loss(tokens[:, :-1], tokens[:, 1:])[0]
         optimizer.zero_grad()
         loss.backward()
-        finish()
+        sync.finish_grad_sync()
         optimizer.step()
-        if stage:
-            sync.after_step()
+        sync.after_step()
 
 
 def worker_one(rank: int, args: argparse.Namespace, port: int, accelerator: str) -> None:
