@@ -22,7 +22,7 @@ from lit_lm.moe import moe_layers, moe_metrics, update_router_bias
 from strategies.base import BaseStrategy
 from strategies.checkpoint import OPTIMIZER_FQNS
 from strategies.clip import clip_grad_norm_, local_grad_shards
-from strategies.plan import LossSeam
+from strategies.plan import step_loss_fn
 
 SCHEDULE_HORIZON = "lit_lm_schedule_horizon"  # the checkpoint's key for the LR schedule's horizon (steps)
 
@@ -211,9 +211,7 @@ class LanguageModel(L.LightningModule):
     def step_loss(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         """The step's (loss, ce), through the strategy's loss seam (`strategies.plan.LossSeam`): a pipeline runs its
         schedule, a context split feeds the model its share of the tokens; other strategies call `model.loss`."""
-        strategy = getattr(self._trainer, "strategy", None)
-        loss_fn = strategy.loss_fn(self.model) if isinstance(strategy, LossSeam) else self.model.loss
-        return loss_fn(inputs, targets)
+        return step_loss_fn(getattr(self._trainer, "strategy", None), self.model)(inputs, targets)
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         """The loss, logged at the steps Lightning writes (the ranks' mean: `sync_dist` is a collective, so the other

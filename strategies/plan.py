@@ -160,12 +160,18 @@ class LossSeam(Protocol):
     """A strategy that computes the loss of a step its own way (a pipeline runs its schedule, a context split feeds the
     model its share of the tokens). A LightningModule's step takes its loss function from the strategy,
 
-        loss, ce = trainer.strategy.loss_fn(self.model)(inputs, targets)
+        loss, ce = trainer.strategy.loss_fn(self.model)(inputs, targets)   # or step_loss_fn(strategy, model)
 
     which is `model.loss` itself where the strategy has nothing to add (dp, ZeRO, tp): calling `model.loss` directly
     keeps working there. Where it has (`StepLoss`), calling the model directly inside a step is refused."""
 
     def loss_fn(self, model: nn.Module) -> LossFn: ...
+
+
+def step_loss_fn(strategy: object, model: nn.Module) -> LossFn:
+    """The loss function of a step of `model` under `strategy`: its `loss_fn(model)` for a `LossSeam`, else (any other
+    Lightning strategy) `model.loss`."""
+    return strategy.loss_fn(model) if isinstance(strategy, LossSeam) else model.loss
 
 
 class StepLoss:

@@ -17,6 +17,7 @@ from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
 from lit_lm.parity import TINY, rank_share, token_data
 from lit_lm.spawn import free_port, run_distributed
+from strategies.plan import step_loss_fn
 
 __all__ = ["TINY", "Recorder", "TinyLM", "fit_tiny", "free_port", "rank_share", "run_distributed", "token_data"]
 
@@ -38,7 +39,7 @@ class TinyLM(L.LightningModule):
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         tokens = batch[0]
-        loss = self.model.loss(tokens[:, :-1], tokens[:, 1:])[0]
+        loss = step_loss_fn(self.trainer.strategy, self.model)(tokens[:, :-1], tokens[:, 1:])[0]  # the loss seam
         self.log("train_loss", loss, sync_dist=True)  # the mean over dp ranks = the global-batch loss
         return loss
 
