@@ -76,16 +76,3 @@ def _rank(rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str], i
             dist.destroy_process_group()
     torch.save(result, Path(out) / f"rank{rank}.pt")
 
-
-def _worker(rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str], init_process_group: bool,
-            out: str) -> None:
-    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    if init_process_group:
-        dist.init_process_group("gloo", rank=rank, world_size=int(env["WORLD_SIZE"]))
-    try:
-        result = fn(*args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    torch.save(result, Path(out) / f"rank{rank}.pt")
