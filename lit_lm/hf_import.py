@@ -55,6 +55,9 @@ def hf_name(name: str) -> str:
 FIELDS = {"vocab_size": "vocab_size", "hidden_size": "d_model", "intermediate_size": "d_ff",
           "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
           "rms_norm_eps": "norm_eps", "tie_word_embeddings": "tie_embeddings"}
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
 def is_hf_folder(path: PathLike) -> bool:
     """A folder holding a Hugging Face model: `config.json` and safetensors weights."""
     path = Path(path)
@@ -95,6 +98,9 @@ def model_config(folder: PathLike, base: Optional[ModelConfig] = None) -> ModelC
     if family not in FAMILIES:
         refuse("model_type", repr(family), f"lit-lm imports {', '.join(FAMILIES)} models (a decoder with RMSNorm, "
                "RoPE and SwiGLU)")
+    missing = [key for key in REQUIRED if key not in hf]
+    if missing:
+        refuse(missing[0], "(missing)", "a decoder's config.json states its shape")
     if hf.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", repr(hf["hidden_act"]), "lit-lm's MLP is SwiGLU (silu)")
     for flag in ("attention_bias", "mlp_bias"):  # Llama's biases on every projection; Qwen2's q/k/v ones are below

@@ -169,12 +169,13 @@ def _edit_config(folder: Path, **changes) -> None:
     path = folder / "config.json"
     config = json.loads(path.read_text())
     config.update(changes)
-    path.write_text(json.dumps(config))
+    path.write_text(json.dumps({k: v for k, v in config.items() if v is not None}))  # None: the key removed
 
 
 @pytest.mark.parametrize("changes, field", [
     ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "`model_type` 'gpt2'"),
     ({"head_dim": 16}, "`head_dim` 16"),
+    ({"intermediate_size": None}, "`intermediate_size` (missing)"),
     ({"hidden_act": "gelu"}, "`hidden_act` 'gelu'"),
     ({"attention_bias": True}, "`attention_bias` true"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "`rope_scaling` rope_type 'yarn'"),
