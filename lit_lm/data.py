@@ -131,9 +131,10 @@ def model_vocab_size(vocab_size: int, tokenizer_dir: Optional[str]) -> int:
 def check_vocabulary(tokenizer: Tokenizer, model_vocab: int) -> None:
     """A model must have a row for every token id (more rows are padding, never produced by the tokenizer)."""
     if model_vocab < tokenizer.vocab_size:
-        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is {model_vocab} "
-                          "(model.init_args.config.vocab_size, or init_from's config.json): it must be at least the "
-                          "tokenizer's; use the model's own tokenizer (data.init_args.tokenizer_dir) or a model as large")
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is "
+                          f"{model_vocab} (model.init_args.config.vocab_size, or init_from's config.json): it must be "
+                          "at least the tokenizer's; use the model's own tokenizer (data.init_args.tokenizer_dir) or "
+                          "a model as large")
 
 
 def _fingerprint(files: list[str], text_field: str, vocabulary: str) -> str:

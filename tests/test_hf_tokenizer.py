@@ -23,7 +23,8 @@ from lit_lm.tokenizer import (EOT, BPETokenizer, HFTokenizer, document_ids, load
 from test_cli import CORPUS, run_cli, tiny_args
 from test_tokenizer import RANGES
 
-TRAIN_TEXT = [CORPUS, "naïve café — «quotes» 日本語のテキスト 한국어 🙂👍🏽 e\u0301 tabs\t\tand  spaces\n" * 20,
+TRAIN_TEXT = [CORPUS, "naïve café — «quotes» 日本語のテキスト 한국어 🙂👍🏽 e\u0301 tabs\t\tand  spaces\n"
+              * 20,
               "The quick brown fox jumps over the lazy dog; they're sure it'll rain. 12345 $9.99!\n" * 20]
 
 
@@ -55,7 +56,8 @@ def llama_like(folder: Path, config: dict | None = None) -> Path:
     """The library BPE with Llama's layout: <s> and </s>, a post-processor that puts <s> before a sequence."""
     tok = train_library_bpe()
     tok.add_special_tokens(["<s>", "</s>"])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     if config is not None:
