@@ -41,6 +41,7 @@ SLOWEST_FIRST = [
     "test_compress_sharded.py::test_compression_matches_single_process_under_tp_with_zero",
     "test_checkpoint.py::test_resume_on_2_and_1_ranks_and_from_a_converted_file",
     "test_cli.py::test_fit_then_validate_from_checkpoint",
+    "test_hf_tokenizer.py::test_fit_with_a_library_tokenizer_then_generate_and_export_decode_with_it",
     "test_zero.py::test_zero3_on_3_ranks_with_uneven_and_empty_shards",
     "test_cli.py::test_zero2_on_two_ranks_resumes_exactly_on_one",
     "test_crash.py::test_save_killed_midway_leaves_the_previous_checkpoint",
