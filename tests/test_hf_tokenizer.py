@@ -115,6 +115,12 @@ def test_save_and_checkpoint_state_round_trip_with_transformers(tmp_path):
     text = "naïve 🙂 code = 1\n"
     assert auto.encode(text) == prompt_ids(llama, text)  # transformers' format is lit-lm's prompt
     assert (auto.bos_token_id, auto.eos_token_id) == (llama.bos_id, llama.eos_id)
+    # a folder as transformers saves a model's tokenizer: its tokenizer_config.json names the tokens
+    library = Tokenizer.from_file(str(tmp_path / "llama" / "tokenizer.json"))
+    transformers.LlamaTokenizerFast(tokenizer_object=library, bos_token="<s>", eos_token="</s>").save_pretrained(
+        tmp_path / "transformers")
+    theirs = load_tokenizer(tmp_path / "transformers")
+    assert (theirs.bos_id, theirs.eos_id) == (llama.bos_id, llama.eos_id) and theirs.encode(text) == llama.encode(text)
 
 
 def test_data_module_stream_is_bos_text_eos_per_document(tmp_path):
