@@ -11,7 +11,8 @@ every `every_n_steps` steps and one per validation during fit:
 
 The bar's metrics and the line are read from the device, so they are refreshed at logging steps (the bar) and
 at the line's steps only: between them a step runs without a host sync (align `every_n_steps` with the trainer's
-`log_every_n_steps`). tokens/s is `LanguageModel`'s, measured over the last logging interval.
+`log_every_n_steps`). tokens/s is `callbacks.throughput.Throughput`'s (LanguageModel adds it), measured over the last
+logging interval.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from lightning.pytorch.callbacks import RichProgressBar
 
 from callbacks.throughput import logs_this_batch
 
-SHOWN = ("train_loss", "tokens_per_s")  # logged by LanguageModel every step / interval, shown by the bar
+SHOWN = ("train_loss", "tokens_per_s")  # LanguageModel's loss, Throughput's tokens/s: shown by the bar
 
 
 class StepProgress(RichProgressBar):
