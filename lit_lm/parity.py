@@ -48,6 +48,7 @@ import contextlib
 import copy
 import importlib
 import math
+import pickle
 import re
 import shutil
 import tempfile
@@ -89,7 +90,8 @@ class Case:
     frozen: tuple[str, ...] = ()  # parameters (global names) with requires_grad=False, still in the optimizer
     lr: Optional[float] = None  # default: 0.1 (sgd), 3e-3 (adamw)
     mutation: Optional[Callable[[Any], None]] = None  # applied in every worker, undone after
-    callbacks: tuple[L.Callback, ...] = ()  # run on both sides; returned trained (e.g. to read what they recorded)
+    callbacks: tuple[L.Callback, ...] = ()  # run on both sides; returned trained (e.g. to read what they recorded;
+    # None for one that cannot be pickled back from a rank)
     label: str = ""
     resume: Optional["Case"] = None  # a one-process run (same model) saved as one file; this run continues it
     init_from: Optional[str] = None  # a Hugging Face model folder both sides start from (LanguageModel's init_from)
@@ -240,7 +242,18 @@ def fit_case(case: Case, devices: int = 1, ckpt_path: Optional[str] = None, save
         if save_to is not None:
             trainer.save_checkpoint(save_to)
         return {"losses": probe.losses, "rows": probe.rows, "dp_rank": probe.dp_rank, "sampler": probe.sampler,
-                "start": probe.start, "steps": probe.steps, "params": _state(trainer), "callbacks": callbacks}
+                "start": probe.start, "steps": probe.steps, "params": _state(trainer),
+                "callbacks": [c if _portable(c) else None for c in callbacks]}
+
+
+def _portable(callback: L.Callback) -> bool:
+    """Whether a trained callback can travel back from a rank (pickled): one that keeps the module (a user's
+    pruning callback, `lit-lm check`) comes back as None."""
+    try:
+        pickle.dumps(callback)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return False
+    return True
 
 
 @contextlib.contextmanager
