@@ -163,7 +163,7 @@ def markdown(run: dict[str, Any]) -> str:
     """Per engine: tokens/s of both loops (median, min-max over rounds), the paired ratio trainer / plain, and the
     paired difference of CPU time per step (rank 0's process), the Trainer's host work."""
     table, paired_runs = run["summary"], run["paired"]
-    lines = ["| engine | Trainer tokens/s | plain loop tokens/s | Trainer / plain, paired | within 3% | "
+    lines = ["| engine | Trainer tokens/s | plain loop tokens/s | Trainer / plain, paired | median within 3% | "
              "CPU ms per step, Trainer − plain, paired |", "|---|---|---|---|---|---|"]
     for engine, p in paired_runs.items():
         verdict = "yes" if p["tokens_per_s"]["median"] >= 1 - WITHIN else "no"
