@@ -214,14 +214,14 @@ class LanguageModel(L.LightningModule):
         return step_loss_fn(getattr(self._trainer, "strategy", None), self.model)(inputs, targets)
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        """The loss, logged at the steps Lightning writes (the ranks' mean: `sync_dist` is a collective, so the other
-        steps have none) as a device tensor (no host read: `prog_bar` would make Lightning read it every step;
-        `StepProgress` shows it at logging steps); the MoE statistics are summed on the device and logged as their
-        mean over each logging interval, read once."""
+        """The loss, logged every micro-batch as the ranks' mean (`sync_dist`: one scalar all-reduce queued on the
+        device, no host read; `prog_bar` would make Lightning read it every step, `StepProgress` shows it at logging
+        steps), so `callback_metrics["train_loss"]` is this batch's global loss for any callback that monitors it
+        (ModelCheckpoint, EarlyStopping, the parity harness); the MoE statistics are summed on the device and logged
+        as their mean over each logging interval, read once."""
         x, y = self._split(batch, batch_idx)
         loss, _ = self.step_loss(x, y)
-        if self._trainer is not None and logs_this_batch(self._trainer):
-            self.log("train_loss", loss.detach(), sync_dist=True)
+        self.log("train_loss", loss.detach(), sync_dist=True)
         self._log_moe_metrics()
         return loss
 
