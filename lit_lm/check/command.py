@@ -76,6 +76,8 @@ def _last_line(err: BaseException) -> str:
 
 def report(plan: CheckPlan, rtol: float, error: str = "") -> dict[str, Any]:
     """The summary of a plan whose runs are filled (or whose world failed with `error`)."""
+    if not plan.runs and not error:
+        error = "no run came back (run_checks was not called, or its error was not passed)"
     tied = plan.small.tie_embeddings
     results = []
     for run in plan.runs:

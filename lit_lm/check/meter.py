@@ -14,8 +14,8 @@ from strategies.comm import COMM_LOG
 from strategies.zero_engine import model_state_bytes
 
 # collectives of a few bytes that are not model traffic (metric sync, MoE load counts through the strategy's
-# reduce; the clipping norm): the planner does not count them
-CONTROL = ("strategy.reduce", "global grad norm")
+# reduce; the clipping norm; cp's loss): the planner does not count them
+CONTROL = ("strategy.reduce", "global grad norm", "cp loss")
 
 
 class Meter(L.Callback):
