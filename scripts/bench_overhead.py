@@ -49,6 +49,7 @@ from bench_strategies import (BenchLM, _env, _spawn, add_run_args, footer, forwa
                               make_trainer, model_config, token_loader)
 from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
+from strategies.ddp import DataParallelStrategy  # noqa: E402
 from strategies.dp_engine import DataParallelEngine, bind_optimizer  # noqa: E402
 from strategies.grad_sync import GradSync  # noqa: E402
 from strategies.layout import ParallelDims, ParallelLayout  # noqa: E402
@@ -102,7 +103,8 @@ def _stage(engine: str) -> int:
 
 def trainer_loop(engine: str, args: argparse.Namespace, config: ModelConfig, accelerator: str, device: torch.device,
                  clock: Clock) -> None:
-    strategy = make_strategy(engine, args.devices)
+    strategy = make_strategy(engine, args.devices) if _stage(engine) else DataParallelStrategy(
+        bucket_cap_mb=args.bucket_cap_mb)  # the plain loop's GradSync cap
     loader = token_loader(args, config, int(os.environ["LOCAL_RANK"]), args.devices)
     L.seed_everything(0, verbose=False)
     trainer = make_trainer(args, accelerator, strategy, [ClockCallback(clock)])
