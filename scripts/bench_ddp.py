@@ -96,6 +96,10 @@ class CommAlone(L.Callback):
         self.reps, self.op, self.label, self.sizes, self.seconds = reps, op, label, [], None
 
     @override
+    def on_train_batch_start(self, *args: Any) -> None:
+        COMM_LOG.reset()  # this step's collectives only
+
+    @override
     def on_train_batch_end(self, *args: Any) -> None:
         self.sizes = [r.numel for r in COMM_LOG.records if r.op == self.op and r.label.startswith(self.label)
                       ] or self.sizes  # not the no-op steps

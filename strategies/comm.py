@@ -52,10 +52,13 @@ def wire_factor(op: str, world: int) -> float:
 
 
 class CommLog:
-    """Counts collectives. `enabled` turns accounting off entirely; `history` keeps the last calls for hang reports."""
+    """Counts collectives. `enabled` turns accounting off entirely; `history` keeps the last calls for hang reports
+    (bounded). `records` keeps every call since the last `reset()` (a measurement starts with one): before any reset
+    nothing accumulates, so a long training run does not grow a list by one record per collective."""
 
     def __init__(self, history: int = 64) -> None:
         self.enabled = True
+        self.recording = False
         self.records: list[CommRecord] = []
         self.history: deque[CommRecord] = deque(maxlen=history)
 
@@ -64,11 +67,14 @@ class CommLog:
         if not self.enabled:
             return
         rec = CommRecord(op, group_name(group), dist.get_world_size(group), numel, numel * element_size, label)
-        self.records.append(rec)
+        if self.recording:
+            self.records.append(rec)
         self.history.append(rec)
 
     def reset(self) -> None:
+        """Start (or restart) counting: `records` and `summary()` cover the calls from here on."""
         self.records.clear()
+        self.recording = True
 
     def summary(self) -> dict[str, dict[str, float]]:
         """{op: {"calls", "numel", "bytes", "wire_bytes"}} over the records since the last reset."""

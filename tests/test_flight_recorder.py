@@ -14,6 +14,7 @@ from strategies.ddp import DataParallelStrategy
 
 
 def _train_and_save(ckpt_dir: str) -> dict:
+    COMM_LOG.reset()  # count from here (records accumulate only after a reset)
     fit_tiny(DataParallelStrategy(), devices=2, steps_per_epoch=2, max_steps=2,
              callbacks=(ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1),))
     return {"records": {(r.op, r.label) for r in COMM_LOG.records}, "history": format_history()}
@@ -29,3 +30,19 @@ def test_recorder_names_every_kind_of_collective(tmp_path: Path) -> None:
             assert expected in records, (expected, sorted(records))
         assert any(op == "dcp_save" and label.startswith("checkpoint save") for op, label in records)
         assert "[checkpoint save: published]" in rank["history"]  # the last thing each rank entered
+
+
+def test_records_accumulate_only_after_a_reset(monkeypatch) -> None:
+    """A training run that never measures keeps only the bounded history (no list growing by a record per
+    collective); a reset starts counting."""
+    from strategies import comm
+
+    monkeypatch.setattr(comm.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(comm, "group_name", lambda group: "dp")
+    log = comm.CommLog(history=4)
+    for _ in range(10):
+        log.add("all_reduce", None, 8, 4, "GradSync bucket")
+    assert log.records == [] and len(log.history) == 4
+    log.reset()
+    log.add("all_reduce", None, 8, 4)
+    assert len(log.records) == 1 and log.summary()["all_reduce"]["calls"] == 1

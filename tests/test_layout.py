@@ -142,7 +142,7 @@ def _layout_worker() -> dict:
     expert_mesh = layout.device_mesh("cpu", "edp", "ep")
     return {"dp": (layout.dp_rank, layout.dp_size), "tp": (layout.tp_rank, layout.tp_size), "tp_sum": summed.item(),
             "mesh": mesh.mesh.tolist(), "mesh_tp_rank": mesh.get_local_rank("tp"),
-            "expert_mesh": expert_mesh.mesh.tolist(), "group": comm.COMM_LOG.records[-1].group}
+            "expert_mesh": expert_mesh.mesh.tolist(), "group": comm.COMM_LOG.history[-1].group}
 
 
 def test_groups_on_4_processes() -> None:
