@@ -43,14 +43,17 @@ def sample_next(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] =
 
 @torch.no_grad()
 def stream(model: Transformer, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
-           top_k: Optional[int] = None, top_p: float = 1.0, generator: Optional[torch.Generator] = None
-           ) -> Iterator[Tensor]:
+           top_k: Optional[int] = None, top_p: float = 1.0, generator: Optional[torch.Generator] = None,
+           vocab_size: Optional[int] = None) -> Iterator[Tensor]:
     """Yield (B, 1) new token ids one step at a time after the prompt idx (B, T); padded vocabulary rows are
-    never chosen. The prompt is run once, then each step runs only the new position against the KV cache."""
+    never chosen, nor (`vocab_size`: the tokenizer's) rows past the tokenizer's last id, which an imported model
+    may have (Qwen2: 151,936 rows for 151,665 ids) and nothing could decode. The prompt is run once, then each
+    step runs only the new position against the KV cache."""
     cache = [KVCache() for _ in model.blocks]
     step_input = idx
+    rows = min(model.config.vocab_size, vocab_size or model.config.vocab_size)
     for _ in range(max_new_tokens):
-        logits = model(step_input, cache=cache)[:, -1, : model.config.vocab_size]
+        logits = model(step_input, cache=cache)[:, -1, :rows]
         step_input = sample_next(logits, temperature, top_k, top_p, generator)
         yield step_input
 
@@ -105,7 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sys.stdout.write(("\n\n" if n else "") + prompt)
         text = tokenizer.stream(ids)  # a token may end inside a character
         for token in stream(model, torch.tensor([ids], device=args.device), args.max_new_tokens, args.temperature,
-                            args.top_k, args.top_p, generator):
+                            args.top_k, args.top_p, generator, vocab_size=tokenizer.vocab_size):
             if int(token) == tokenizer.eos_id:
                 break
             sys.stdout.write(text.step(int(token)))

@@ -174,6 +174,10 @@ class ParamIndex:
         by_param = {rec.param: rec for rec in self.records}
         self.aliases = {name: by_param[p] for name, p in module.named_parameters(remove_duplicate=False)}
         self.by_name = {rec.name: rec for rec in self.records}
+        # what `finish_split_grads` touches, found once (a dense dp-only step then walks nothing)
+        self._experts = [rec for rec in self.records if rec.expert]
+        self._tp_partial = [rec for rec in self.records if rec.tp_partial]
+        self._tied = [rec for rec in self.records if rec.tied]
 
     def named_grads(self) -> list[GradPart]:
         return [GradPart(rec.name, rec.global_shape, rec.index, rec.grad) for rec in self.records]
@@ -197,12 +201,12 @@ class ParamIndex:
         all-to-all summed the ep peers' tokens), tp partial gradients summed (norms under SP), the tied
         embedding/head summed over the first and last stage."""
         ep = layout.size("ep")
-        experts = [rec.grad for rec in self.records if rec.expert and rec.grad is not None]
-        if ep > 1 and experts:
+        experts = [rec.grad for rec in self._experts if rec.grad is not None] if ep > 1 else []
+        if experts:
             torch._foreach_div_(experts, ep)
         if layout.tp_size > 1:
-            sum_partial_grads([rec.grad for rec in self.records if rec.tp_partial], layout.tp_group)
-        for rec in (rec for rec in self.records if rec.tied):
+            sum_partial_grads([rec.grad for rec in self._tp_partial], layout.tp_group)
+        for rec in self._tied:
             if rec.grad is None:
                 rec.optimized.grad = torch.zeros_like(rec.optimized)
             comm.all_reduce(rec.grad, layout.group("pp_embedding"), label="pp tied embedding")

@@ -147,6 +147,22 @@ def test_generate_greedy_is_deterministic():
     assert int(sampled.max()) < 61
 
 
+def test_generate_never_picks_ids_past_the_tokenizer():
+    """An imported model may have more embedding rows than its tokenizer has ids (Qwen2: 151,936 for 151,665):
+    with the tokenizer's size given, those rows are never chosen, even when their logits are the largest."""
+    torch.manual_seed(0)
+    model = Transformer(tiny()).eval()
+    bias = torch.zeros(model.lm_head.out_features)
+    bias[50:61] = 1e3  # rows 50.. dominate whatever the input
+    model.lm_head.bias = torch.nn.Parameter(bias)
+    prompt = torch.randint(0, 50, (2, 4))
+    assert int(generate(model, prompt, 4, temperature=0.0)[:, 4:].min()) >= 50  # they win without the cut
+    out = generate(model, prompt, 6, temperature=0.0, vocab_size=50)
+    assert int(out.max()) < 50
+    sampled = generate(model, prompt, 6, temperature=1.0, generator=torch.Generator().manual_seed(0), vocab_size=50)
+    assert int(sampled.max()) < 50
+
+
 @pytest.mark.parametrize("window", [None, 3])
 def test_kv_cache_decoding_equals_the_full_forward(window):
     """Logits of each position fed one at a time through the cache (after a prompt) equal the full forward's,
