@@ -28,8 +28,13 @@ Where the figures come from, so that they match what the strategies allocate and
 - communication: the collectives the strategies issue, in the accounting layer's terms (`strategies.comm`: the
   full logical tensor per call; on the wire times `wire_factor`): all-reduce 2(N-1)/N Φ, ZeRO-3 3(N-1)/N Φ,
   tensor parallelism 2 collectives per region (attention, a dense MLP) per step each way, pipelines their
-  activations, experts 4 all-to-alls per MoE layer, MoE global balancing an all-gather of the per-expert counts over
-  dp per layer and forward; the bubble from `strategies.pp_schedules.bubble_theory`;
+  activations (a send and its recv each), cp's K/V and fp32 dK/dV per attention layer (the ring's sends and their
+  recvs, or all-gathers and a reduce-scatter: `strategies.cp.comm_theory`'s volumes), experts 4 all-to-alls of
+  token rows and one of the counts per MoE layer and forward (the rows under balanced routing: an expectation,
+  met by the mean over an ep group's ranks), MoE global balancing an all-gather of the per-expert counts over dp
+  per layer and forward; gradient finishes after the dp reduce (tp partial sums, a tied embedding over the first
+  and last stage) on this rank's ZeRO rows only; the forwards activation checkpointing recomputes are not counted;
+  the bubble from `strategies.pp_schedules.bubble_theory`;
 - MoE layers under tensor parallelism: the model's plan replicates them over tp (`batch` style, sequence
   parallelism off): every tp rank holds every expert (or its ep share) and computes the layer whole, so its FLOPs
   are not divided by tp (`RankEstimate.replicated_flops`: the part the tp peers repeat).
@@ -421,7 +426,7 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
         if work.checkpointing == "full":  # every block's forward again (2N of 6N); selective recomputes no matmul
             rank.recompute_flops = (rank.flops + rank.replicated_flops) / 3
         _activation_comm(rank, r, cfg, layout, chunks, first, last, mb, t, local_batch, work.accumulate, abytes,
-                         pbytes)
+                         pbytes, dp_group)
         ranks.append(rank)
     bubble = bubble_theory(layout.schedule, p, m, v) if p > 1 else 0.0
     return Estimate(work, layout, ranks, bubble, layout.refusal(moe=cfg.moe_experts > 0))
@@ -464,8 +469,14 @@ def _split(n_layers: int, p: int, v: int) -> list[list[int]]:
 
 def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout: ParallelConfig,
                      chunks: list[list[int]], first: bool, last: bool, mb: int, t: int, local_batch: int,
-                     accumulate: int, abytes: int, pbytes: int) -> None:
-    """The collectives that move activations: tp region borders, pipeline sends, cp ring, ep all-to-alls."""
+                     accumulate: int, abytes: int, pbytes: int, dp_group: int) -> None:
+    """The collectives that move activations: tp region borders, pipeline sends, cp ring, ep all-to-alls; and the
+    gradient finishes after the data-parallel reduce (tp partial sums, the tied embedding over pp), which under
+    ZeRO reduce only this rank's rows of its `dp_group` shard (the engine's optimized tensor)."""
+
+    def rows(n: int) -> int:  # of a tensor's n rows, those the gradient finish reduces on this rank
+        return _chunk(n, dp_group) if layout.zero_stage else n
+
     layers = [i for c in chunks for i in c]
     act = local_batch * t * cfg.d_model * abytes  # one (B, T, d) activation of the whole local batch
     tokens = local_batch * t
@@ -482,8 +493,7 @@ def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout:
             partial = 0
         partial += 2 * len(layers) * cfg.head_dim if cfg.qk_norm else 0
         if partial:  # one all-reduce of the partial gradients (under ZeRO: this rank's dp rows of each)
-            rows = _chunk(cfg.d_model, layout.dims().dp_shard) if layout.zero_stage else cfg.d_model
-            rank.add_comm("tp", "all_reduce", partial * rows // cfg.d_model * pbytes, layout.tp)
+            rank.add_comm("tp", "all_reduce", partial * rows(cfg.d_model) // cfg.d_model * pbytes, layout.tp)
         if last:  # loss-parallel cross-entropy: max, sum-exp and target logit per token, fp32
             rank.add_comm("tp", "all_reduce", 3 * tokens * 4, layout.tp)
     if layout.pp > 1:
@@ -496,18 +506,29 @@ def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout:
             rank.add_comm("pp", "send", accumulate * sends * n * one // layout.tp, p)
             rank.add_comm("pp", "recv", accumulate * sends * n * one // layout.tp, p)
         rank.add_comm("pp", "all_reduce", accumulate * 2 * 4, p)  # the batch loss and ce (+ stages' aux)
-        if cfg.tie_embeddings and (first or last):
-            emb = _chunk(cfg.padded_vocab_size, layout.tp) * cfg.d_model
+        if cfg.tie_embeddings and (first or last):  # the vocabulary rows of this tp rank (of its ZeRO shard)
+            emb = rows(_chunk(cfg.padded_vocab_size, layout.tp)) * cfg.d_model
             rank.add_comm("pp_embedding", "all_reduce", emb * pbytes, 2)
-    if layout.cp > 1:  # ring attention: k, v passed around the ring forward, and with their gradients backward
-        kv = cfg.n_kv_heads * cfg.head_dim // layout.tp
-        rank.add_comm("cp", "send", 3 * (layout.cp - 1) * len(layers) * 2 * local_batch * t * kv * abytes,
-                      layout.cp)
+    if layout.cp > 1:
+        # stack(k, v) of this rank's share per attention call, its gradient in fp32 (`strategies.cp`)
+        kv = len(layers) * 2 * local_batch * t * cfg.n_kv_heads * cfg.head_dim // layout.tp
+        if layout.cp_method == "ring":  # each pass is one send and one recv of the block (`comm.p2p_batch`)
+            # forward: K/V passed cp - 1 times; backward: again cp - 1 times, and the dK/dV accumulator cp times
+            # (its last hop brings each rank's own block home)
+            ring = kv * (2 * (layout.cp - 1) * abytes + layout.cp * 4)
+            rank.add_comm("cp", "send", ring, layout.cp)
+            rank.add_comm("cp", "recv", ring, layout.cp)
+        else:  # allgather: K/V gathered forward and again backward; the fp32 dK/dV shares reduce-scattered
+            rank.add_comm("cp", "all_gather", 2 * layout.cp * kv * abytes, layout.cp)
+            rank.add_comm("cp", "reduce_scatter", layout.cp * kv * 4, layout.cp)
     moe = [i for i in layers if cfg.is_moe_layer(i)]
+    forwards = accumulate * (layout.microbatches if layout.pp > 1 else 1)  # (recomputed forwards not counted)
     if layout.ep > 1:
-        rows = tokens * cfg.moe_top_k * cfg.d_model * abytes  # dispatched rows (dropless, balanced routing)
-        rank.add_comm("ep", "all_to_all", len(moe) * (4 * rows + cfg.moe_experts * 8), layout.ep)
+        # per layer and forward the per-expert counts (int64); the token rows, dispatch and combine forward and
+        # backward: a rank sends its own tokens' rows (dropless) and the rows it received, as many under balanced
+        # routing: the expectation, exact for the ep group's mean (what every rank sends, the group receives)
+        dispatched = tokens * cfg.moe_top_k * cfg.d_model * abytes
+        rank.add_comm("ep", "all_to_all", len(moe) * (4 * dispatched + forwards * cfg.moe_experts * 8), layout.ep)
     dp = layout.dims().dp
     if moe and cfg.moe_balance == "global" and dp > 1:  # each forward's per-expert counts (int64) over the batch
-        forwards = accumulate * (layout.microbatches if layout.pp > 1 else 1)  # (recomputed forwards not counted)
         rank.add_comm("dp", "all_gather", forwards * len(moe) * dp * cfg.moe_experts * 8, dp)

@@ -69,6 +69,9 @@ def test_every_preset_passes(world: int, presets: list[str]) -> None:
         assert all(run["params"] and all(row["error"] <= 1e-5 for row in run["params"]) for run in r["runs"]), preset
         comm = r["costs"].get("comm")
         assert comm and any(c["measured"] for c in comm), (preset, r["costs"])  # collectives were measured
+        # the planner counts what the accounting layer counts (ep's all-to-all: its expectation, the ranks' mean)
+        assert all(c["agree"] for c in comm), (preset, [c for c in comm if not c["agree"]])
+        assert r["costs"]["memory"]["measured"] == r["costs"]["memory"]["estimate"], (preset, r["costs"]["memory"])
 
 
 # mutant, config, what the verdict must name: a parameter (regex) with its ratio of norms, or the norm or rows;

@@ -16,11 +16,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dist_utils import TINY, TinyLM, rank_share, run_distributed, token_data
+from lit_lm.check.meter import CONTROL
 from lit_lm.config import ModelConfig
 from lit_lm.estimate import Workload, estimate, flops_per_token, peak_in_flight
 from lit_lm.model import Transformer
 from strategies.comm import COMM_LOG
 from strategies.composed import ComposedStrategy
+from strategies.cp import METHODS, comm_theory
 from strategies.layout import ParallelConfig
 from strategies.pp_schedules import build_schedule
 from strategies.zero_engine import model_state_bytes
@@ -37,6 +39,8 @@ LAYOUTS = {  # name: the configuration on 4 ranks, estimated and run (`ComposedS
     "pp2_1f1b": ParallelConfig(dp_shard=2, pp=2, schedule="1f1b", microbatches=4),
     "pp2_gpipe": ParallelConfig(dp_shard=2, pp=2, schedule="gpipe", microbatches=2),
     "tp2_moe_zero1": ParallelConfig(dp_shard=2, tp=2, sequence_parallel=False, zero_stage=1),
+    "cp2_ring": ParallelConfig(dp_shard=2, cp=2, cp_method="ring"),  # the ring's sends and recvs, K/V and dK/dV
+    "cp2_allgather_zero2": ParallelConfig(dp_shard=2, cp=2, cp_method="allgather", zero_stage=2),
 }
 # block 0 dense, blocks 1-3 MoE (replicated over tp: the model's plan), a shared expert; experts as wide as the MLP
 # (at moe_d_ff 16 the routing's small tensors the estimate leaves out pass 10% of this tiny model's activations)
@@ -111,7 +115,7 @@ class Measure(L.Callback):
         self.saved.__exit__()
         comm: dict[tuple[str, str], int] = {}
         for r in COMM_LOG.records:
-            if r.label == "strategy.reduce":  # Lightning's metric sync (`sync_dist=True`): not model traffic
+            if r.label in CONTROL:  # metric sync, the clip norm, cp's loss: a few bytes, as `lit-lm check` leaves out
                 continue
             comm[(r.group, r.op)] = comm.get((r.group, r.op), 0) + r.nbytes
         self.out.update(activations=self.saved.peak, comm=comm)
@@ -122,7 +126,7 @@ def _measure(names: list[str]) -> list[dict[str, Any]]:
     for name in names:
         layout = LAYOUTS[name]
         rank = int(os.environ["LOCAL_RANK"])
-        dp_rank = rank // layout.tp % layout.dp
+        dp_rank = rank // (layout.tp * layout.cp) % layout.dp  # cp peers read the same rows (each its zigzag share)
         data = rank_share(token_data(2 * GLOBAL_BATCH) % MODEL["vocab_size"], GLOBAL_BATCH, dp_rank, layout.dp)
         loader = DataLoader(TensorDataset(data), batch_size=GLOBAL_BATCH // layout.dp)
         L.seed_everything(0, verbose=False)
@@ -145,9 +149,9 @@ def test_estimate_matches_measurement_of_every_strategy() -> None:
         est = estimate(work, layout)
         assert est.refused is None, name
         for rank, measured in enumerate(r[i] for r in ranks):
-            pp_rank, dp_rank = rank // (layout.dp * layout.tp), rank // layout.tp % layout.dp
-            expected = est.ranks[pp_rank]
-            if dp_rank == 0 and rank % layout.tp == 0:  # the largest shards: torch.chunk gives rank 0 ceil rows
+            expected = est.ranks[rank // (layout.dp * layout.cp * layout.tp)]  # its pipeline rank's
+            if rank // layout.tp % (layout.dp * layout.cp) == 0 and rank % layout.tp == 0:  # the largest shards:
+                # torch.chunk gives rank 0 of the ZeRO group (dp x cp) the ceil rows
                 state = measured["state"]
                 assert (state["params"], state["grads"], state["optimizer"]) == \
                     (expected.params, expected.grads, expected.optimizer), (name, rank)
@@ -275,3 +279,17 @@ def test_saved_activations_of_one_process(precision: str, moe: bool) -> None:
         model.loss(tokens[:, :-1], tokens[:, 1:])
     expected = estimate(Workload(cfg, 32, batch, precision), ParallelConfig()).ranks[0].activations
     assert saved.peak == pytest.approx(expected, rel=0.1 if moe else 0.01)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_cp_wire_bytes_follow_the_attention_theory(method: str) -> None:
+    """The estimate's cp records (per op, as the accounting layer counts them) send on the wire what
+    `strategies.cp.comm_theory` says one attention call sends, once per layer; under the ring each send has its
+    recv (which puts nothing more on the wire)."""
+    cfg, cp = ModelConfig(**dict(MODEL, max_seq_len=SEQ)), 4
+    est = estimate(Workload(cfg, SEQ, GLOBAL_BATCH, "bf16-mixed"), ParallelConfig(dp_shard=2, cp=cp, cp_method=method))
+    kv_numel = 2 * GLOBAL_BATCH // 2 * SEQ // cp * cfg.n_kv_heads * cfg.head_dim
+    assert est.wire_bytes("cp") == cfg.n_layers * sum(comm_theory(method, cp, kv_numel, 2).values())
+    comm = est.ranks[0].comm
+    if method == "ring":
+        assert comm[("cp", "send")] == comm[("cp", "recv")] == est.wire_bytes("cp")

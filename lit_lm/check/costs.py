@@ -22,13 +22,14 @@ def costs(plan: CheckPlan, run: dict[str, Any]) -> dict[str, Any]:
     small = _estimate(plan, plan.small, case.global_batch * plan.accumulate, "32-true")
     full = _estimate(plan, plan.model, plan.batch_size * plan.dims.get("dp", plan.world) * plan.accumulate,
                      plan.precision if plan.precision in PRECISIONS else "32-true")
-    measured = _step_comm(meters, plan.accumulate)
+    steps = [_step_comm(m, plan.accumulate) for m in meters]
+    measured = {k: max(s.get(k, 0) for s in steps) for s in steps for k in s}
     if isinstance(small, str):
         out["estimate_error"] = small
     else:
         keys = sorted(set(measured) | {k for r in small.ranks for k in r.comm})
-        out["comm"] = [{"group": g, "op": op, "measured": measured.get((g, op), 0),
-                        "estimate": max(r.comm.get((g, op), 0) for r in small.ranks)} for g, op in keys]
+        out["comm"] = [_comm_row(g, op, measured.get((g, op), 0), max(r.comm.get((g, op), 0) for r in small.ranks),
+                                 _stage_mean(steps, meters, (g, op))) for g, op in keys]
         state = [m.state[-1] for m in meters if m.state]
         out["memory"] = {"measured": max((s["total"] for s in state), default=0),
                          "estimate": max(r.model_state for r in small.ranks)}
@@ -53,17 +54,37 @@ def _estimate(plan: CheckPlan, cfg: Any, global_batch: int, precision: str) -> A
         return f"no estimate: {err}"
 
 
-def _step_comm(meters: list[Meter], accumulate: int) -> dict[tuple[str, str], int]:
-    """Bytes per (group, op) of the last optimizer step, the largest over the ranks."""
-    out: dict[tuple[str, str], int] = {}
-    for m in meters:
-        step: dict[tuple[str, str], int] = {}
-        for batch in m.batches[-accumulate:]:
-            for key, nbytes in batch["comm"].items():
-                step[key] = step.get(key, 0) + nbytes
-        for key, nbytes in step.items():
-            out[key] = max(out.get(key, 0), nbytes)
-    return out
+# ops whose bytes depend on the data: the planner's figure is their expectation, which the mean over the ranks of a
+# pipeline stage meets exactly (ep's all-to-all: every rank sends its own tokens' rows, and the rows it received,
+# which under imbalanced routing are more on some ranks and fewer on others, the same in total)
+EXPECTED = {"all_to_all"}
+
+
+def _comm_row(group: str, op: str, measured: int, estimate: int, mean: float) -> dict[str, Any]:
+    """One (group, op): the most bytes a rank moved, the planner's figure and whether they agree; for an op of
+    `EXPECTED` the ranks' mean is what agrees."""
+    row = {"group": group, "op": op, "measured": measured, "estimate": estimate, "agree": measured == estimate}
+    if op in EXPECTED:
+        row.update(mean=mean, agree=abs(mean - estimate) < 0.5)
+    return row
+
+
+def _step_comm(meter: Meter, accumulate: int) -> dict[tuple[str, str], int]:
+    """Bytes per (group, op) of a rank's last optimizer step."""
+    step: dict[tuple[str, str], int] = {}
+    for batch in meter.batches[-accumulate:]:
+        for key, nbytes in batch["comm"].items():
+            step[key] = step.get(key, 0) + nbytes
+    return step
+
+
+def _stage_mean(steps: list[dict[tuple[str, str], int]], meters: list[Meter], key: tuple[str, str]) -> float:
+    """The mean over each pipeline stage's ranks of their bytes for `key`, the largest over the stages (the
+    planner's figure is per stage)."""
+    stages: dict[int, list[int]] = {}
+    for step, m in zip(steps, meters):
+        stages.setdefault(m.pp_rank, []).append(step.get(key, 0))
+    return max((statistics.fmean(b) for b in stages.values()), default=0.0)
 
 
 def _times(meters: list[Meter], single: Meter, accumulate: int) -> dict[str, Optional[float]]:

@@ -80,8 +80,10 @@ def render(report: dict[str, Any], console: Console) -> None:
         for col in ("group", "op", "measured", "planner", "agree"):
             table.add_column(col, justify="left" if col in ("group", "op") else "right")
         for c in costs["comm"]:
-            table.add_row(c["group"], c["op"], _count(c["measured"]), _count(c["estimate"]),
-                          "yes" if c["measured"] == c["estimate"] else "[yellow]no[/]")
+            agree = "yes" if c["agree"] else "[yellow]no[/]"
+            if "mean" in c:  # a data-dependent op: the planner's expectation against the ranks' mean
+                agree += f" (mean {_count(round(c['mean']))})"
+            table.add_row(c["group"], c["op"], _count(c["measured"]), _count(c["estimate"]), agree)
         console.print(table)
     if costs.get("memory"):
         m = costs["memory"]
