@@ -294,15 +294,16 @@ def saved_checkpoint(case: Optional[Case]) -> Optional[str]:
     if case is None:
         return None
     if case.key not in _SAVED:
-        if not _SAVED:
-            atexit.register(shutil.rmtree, _SAVE_DIR, ignore_errors=True)
-        path = f"{_SAVE_DIR}/{len(_SAVED)}.ckpt"
+        if not _SAVE_DIR:  # made on first use (importing the harness leaves nothing behind)
+            _SAVE_DIR.append(tempfile.mkdtemp(prefix="parity-ckpt-"))
+            atexit.register(shutil.rmtree, _SAVE_DIR[0], ignore_errors=True)
+        path = f"{_SAVE_DIR[0]}/{len(_SAVED)}.ckpt"
         fit_case(case.reference(), save_to=path)
         _SAVED[case.key] = path
     return _SAVED[case.key]
 
 
-_SAVE_DIR = tempfile.mkdtemp(prefix="parity-ckpt-")
+_SAVE_DIR: list[str] = []  # the session's checkpoint folder, once made
 
 
 def reference(case: Case) -> dict[str, Any]:
