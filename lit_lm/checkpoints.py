@@ -58,11 +58,12 @@ def find_last(*folders: PathLike) -> Optional[Path]:
     return max(done, key=lambda p: (done[p], p.name.startswith("last"))) if done else None
 
 
-def prepare_run(trainer: Trainer, ckpt_path: Optional[str], module: Any) -> Optional[str]:
+def prepare_run(trainer: Trainer, ckpt_path: Optional[str], module: Any, fitting: bool = False) -> Optional[str]:
     """Give the trainer's checkpoint callbacks their stable folder, let its strategy read and atomically write
     any format, resolve `ckpt_path` (`last` = the newest complete checkpoint, or a fresh start when there is
     none), let `module` take the checkpoint's values of the config fields it left to derivation
-    (`adopt_checkpoint_config`) and refuse a checkpoint of another model. Returns the path to load."""
+    (`adopt_checkpoint_config`) and refuse a checkpoint of another model; a fresh fit says which earlier
+    checkpoints it will replace. Returns the path to load."""
     folder = Path(trainer.default_root_dir) / CHECKPOINTS
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath is None:
@@ -81,6 +82,8 @@ def prepare_run(trainer: Trainer, ckpt_path: Optional[str], module: Any) -> Opti
                        "(model.init_args.init_from: a fresh optimizer at step 0; nothing to resume)")
         module.start_from(ckpt_path)
         return None
+    if ckpt_path is None and fitting:
+        _say_what_a_fresh_run_replaces(trainer)
     config = getattr(module, "config", None)
     if ckpt_path is not None and isinstance(config, ModelConfig) and ckpt_path not in ("best", "hpc"):
         saved = read_hyper_parameters(ckpt_path).get("config")
@@ -88,6 +91,17 @@ def prepare_run(trainer: Trainer, ckpt_path: Optional[str], module: Any) -> Opti
             module.adopt_checkpoint_config(saved)
         check_architecture(ckpt_path, module.config)
     return ckpt_path
+
+
+def _say_what_a_fresh_run_replaces(trainer: Trainer) -> None:
+    """A fresh fit into a folder that holds an earlier run's checkpoints writes over them (`last.ckpt`, the same
+    step names): said in one line, with how to keep them, before any step runs."""
+    folders = sorted({c.dirpath for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)})
+    last = find_last(*folders)
+    if last is not None:
+        rank_zero_info(f"[lit-lm] {last.parent} holds an earlier run's checkpoints (newest {last.name}): this run "
+                       "starts from step 0 and replaces them as it saves; to continue that run pass --ckpt_path "
+                       "last, to keep both set --trainer.default_root_dir runs/<name>")
 
 
 def read_checkpoint(path: PathLike) -> dict[str, Any]:

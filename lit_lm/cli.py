@@ -77,7 +77,7 @@ class LitLMCLI(LightningCLI):
         """lit-lm's checkpoint handling (`lit_lm.checkpoints.prepare_run`) and the predictions file around
         Lightning's run."""
         kwargs = self.config_init[subcommand]
-        kwargs["ckpt_path"] = prepare_run(self.trainer, kwargs.get("ckpt_path"), self.model)
+        kwargs["ckpt_path"] = prepare_run(self.trainer, kwargs.get("ckpt_path"), self.model, subcommand == "fit")
         if subcommand == "predict":
             predictions = Path(self.trainer.default_root_dir) / "predictions.jsonl"
             self.trainer.callbacks.append(generate.GenerationWriter(predictions))

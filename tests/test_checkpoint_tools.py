@@ -189,3 +189,26 @@ def test_fit_and_plan_print_that_count(run):
     assert plan.stdout.startswith(f"{n / 1e6:.3g}M parameters")
     assert f"a {n / 1e6:.2f}M-parameter Transformer" in (REPO / "configs/default.yaml").read_text()
 
+
+
+def test_a_fresh_fit_says_which_checkpoints_it_replaces(tmp_path, monkeypatch):
+    """`lit-lm fit` without --ckpt_path into a folder holding an earlier run's checkpoints overwrites them as it saves:
+    one line says so (and how to keep them) before any step; nothing is said when the folder is empty, or for
+    validate."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lit_lm import checkpoints
+
+    lines: list[str] = []
+    monkeypatch.setattr(checkpoints, "rank_zero_info", lines.append)
+    trainer = L.Trainer(default_root_dir=tmp_path, callbacks=[ModelCheckpoint()], logger=False, accelerator="cpu",
+                        devices=1, enable_progress_bar=False)
+    assert checkpoints.prepare_run(trainer, None, object(), fitting=True) is None and lines == []
+    (tmp_path / "checkpoints").mkdir()
+    torch.save({"state_dict": {}}, tmp_path / "checkpoints" / "last.ckpt")
+    checkpoints.prepare_run(trainer, None, object(), fitting=False)  # validate / predict: nothing is written over
+    assert lines == []
+    checkpoints.prepare_run(trainer, None, object(), fitting=True)
+    assert len(lines) == 1 and "holds an earlier run's checkpoints (newest last.ckpt)" in lines[0], lines
+    assert "--ckpt_path last" in lines[0] and "--trainer.default_root_dir" in lines[0]
