@@ -269,3 +269,47 @@ def test_init_from_without_its_tokenizer_is_warned_about(hf_dirs):
             if not warned:
                 warnings.simplefilter("error")
             module.on_fit_start()
+
+
+def _proc_status_bytes(key: str) -> int:
+    """A line of /proc/self/status (kB) in bytes: VmRSS now, VmHWM its peak since the last clear_refs."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+class ImportPeak(L.Callback):
+    """This rank's peak resident memory while the strategy builds and fills its part of the model: the peak is reset
+    (Linux `clear_refs` 5) at the callbacks' `setup`, before `configure_model` and the strategy's materialisation,
+    and read at `on_fit_start`, after them and before any step (the harness's own probes, which gather whole
+    weights for their checks, run later)."""
+
+    def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
+        Path("/proc/self/clear_refs").write_text("5")
+        self.before = _proc_status_bytes("VmRSS")
+
+    def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.peak = _proc_status_bytes("VmHWM") - self.before
+
+
+@pytest.mark.xfail(strict=True, reason="known defect (issue #27 left open): each rank's resident peak grows by "
+                   "~0.85-1.0x the whole model during the import although it reads only a quarter of the bytes "
+                   "(test_zero3_rank_reads_its_rows_only); not yet found where the memory goes")
+def test_zero3_import_peak_memory_stays_below_the_model(tmp_path):
+    """A model of ~94 MB (fp32) imported under ZeRO-3 x 4: each rank's peak resident memory during the import grows
+    by well under the whole model's bytes (its quarter of the rows, one parameter at a time materialised, the file
+    pages it read), where a rank reading or building the whole model would grow by more than it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError as e:  # not Linux, or a sandbox that forbids resetting the peak: nothing to measure with
+        pytest.skip(f"cannot reset the peak resident size: {e}")
+    shape = {**SHAPE, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 6,
+             "num_attention_heads": 8, "num_key_value_heads": 4}
+    save_hf(tmp_path, transformers.LlamaConfig(**shape))
+    whole = sum(p.numel() * p.element_size() for p in load_model(tmp_path).parameters())
+    case = Case(partial(ZeroStrategy, stage=3), steps=1, global_batch=4, init_from=str(tmp_path),
+                callbacks=(ImportPeak(),))
+    ranks = run_distributed(_fit_cases, 4, [case], 4, [None], init_process_group=False)
+    peaks = [r[0]["callbacks"][0].peak for r in ranks]
+    assert whole > 80e6 and max(peaks) < whole / 2, f"peak growth per rank {peaks} for a model of {whole} bytes"
