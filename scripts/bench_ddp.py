@@ -187,6 +187,20 @@ def markdown(run: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def table_one_or_rounds(args: argparse.Namespace, markdown: Callable[[dict[str, Any]], str],
+                        contenders: Callable[[argparse.Namespace], dict[str, list[str]]],
+                        worker_one: Callable[..., None]) -> Optional[list]:
+    """`--table`: print a saved run; `--one`: run one contender (what the alternating runner calls); both return
+    None. Otherwise every contender over the shuffled rounds: the rounds."""
+    if args.table:
+        print(markdown(json.loads(Path(args.table).read_text())))
+        return None
+    if args.one:
+        _spawn(worker_one, args)
+        return None
+    return run_rounds(contenders(args), args.rounds, args.seed)
+
+
 def bench_main(p: argparse.ArgumentParser, argv: Optional[list[str]], kinds: list[str], out: str,
                markdown: Callable[[dict[str, Any]], str], contenders: Callable[[argparse.Namespace], dict[str, list[str]]],
                worker_one: Callable[..., None]) -> None:
@@ -198,13 +212,9 @@ def bench_main(p: argparse.ArgumentParser, argv: Optional[list[str]], kinds: lis
     p.add_argument("--out", default=out)
     p.add_argument("--table", help="print a saved run (its --out JSON) as Markdown, and exit")
     args = p.parse_args(argv)
-    if args.table:
-        print(markdown(json.loads(Path(args.table).read_text())))
+    rounds = table_one_or_rounds(args, markdown, contenders, worker_one)
+    if rounds is None:
         return
-    if args.one:
-        _spawn(worker_one, args)
-        return
-    rounds = run_rounds(contenders(args), args.rounds, args.seed)
     run = {"args": vars(args), "phi": model_config(args).num_params()}
     write_json(args.out, rounds, summarize(rounds), **run)
     print(markdown(json.loads(Path(args.out).read_text())))

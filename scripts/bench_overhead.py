@@ -43,9 +43,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ddp import _spread  # noqa: E402
-from bench_runner import MARK, paired, run_rounds, summarize, write_json  # noqa: E402
-from bench_strategies import (BenchLM, _env, _spawn, add_run_args, footer, forwarded, make_strategy,  # noqa: E402
+from bench_ddp import _spread, table_one_or_rounds  # noqa: E402
+from bench_runner import MARK, paired, summarize, write_json  # noqa: E402
+from bench_strategies import (BenchLM, _env, add_run_args, footer, forwarded, make_strategy,  # noqa: E402
                               make_trainer, model_config, token_loader)
 from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
@@ -198,13 +198,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--revision", help="the commit measured, recorded in the JSON (default: this checkout's HEAD)")
     args = p.parse_args(argv)
     args.revision = args.revision or _head()
-    if args.table:
-        print(markdown(json.loads(Path(args.table).read_text())))
+    rounds = table_one_or_rounds(args, markdown, contenders, worker_one)
+    if rounds is None:
         return
-    if args.one:
-        _spawn(worker_one, args)
-        return
-    rounds = run_rounds(contenders(args), args.rounds, args.seed)
     pairs = {engine: {"tokens_per_s": paired(rounds, f"{engine} trainer", f"{engine} plain", "tokens_per_s"),
                       "cpu_step_s": paired(rounds, f"{engine} trainer", f"{engine} plain", "cpu_step_s",
                                            how="difference")}
