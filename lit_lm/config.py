@@ -16,8 +16,8 @@ def round_up(x: int, multiple: int) -> int:
 
 # The fields that decide which tensors a model has and their shapes: a checkpoint loads only into a model equal in
 # all of them (the others, e.g. losses' weights, init_std or max_seq_len, may change between runs).
-ARCHITECTURE = ("vocab_size", "vocab_multiple_of", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
-                "tie_embeddings", "qk_norm", "qkv_bias", "moe_experts", "moe_every", "moe_first_dense", "moe_d_ff",
+ARCHITECTURE = ("vocab_size", "vocab_multiple_of", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+                "tie_embeddings", "qk_norm", "qk_norm_scope", "qkv_bias", "moe_experts", "moe_every", "moe_first_dense", "moe_d_ff",
                 "moe_shared_experts")
 
 
@@ -31,6 +31,7 @@ class ModelConfig:
     n_layers: int = 4
     n_heads: int = 8
     n_kv_heads: Optional[int] = None  # None = n_heads (MHA); 1 = MQA
+    head_dim: Optional[int] = None  # None = d_model / n_heads; else any even size (Qwen3-0.6B: 1024 / 16 heads, 128)
     d_ff: Optional[int] = None  # None = 8/3 * d_model rounded up to ffn_multiple_of
     ffn_multiple_of: int = 64
     max_seq_len: int = 256
@@ -40,7 +41,8 @@ class ModelConfig:
     rope_scaling: Optional[dict] = None
     norm_eps: float = 1e-5
     sliding_window: Optional[int] = None  # attend to at most this many past positions (itself included)
-    qk_norm: bool = False
+    qk_norm: bool = False  # RMSNorm on q and k before RoPE
+    qk_norm_scope: str = "head"  # over each head's head_dim (Qwen3) or over all heads of the projection (OLMoE)
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     tie_embeddings: bool = False
     z_loss: float = 0.0  # weight of the z-loss term mean(logsumexp(logits)^2)
@@ -54,6 +56,7 @@ class ModelConfig:
     moe_d_ff: Optional[int] = None  # hidden size of each (fine-grained) expert; None = d_ff
     moe_shared_experts: int = 0  # always-on experts, fused into one SwiGLU of moe_shared_experts * moe_d_ff
     moe_score: str = "softmax"  # router scores: softmax (Switch, Mixtral) or sigmoid (DeepSeek-V3)
+    moe_norm_topk: bool = True  # the k chosen scores renormalised to sum 1 (Mixtral) or used as they are (OLMoE)
     moe_capacity_factor: Optional[float] = None  # None = dropless; else capacity = ceil(cf * tokens * top_k / E)
     moe_aux_loss: float = 0.0  # weight of the Switch load-balancing loss E * sum_i f_i * P_i
     moe_z_loss: float = 0.0  # weight of the router z-loss mean(logsumexp(router logits)^2)
@@ -62,7 +65,7 @@ class ModelConfig:
     # ranks: the same result on any number of ranks) or over each rank's micro-batch (no collective)
     moe_balance: str = "global"
 
-    DERIVED = ("n_kv_heads", "d_ff", "moe_d_ff")  # None = derived from other fields in __post_init__
+    DERIVED = ("n_kv_heads", "head_dim", "d_ff", "moe_d_ff")  # None = derived from other fields in __post_init__
 
     @classmethod
     def signature_default(cls) -> "ModelConfig":
@@ -87,6 +90,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
+        if self.head_dim is None and self.n_heads > 0 and self.d_model % self.n_heads == 0:
+            self.head_dim = self.d_model // self.n_heads  # (left None when they do not divide: validate says so)
         if self.d_ff is None:
             self.d_ff = round_up(int(8 * self.d_model / 3), self.ffn_multiple_of)
         if self.moe_d_ff is None:
@@ -96,10 +101,10 @@ class ModelConfig:
     def validate(self) -> None:
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len",
                     "vocab_multiple_of", "ffn_multiple_of")
-        for name in positive:
+        for name in positive + (("head_dim",) if self.head_dim is not None else ()):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model config `{name}` must be a positive integer, got {getattr(self, name)}")
-        if self.d_model % self.n_heads:
+        if self.head_dim is None:  # derived from d_model / n_heads, which do not divide
             fits = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0 and self.d_model // h % 2 == 0]
             near = min(fits or [1], key=lambda h: abs(h - self.n_heads))
             raise ConfigError(
@@ -113,7 +118,10 @@ class ModelConfig:
                 "(grouped-query attention shares each kv head among n_heads/n_kv_heads query heads)"
             )
         if self.head_dim % 2:
-            raise ConfigError(f"head_dim = d_model/n_heads = {self.head_dim} must be even for RoPE: change `n_heads`")
+            raise ConfigError(f"model config `head_dim` {self.head_dim} (d_model/n_heads unless set) must be even for "
+                              "RoPE: change `n_heads` or `head_dim`")
+        if self.qk_norm_scope not in ("head", "all"):
+            raise ConfigError(f"model config `qk_norm_scope` must be head or all, got {self.qk_norm_scope!r}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"model config `sliding_window` must be positive or null, got {self.sliding_window}")
         self._validate_rope_scaling()
@@ -171,10 +179,6 @@ class ModelConfig:
         return self.moe_experts > 0 and layer >= self.moe_first_dense and layer % self.moe_every == 0
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
     def padded_vocab_size(self) -> int:
         return round_up(self.vocab_size, self.vocab_multiple_of)
 
@@ -184,8 +188,9 @@ class ModelConfig:
         (Lightning's summary): the embedding (padded rows) included, a tied head counted once. FLOPs use
         `include_embedding=False` (6N counts matmuls; an embedding lookup is none). `active`: an MoE layer counts
         its router, shared experts and `moe_top_k` routed experts only (what one token's forward multiplies by)."""
-        d, kv = self.d_model, self.n_kv_heads * self.head_dim
-        attn = d * d * 2 + d * kv * 2 + (2 * self.head_dim if self.qk_norm else 0) + (d + 2 * kv if self.qkv_bias else 0)
+        d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        norms = (2 * self.head_dim if self.qk_norm_scope == "head" else q + kv) if self.qk_norm else 0
+        attn = d * q * 2 + d * kv * 2 + norms + (q + 2 * kv if self.qkv_bias else 0)
         dense_mlp = 3 * d * self.d_ff
         expert = 3 * d * self.moe_d_ff
         moe_mlp = self.moe_experts * d + self.moe_shared_experts * expert + \

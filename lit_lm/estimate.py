@@ -278,10 +278,11 @@ def _block_activations(cfg: ModelConfig, layer: int, b: int, t: int, layout: Par
     and up two."""
     tp, sp = layout.tp, layout.tp if layout.sp else 1
     d, kv, h = cfg.d_model, cfg.n_kv_heads * cfg.head_dim, cfg.n_heads
+    q = h * cfg.head_dim  # d unless head_dim is set apart from d_model / n_heads (Qwen3)
     bt = b * t
     norm = (2 * bt * d * 4 + bt * 4) // sp  # RMSNorm: its input and normalised value, 1/rms: fp32
     rope = rope_table_bytes(cfg, t)
-    attn = (3 if autocast else 1) * bt * d * abytes + ((2 * bt * d + 2 * bt * kv) * abytes + b * h * t * 4) // tp + rope
+    attn = (3 if autocast else 1) * bt * d * abytes + ((2 * bt * q + 2 * bt * kv) * abytes + b * h * t * 4) // tp + rope
     if cfg.is_moe_layer(layer):
         k, f, e = cfg.moe_top_k, cfg.moe_d_ff, cfg.moe_experts
         # gathered rows, the expert SwiGLU, the gated outputs: on the fp32 residual stream's rows, measured as

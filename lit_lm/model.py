@@ -158,8 +158,13 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # QK-norm over each head (Qwen3: a head_dim weight shared by the heads) or over the whole projection (OLMoE)
+        per_head = cfg.qk_norm_scope == "head"
+        self.q_norm = RMSNorm(cfg.head_dim if per_head else cfg.n_heads * cfg.head_dim, cfg.norm_eps) \
+            if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim if per_head else cfg.n_kv_heads * cfg.head_dim, cfg.norm_eps) \
+            if cfg.qk_norm else None
+        self.norm_projection = cfg.qk_norm and not per_head
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.core = CausalAttention(cfg.sliding_window)
         self.sliding_window = cfg.sliding_window
@@ -167,10 +172,12 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, positions: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
         b, t, _ = x.shape
         # Head counts come from the weights, so a tensor-parallel shard runs the same code on its heads.
-        q = self.wq(x).view(b, t, -1, self.head_dim)
-        k = self.wk(x).view(b, t, -1, self.head_dim)
+        q, k = self.wq(x), self.wk(x)
+        if self.norm_projection:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(b, t, -1, self.head_dim), k.view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.norm_projection:
             q, k = self.q_norm(q), self.k_norm(k)
         if cache is None:
             q, k = self.rope(q, k, positions)
@@ -337,6 +344,9 @@ class Transformer(nn.Module):
             else:
                 plan.update({f"{b}.mlp": TP("region"), f"{b}.mlp.w_gate": TP("column"), f"{b}.mlp.w_up": TP("column"),
                              f"{b}.mlp.w_down": TP("row")})
+            if self.config.qk_norm and self.config.qk_norm_scope == "all":
+                raise ConfigError("tensor parallelism splits the heads, and `qk_norm_scope` all (OLMoE) normalises q "
+                                  "and k over all of them (model.init_args.config.qk_norm_scope): use ZeRO-3 or ep")
             if self.config.qk_norm:
                 plan.update({f"{b}.attn.q_norm": TP("per_head"), f"{b}.attn.k_norm": TP("per_head")})
         return plan

@@ -44,7 +44,7 @@ from strategies.ac import recomputing
 @dataclass
 class Routing:
     experts: Tensor  # (N, k) chosen expert ids
-    gates: Tensor  # (N, k) fp32 weights of the chosen experts, summing to 1 per token
+    gates: Tensor  # (N, k) fp32 weights of the chosen experts, summing to 1 per token with `moe_norm_topk`
     probs: Tensor  # (N, E) fp32 scores normalised over experts (P_i of the Switch loss)
     logits: Tensor  # (N, E) fp32 router logits (for the z-loss)
 
@@ -56,10 +56,12 @@ class Router(nn.Module):
     the balancing nudges which experts are picked without changing what a chosen expert contributes.
     """
 
-    def __init__(self, d_model: int, n_experts: int, top_k: int, score: str = "softmax") -> None:
+    def __init__(self, d_model: int, n_experts: int, top_k: int, score: str = "softmax", norm_topk: bool = True
+                 ) -> None:
         super().__init__()
         self.top_k = top_k
         self.score = score
+        self.norm_topk = norm_topk  # the chosen scores renormalised to sum 1 (Mixtral), or as they are (OLMoE)
         self.weight = nn.Parameter(torch.empty(n_experts, d_model))
         self.register_buffer("expert_bias", torch.zeros(n_experts))
 
@@ -69,7 +71,7 @@ class Router(nn.Module):
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         experts = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
         chosen = scores.gather(-1, experts)
-        gates = chosen / chosen.sum(-1, keepdim=True)
+        gates = chosen / chosen.sum(-1, keepdim=True) if self.norm_topk else chosen
         probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
         return Routing(experts, gates, probs, logits)
 
@@ -130,7 +132,7 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_weight, self.z_weight, self.bias_update = cfg.moe_aux_loss, cfg.moe_z_loss, cfg.moe_bias_update
-        self.router = Router(cfg.d_model, cfg.moe_experts, cfg.moe_top_k, cfg.moe_score)
+        self.router = Router(cfg.d_model, cfg.moe_experts, cfg.moe_top_k, cfg.moe_score, cfg.moe_norm_topk)
         self.experts = GroupedExperts(cfg.moe_experts, cfg.d_model, cfg.moe_d_ff)
         self.shared = shared
         self.balance = cfg.moe_balance

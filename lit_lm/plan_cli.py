@@ -166,7 +166,7 @@ def answer(console: Console, work: Workload, cluster: Cluster, ranked: list[Rank
     def fits(shape: tuple) -> bool:
         _, d, n_layers, heads, kv, ff = shape
         cfg = dataclasses.replace(work.config, d_model=d, n_layers=n_layers, n_heads=heads, n_kv_heads=kv, d_ff=ff,
-                                  moe_experts=0)
+                                  head_dim=d // heads, moe_experts=0)
         w = dataclasses.replace(work, config=cfg, checkpointing="full")
         budget = cluster.gpu_memory * USABLE_MEMORY
         return any(fitting(w, lay, budget) is not None for lay in layouts(w, cluster))

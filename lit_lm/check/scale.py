@@ -42,7 +42,9 @@ def scaled_config(cfg: ModelConfig, par: Optional[ParallelConfig]) -> tuple[Mode
     kv = _like(cfg.n_kv_heads, tp, min(cfg.n_kv_heads, 2))
     heads = kv * (cfg.n_heads // cfg.n_kv_heads)
     head_dim = min(cfg.head_dim, HEAD_DIM)
-    sizes = dict(n_heads=heads, n_kv_heads=kv, d_model=heads * head_dim, d_ff=_like(cfg.d_ff, tp, 16),
+    apart = cfg.n_heads * cfg.head_dim != cfg.d_model  # a head_dim set apart from d_model / n_heads stays apart
+    sizes = dict(n_heads=heads, n_kv_heads=kv, head_dim=head_dim, d_model=heads * head_dim * (2 if apart else 1),
+                 d_ff=_like(cfg.d_ff, tp, 16),
                  vocab_size=_like(cfg.vocab_size, math.lcm(cfg.vocab_multiple_of, tp), 64))
     seq_modulus = math.lcm(2 * cp if cp > 1 else 1, tp if par.sp else 1, 2)
     sizes["max_seq_len"] = _like(cfg.max_seq_len, seq_modulus, 16)
