@@ -31,6 +31,7 @@ from lit_lm import hf_import
 from lit_lm.data import TextDataModule
 from lit_lm.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_state
 from strategies import checkpoint as sharded
+from strategies import safe_load
 
 CHECKPOINTS = "checkpoints"  # <default_root_dir>/checkpoints: one folder per run, the same across restarts
 DATA_SETTINGS = "datamodule_hyper_parameters"  # Lightning's key for the data module's init args
@@ -114,7 +115,7 @@ def read_checkpoint(path: PathLike) -> dict[str, Any]:
     if path.is_dir():
         return sharded.read_whole(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return safe_load.load(path)
     except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, RuntimeError) as e:
         raise _not_a_checkpoint(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
 
@@ -157,7 +158,7 @@ def read_meta(path: PathLike) -> dict[str, Any]:
     if path.is_dir():
         return sharded.read_meta(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        return safe_load.load(path, mmap=True)
     except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, RuntimeError) as e:
         raise _not_a_checkpoint(path, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
 
@@ -283,9 +284,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path: PathLike, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Either format, read safely whatever `weights_only` says (`strategies/safe_load.py`)."""
         if Path(path).is_dir():
             return sharded.read_whole(path)
-        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        return safe_load.load(path, map_location=map_location or "cpu")
 
     def remove_checkpoint(self, path: PathLike) -> None:
         sharded.remove(path)

@@ -7,7 +7,8 @@ Each call uses a fresh free port (parallel test workers never collide), sets the
 (MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE, NODE_RANK: Lightning then sees externally created processes and
 spawns nothing), pins OMP_NUM_THREADS=1 so N ranks do not oversubscribe the cores, and re-raises a rank's
 exception in the caller with its traceback. `fn` and its arguments must be picklable (module-level functions);
-results travel back through `torch.save`, so tensors and plain containers are fine.
+results travel back through `torch.save` and are read with `weights_only=True` (`load_result`), so tensors, plain
+containers and classes of lit-lm's or the suite's own modules are fine.
 
 The ranks are forked from a fork server (`multiprocessing`'s "forkserver" start method) that has imported torch
 and Lightning once per calling process: a world then starts in a fraction of a second where each spawned rank
@@ -22,6 +23,7 @@ import multiprocessing
 import os
 import random
 import socket
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -34,6 +36,7 @@ import torch.multiprocessing as mp
 # imported by each rank (a fraction of a second): one that fails to import (an edit in progress) then fails in the
 # rank with its traceback, where in the server it would stop the server and every later call with an EOFError
 PRELOAD = ["torch", "lightning", "torch.distributed.checkpoint"]
+OWN_PACKAGES = ("lit_lm", "strategies", "kernels", "callbacks")  # whose classes a rank's result may hold
 
 
 def free_port() -> int:
@@ -59,7 +62,26 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, init_pr
                     "WORLD_SIZE": str(world_size), "NODE_RANK": "0", "OMP_NUM_THREADS": "1", **(env or {})}
         mp.start_processes(_rank, args=(fn, args, base_env, init_process_group, out), nprocs=world_size,
                            join=True, start_method="forkserver")
-        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+        return [load_result(Path(out) / f"rank{r}.pt") for r in range(world_size)]
+
+
+def load_result(path: Path) -> Any:
+    """A rank's result, read with `weights_only=True`: the harness's own file, yet nothing in it runs as code. Beyond
+    torch's tensors and plain values it may construct only classes (never functions) of lit-lm's own packages and
+    of the suite's modules (the dataclasses and NamedTuples callers return); anything else is refused by torch,
+    naming the global."""
+    allowed = [cls for cls in map(_own_class, torch.serialization.get_unsafe_globals_in_checkpoint(path)) if cls]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, weights_only=True)
+
+
+def _own_class(name: str) -> Any:
+    module, _, attr = name.rpartition(".")
+    ours = module.split(".")[0] in OWN_PACKAGES or module.startswith("test_") or module in ("dist_utils", "conftest")
+    if not ours or module not in sys.modules:  # only classes of modules this process already imported
+        return None
+    obj = getattr(sys.modules[module], attr, None)
+    return obj if isinstance(obj, type) else None
 
 
 def _rank(rank: int, fn: Callable[..., Any], args: tuple, env: dict[str, str], init_process_group: bool,

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,6 +31,7 @@ from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.hf_export import export_hf  # noqa: E402
 from lit_lm.hf_import import HFWeights, is_hf_folder  # noqa: E402
 from strategies.checkpoint import check_complete, is_sharded_checkpoint, to_single_file  # noqa: E402
+from strategies.safe_load import SafeFileSystemReader  # noqa: E402
 
 
 def _tensors(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.dtype, list[int]]]:
@@ -63,7 +63,7 @@ def inspect(path: Path) -> None:
     elif is_sharded_checkpoint(path):
         print(f"{path}\n  marker: {json.dumps(check_complete(path))}")
         tensors = [(k, v.properties.dtype, list(v.size)) for k, v in
-                   dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+                   SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
                    if isinstance(v, TensorStorageMetadata)]
         files = sorted(p for p in path.iterdir() if p.is_file())
     else:

@@ -475,13 +475,13 @@ class BaseStrategy(ParallelStrategy):
             return self._load_single_file(path, weights_only)
         state = {"model": self.lightning_module_state_dict()}
         state.update({f"optimizer_{i}": self.optimizer_state(o) for i, o in enumerate(optimizers)})
-        meta = ckpt.load(path, state, weights_only=bool(weights_only))
+        meta = ckpt.load(path, state)  # every file read safely (weights_only), whatever `weights_only` says
         self.load_sharded_state(state)
         return meta
 
     def _load_single_file(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
         """A plain Lightning checkpoint (e.g. from a single-device run): whole tensors, index-keyed optimizers."""
-        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=True)  # never code from a checkpoint
         state = {"model": checkpoint["state_dict"]}
         names = self.param_names()
         saved_fqns = checkpoint.get(ckpt.OPTIMIZER_FQNS)  # else the saving optimizer held the same parameters

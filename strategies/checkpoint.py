@@ -34,11 +34,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.optim import Optimizer
 
-from strategies import comm
+from strategies import comm, safe_load
 from strategies.errors import ConfigError
 
 META = "meta.pt"
@@ -129,19 +128,21 @@ def remove_stale(folder: PathLike) -> None:
                 remove(leftover)
 
 
-def load(path: PathLike, state: dict[str, Any], weights_only: bool = False) -> dict[str, Any]:
-    """Collective: fill `state` in place from the directory (resharding as needed); return the metadata.
+def load(path: PathLike, state: dict[str, Any]) -> dict[str, Any]:
+    """Collective: fill `state` in place from the directory (resharding as needed); return the metadata. Every
+    file is read safely (`strategies/safe_load.py`): a pickle that would run code is refused.
 
     Top-level entries the checkpoint does not have (the optimizers of a weights-only checkpoint) are dropped
     from `state`, so the caller can tell what was loaded.
     """
     check_complete(path)
-    saved = {key.split(".", 1)[0] for key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+    saved = {key.split(".", 1)[0] for key in safe_load.SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata}
     for key in [k for k in state if k not in saved]:
         del state[key]
     comm.note("dcp_load", label=f"checkpoint load: {Path(path).name}")
-    dcp.load(state, checkpoint_id=path)
-    return read_meta(path, weights_only)
+    with safe_load.refusals_unwrapped():
+        dcp.load(state, storage_reader=safe_load.SafeFileSystemReader(str(path)), planner=safe_load.SafeLoadPlanner())
+    return read_meta(path)
 
 
 # -- optimizer state keyed by FQN (torch keys it by the parameter's position in the param groups) --------------
@@ -187,20 +188,24 @@ def read_whole(directory: PathLike) -> dict[str, Any]:
         raise FileNotFoundError(f"{directory} is not a lit-lm sharded checkpoint (a directory with {META})")
     check_complete(directory)
     checkpoint = read_meta(directory)
+    reader = safe_load.SafeFileSystemReader(str(directory))
+    reader.read_metadata()  # a refusal here comes out as itself (DCP would turn it into "metadata is None")
     sharded: dict[str, Any] = {}
-    _load_state_dict(sharded, storage_reader=dcp.FileSystemReader(str(directory)),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)  # whole tensors from every shard file
+    with safe_load.refusals_unwrapped():
+        _load_state_dict(sharded, storage_reader=reader,
+                         planner=safe_load.SafeEmptyLoadPlanner(), no_dist=True)  # whole tensors from every shard file
     checkpoint["state_dict"] = sharded.pop("model")
     n_optimizers = sum(key.startswith("optimizer_") for key in sharded)
     checkpoint["optimizer_states"] = [index_keyed(sharded[f"optimizer_{i}"]) for i in range(n_optimizers)]
     return checkpoint
 
 
-def read_meta(directory: PathLike, weights_only: bool = False) -> dict[str, Any]:
-    """`meta.pt` of a checkpoint directory; a truncated or unreadable one is reported by its path."""
+def read_meta(directory: PathLike) -> dict[str, Any]:
+    """`meta.pt` of a checkpoint directory, read safely (weights_only); a truncated or unreadable one is reported
+    by its path, one that would run code is refused (`safe_load.UnsafeCheckpointError`)."""
     meta = Path(directory) / META
     try:
-        return torch.load(meta, map_location="cpu", weights_only=weights_only)
+        return safe_load.load(meta)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
         raise ConfigError(f"{meta} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:120]}): the "
                               "checkpoint is damaged; resume from an earlier one") from e
