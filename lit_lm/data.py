@@ -11,10 +11,8 @@ field, and the vocabulary size or the given tokenizer's content), and reused whi
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import json
-import os
 import random
 import sysconfig
 from functools import cached_property
@@ -27,13 +25,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lit_lm.config import ConfigError
+from lit_lm.corpus import Corpus, cuttable, log
 from lit_lm.sampler import ResumableSampler
-from lit_lm.tokenizer import EOT, BPETokenizer, Tokenizer, document_ids, load_tokenizer
+from lit_lm.token_file import TokenFile, batch_chars, encode_documents, token_dtype
+from lit_lm.tokenizer import EOT, BPETokenizer, Tokenizer, load_tokenizer
 
-_TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".text", ""}
-_JSON_SUFFIXES = {".json", ".jsonl"}
-_CACHE_VERSION = 2
-_ENCODE_CHARS = 64 << 20  # text per encode_batch call: the parallel work of one progress step
+_CACHE_VERSION = 3
 
 
 def stdlib_corpus(max_mb: float) -> list[str]:
@@ -49,77 +46,6 @@ def stdlib_corpus(max_mb: float) -> list[str]:
         if total >= max_mb * 2**20:
             break
     return files
-
-
-def _builder_for(path: Path) -> str:
-    suffix = path.suffix.lower()
-    if suffix in _JSON_SUFFIXES:
-        return "json"
-    if suffix == ".parquet":
-        return "parquet"
-    return "text"
-
-
-def check_utf8(path: Path) -> None:
-    """Refuse a file that is not UTF-8 text (a binary file in the list), naming it and the first bad byte."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(1 << 20)
-            pending = len(decoder.getstate()[0])  # bytes of a character cut by the previous chunk
-            try:
-                decoder.decode(chunk, final=not chunk)
-            except UnicodeDecodeError as e:
-                raise ConfigError(f"{path} is not UTF-8 text: byte {offset - pending + e.start} is "
-                                  f"0x{e.object[e.start]:02x} (data.init_args.files); remove binary files from "
-                                  "the list or convert the file to UTF-8") from None
-            if not chunk:
-                return
-            offset += len(chunk)
-
-
-def load_documents(files: list[str], text_field: str, cache_dir: Path, skip_missing_text: bool = False
-                   ) -> list[str]:
-    """Read every document of `files` through `datasets`; each text file is one document."""
-    import datasets  # heavy import, only when the corpus is (re)built
-
-    datasets.disable_progress_bars()
-    paths = [Path(f) for f in files]
-    missing = [str(p) for p in paths if not p.exists()]
-    if missing:
-        raise ConfigError(f"data.init_args.files: {missing[:3]} do not exist; fix the paths or leave `files` "
-                          "null to train on the default corpus")
-    if len(paths) == 1 and paths[0].is_dir():
-        ds = datasets.load_from_disk(str(paths[0]))
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-    else:
-        builders = {_builder_for(p) for p in paths}
-        if len(builders) > 1:
-            raise ConfigError(f"data.init_args.files mixes formats {sorted(builders)}: use one kind per run")
-        builder = builders.pop()
-        if builder in ("text", "json"):
-            for path in paths:
-                check_utf8(path)
-        kwargs: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=[str(p) for p in paths], split="train",
-                                   cache_dir=str(cache_dir), **kwargs)
-    if text_field not in ds.column_names:
-        raise ConfigError(f"data.init_args.text_field={text_field!r} is not a column of the dataset; "
-                          f"available columns: {ds.column_names}")
-    texts = ds[text_field]
-    missing = sum(t is None for t in texts)
-    if missing and not skip_missing_text:
-        raise ConfigError(f"{missing} of {len(texts)} rows of {files[:3]} have no {text_field!r} "
-                          "(data.init_args.text_field); fix those rows, name the right field, or set "
-                          "data.init_args.skip_missing_text: true to train without them")
-    if missing:
-        _log(f"skipping {missing} of {len(texts)} rows without {text_field!r} (data.init_args.skip_missing_text)")
-    docs = [d for d in texts if d]
-    if not docs:
-        raise ConfigError(f"data.init_args.files {files[:3]}... contain no text in field {text_field!r}")
-    return docs
 
 
 def model_vocab_size(vocab_size: int, tokenizer_dir: Optional[str]) -> int:
@@ -249,19 +175,18 @@ class TextDataModule(L.LightningDataModule):
         if (cache / "tokens.json").exists():
             return
         cache.mkdir(parents=True, exist_ok=True)
-        docs = load_documents(self.source_files, self.text_field, self.data_dir / "hf_cache", self.skip_missing_text)
-        random.Random(0).shuffle(docs)  # so the validation tail is a random sample of documents
+        corpus = Corpus(self.source_files, self.text_field, self.data_dir / "hf_cache", self.skip_missing_text)
         tokenizer = self.given_tokenizer
         if tokenizer is None:
-            _log(f"training a {self.vocab_size}-token BPE tokenizer on {len(docs)} documents")
-            tokenizer = BPETokenizer.train(docs, self.vocab_size, special_tokens=[EOT],
+            log(f"training a {self.vocab_size}-token BPE tokenizer on {len(corpus)} documents")
+            tokenizer = BPETokenizer.train(corpus.texts(), self.vocab_size, special_tokens=[EOT],
                                            num_workers=self.tokenizer_workers)
             if tokenizer.vocab_size < self.vocab_size // 2:  # the corpus has fewer distinct pairs than asked
                 raise ConfigError(f"the corpus yields only {tokenizer.vocab_size} tokens, far fewer than asked "
                                   f"(data.init_args.vocab_size={self.vocab_size}); set vocab_size to "
                                   f"{tokenizer.vocab_size} or add data")
             tokenizer.save(cache / "tokenizer")
-        _write_tokens(docs, tokenizer, cache, self.tokenizer_workers)
+        _write_tokens(corpus, tokenizer, cache, self.tokenizer_workers)
 
     def setup(self, stage: str) -> None:
         cache = self.cache_dir
@@ -358,40 +283,31 @@ class PositionedLoader(DataLoader):
         """Nothing to load: the data module's own state has placed the sampler."""
 
 
-def _write_tokens(docs: list[str], tokenizer: Tokenizer, cache: Path, workers: int) -> None:
-    """Encode the documents (`document_ids`: [BOS] + text + [EOS]) into tokens.bin, a batch of ~_ENCODE_CHARS of
-    text at a time (encoded in parallel); tokens.json is written last, as the marker."""
-    from rich.progress import track
+def _write_tokens(corpus: Corpus, tokenizer: Tokenizer, cache: Path, workers: int) -> None:
+    """Encode the corpus's documents (`document_ids`: [BOS] + text + [EOS]) into tokens.bin a batch of text at a
+    time (`lit_lm.token_file`: memory bounded by one batch, not the corpus); tokens.json is written last, as the
+    marker."""
+    from rich.progress import Progress
 
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    batches, start, size = [], 0, 0
-    for i, doc in enumerate(docs):
-        size += len(doc)
-        if size >= _ENCODE_CHARS or i == len(docs) - 1:
-            batches.append(docs[start: i + 1])
-            start, size = i + 1, 0
-    chunks = []
-    for batch in track(batches, description="tokenizing", transient=True, disable=not _is_tty()):
-        ids = tokenizer.encode_batch(batch, workers)
-        chunks += [np.asarray(document_ids(tokenizer, doc), dtype=dtype) for doc in ids]
-    tokens = np.concatenate(chunks)
-    tmp = cache / "tokens.bin.tmp"
-    tokens.tofile(tmp)
-    os.replace(tmp, cache / "tokens.bin")
-    meta = {"n_tokens": int(len(tokens)), "dtype": np.dtype(dtype).name, "max_id": int(tokens.max()),
-            "documents": len(docs), "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id,
-            "eos_id": tokenizer.eos_id}
+    out = TokenFile(cache / "tokens.bin", token_dtype(tokenizer.vocab_size))
+    documents = corpus.documents(cut=cuttable(tokenizer.special_tokens))
+    try:
+        with Progress(transient=True, disable=not _is_tty()) as progress:
+            task = progress.add_task("tokenizing", total=corpus.chars)
+            for ids, _, chars in encode_documents(tokenizer, documents, workers, batch_chars(tokenizer, workers)):
+                out.append(ids)
+                progress.advance(task, chars)
+    except BaseException:
+        out.discard()
+        raise
+    out.close()
+    meta = {"n_tokens": out.n_tokens, "dtype": out.dtype.name, "max_id": out.max_id, "documents": len(corpus),
+            "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id}
     (cache / "tokens.json").write_text(json.dumps(meta, indent=1))
-    _log(f"tokenized {len(docs)} documents into {len(tokens):,} tokens ({cache})")
+    log(f"tokenized {len(corpus)} documents into {out.n_tokens:,} tokens ({cache})")
 
 
 def _is_tty() -> bool:
     import sys
 
     return sys.stderr.isatty()
-
-
-def _log(msg: str) -> None:
-    from lightning.pytorch.utilities import rank_zero_info
-
-    rank_zero_info(f"[lit-lm data] {msg}")

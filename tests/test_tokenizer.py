@@ -141,7 +141,7 @@ def test_multiprocess_training_matches_single_process(monkeypatch):
 
 def test_encode_batch_in_worker_processes_matches_encode(tok, monkeypatch):
     monkeypatch.setattr(tokenizer_module, "_BATCH_CHARS", 200)  # several tasks, so both workers get some
-    monkeypatch.setattr(tokenizer_module, "_PARALLEL_CHARS", 800)
+    monkeypatch.setattr(tokenizer_module, "PARALLEL_CHARS", 800)
     rng = random.Random(11)
     texts = CORPUS + [random_text(rng, rng.randint(0, 80)) for _ in range(40)]
     assert sum(map(len, texts)) > 800  # enough text for the process pool

@@ -36,7 +36,7 @@ _LAST_NEWLINE_BEFORE_NONSPACE = regex.compile(r"\n(?=\S)", regex.REVERSE)
 _BATCH_CHARS = 1 << 20  # text per pre-tokenization task: large enough to amortize pickling
 _CACHE_SIZE = 1 << 17  # pre-token -> ids entries kept by the encoder before the cache is cleared
 # Text below which encode_batch stays in one process: the stdlib's 4 MB took 8 s in one, 70 s in two (2 loaded cores)
-_PARALLEL_CHARS = 32 << 20
+PARALLEL_CHARS = 32 << 20
 
 
 def _special_split_re(special_tokens: Iterable[str]) -> Optional[regex.Pattern]:
@@ -279,10 +279,10 @@ class BPETokenizer:
 
     def encode_batch(self, texts: Sequence[str], num_workers: int = 1) -> list[list[int]]:
         """`encode` of each text, in `num_workers` processes when there is enough text to pay for starting them
-        (each imports lit-lm and starts with a cold cache: below _PARALLEL_CHARS one process is faster)."""
+        (each imports lit-lm and starts with a cold cache: below PARALLEL_CHARS one process is faster)."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if num_workers == 1 or sum(map(len, texts)) < _PARALLEL_CHARS:
+        if num_workers == 1 or sum(map(len, texts)) < PARALLEL_CHARS:
             return [self.encode(text) for text in texts]
         groups, group, size = [], [], 0  # ~_BATCH_CHARS of text per task, in order
         for text in texts:
