@@ -261,9 +261,12 @@ class LanguageModel(L.LightningModule):
 
     def predict_step(self, batch: Tensor, batch_idx: int) -> dict[str, Tensor]:
         """Greedy continuation of the first quarter of each validation window (what `lit-lm predict` writes to
-        `<default_root_dir>/predictions.jsonl`): a look at what the model learnt."""
+        `<default_root_dir>/predictions.jsonl`): a look at what the model learnt. Never an id past the data's
+        tokenizer's last one (an imported model may have more rows than ids: `generate.stream`'s `vocab_size`)."""
         prompt = batch[:, : max(batch.shape[1] // 4, 1)]
-        out = generate(self.model, prompt, max_new_tokens=batch.shape[1] // 4, temperature=0.0)
+        tokenizer = getattr(getattr(self._trainer, "datamodule", None), "tokenizer", None)
+        out = generate(self.model, prompt, max_new_tokens=batch.shape[1] // 4, temperature=0.0,
+                       vocab_size=None if tokenizer is None else tokenizer.vocab_size)
         return {"prompt": prompt, "completion": out[:, prompt.shape[1]:]}
 
     # -- throughput and lr ---------------------------------------------------------------------------------

@@ -99,13 +99,20 @@ class GroupedExperts(nn.Module):
         return grouped_linear(h, self.w_down, offs)
 
 
+GROUP_ROWS = 16  # every token group starts at a multiple of this many rows (`_aligned_rows`)
+
+
 def grouped_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-    """Rows offs[e-1]:offs[e] of `x` (n, in) times w[e]^T, w (E, out, in): F.linear per expert segment.
+    """Rows offs[e-1]:offs[e] of `x` (n, in) times w[e]^T, w (E, out, in): F.linear per expert segment; rows past
+    offs[-1] (in no group) come back uninitialised.
 
     Under autocast both run in the autocast dtype, as F.linear would (torch does not autocast `_grouped_mm`):
     bf16 is its one-kernel path on CUDA sm90+; other dtypes and devices take torch's fallback, a loop over the
     groups that reads `offs` on the host. `torch._grouped_mm` wants rows of 16 bytes multiples: other widths are
-    zero-padded (exact, and a copy of the weights per call, so pick multiples of 8 for bf16, 4 for fp32)."""
+    zero-padded (exact, and a copy of the weights per call, so pick multiples of 8 for bf16, 4 for fp32). Its
+    CUTLASS kernel may also want each group to start on an aligned row (torchtitan pads token groups to multiples
+    of 8/16): every group is moved to a multiple of `GROUP_ROWS` rows, zero rows between (`_aligned_rows`, on the
+    device: static shapes, no host read)."""
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
     w = w.to(x.dtype)
@@ -113,10 +120,29 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     pad_in, pad_out = -w.shape[2] % align, -w.shape[1] % align
     if pad_in or pad_out:
         x, w = F.pad(x, (0, pad_in)), F.pad(w, (0, pad_in, 0, pad_out))
-    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    rows, padded_offs, length = _aligned_rows(offs, x.shape[0])
+    padded = x.new_zeros(length, x.shape[1]).index_copy(0, rows, x)
+    y = torch._grouped_mm(padded, w.transpose(-2, -1), offs=padded_offs)
     if y.requires_grad:  # its backward rejects an expanded gradient (a sum()'s)
         y.register_hook(Tensor.contiguous)
+    y = y.index_select(0, rows)
     return y[:, : w.shape[1] - pad_out] if pad_out else y
+
+
+def _aligned_rows(offs: Tensor, n: int) -> tuple[Tensor, Tensor, int]:
+    """Where each of `n` rows grouped by the segment ends `offs` goes when every group starts at a multiple of
+    `GROUP_ROWS` (an empty group stays empty; the rows past the last group follow the last padded one), the padded
+    segment ends (int32) and the padded length: n + E x (GROUP_ROWS - 1), rounded up to GROUP_ROWS."""
+    ends = offs.long()
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    sizes = (counts + GROUP_ROWS - 1) // GROUP_ROWS * GROUP_ROWS
+    padded_ends = sizes.cumsum(0)
+    # a row of group e moves by (its padded start - its start); a row past the last group by (padded end - end)
+    shift = torch.cat([(padded_ends - sizes) - (ends - counts), padded_ends[-1:] - ends[-1:]])
+    row = torch.arange(n, device=offs.device)
+    moved = row + shift[torch.searchsorted(ends, row, right=True)]
+    length = -(-(n + offs.numel() * (GROUP_ROWS - 1)) // GROUP_ROWS) * GROUP_ROWS
+    return moved, padded_ends.to(torch.int32), length
 
 
 class MoE(nn.Module):

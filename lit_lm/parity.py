@@ -98,6 +98,10 @@ class Case:
     # the LightningModule: a `LanguageModel` subclass's class path and its init arguments but `config`, as sorted
     # (name, value) pairs (`lit-lm check` trains the user's own); empty: `LanguageModel` itself
     module: tuple = ()
+    # token ids drawn from [0, token_vocab) (then taken modulo the model's vocabulary); None: TINY's 64, the suite's
+    # data. `lit-lm check` draws from its model's whole vocabulary, so every row (a tp rank's vocabulary shard past
+    # id 64 included) is looked up and a target
+    token_vocab: Optional[int] = None
 
     def reference(self) -> "Case":
         """The same run on one process; `GlobalNormClip` there is torch's `clip_grad_norm_` (`TorchNormClip`)."""
@@ -109,7 +113,7 @@ class Case:
         callbacks = [(type(c).__name__, sorted(vars(c).items())) for c in self.callbacks]
         return repr((sorted(self.model.items()), self.optimizer, self.steps, self.global_batch,
                      sorted(self.trainer.items()), self.frozen, self.lr, callbacks,
-                     self.resume.key if self.resume else None, self.init_from, self.module))
+                     self.resume.key if self.resume else None, self.init_from, self.module, self.token_vocab))
 
 
 class TorchNormClip(L.Callback):
@@ -153,9 +157,7 @@ class HarnessModule:
         sampler = getattr(strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
         dp = strategy.layout.dp_size if isinstance(strategy, BaseStrategy) else 1
         case = self.case
-        windows = case.steps * case.trainer.get("accumulate_grad_batches", 1)
-        tokens = token_data(windows * case.global_batch, case.model["max_seq_len"])
-        tokens = tokens % case.model["vocab_size"]
+        tokens = case_tokens(case)
         local, replicas = case.global_batch // dp, sampler["num_replicas"]
         return DataLoader(rank_share(tokens, local * replicas, sampler["rank"], replicas), batch_size=local)
 
@@ -269,10 +271,18 @@ def _mutated(case: Case) -> Any:
         yield
 
 
-def token_data(n_samples: int, seq_len: int = 16, seed: int = 0) -> torch.Tensor:
-    """Fixed random tokens (vocabulary TINY's; a larger model takes them modulo its own)."""
+def token_data(n_samples: int, seq_len: int = 16, seed: int = 0, vocab: int = TINY["vocab_size"]) -> torch.Tensor:
+    """Fixed random tokens in [0, vocab) (default TINY's vocabulary; a larger model takes them modulo its own)."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, TINY["vocab_size"], (n_samples, seq_len + 1), generator=gen)
+    return torch.randint(0, vocab, (n_samples, seq_len + 1), generator=gen)
+
+
+def case_tokens(case: Case) -> torch.Tensor:
+    """Every window `case` trains on, in global batch order: (steps x accumulation x global_batch, T+1)."""
+    windows = case.steps * case.trainer.get("accumulate_grad_batches", 1)
+    vocab = case.token_vocab or TINY["vocab_size"]
+    tokens = token_data(windows * case.global_batch, case.model["max_seq_len"], vocab=vocab)
+    return tokens % case.model["vocab_size"]
 
 
 def rank_share(data: torch.Tensor, global_batch: int, rank: int, world: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lit_lm.checkpoints import check_config, data_from_checkpoint, read_checkpoint  # noqa: E402
+from lit_lm.config import ConfigError  # noqa: E402
 from lit_lm.data import TextDataModule  # noqa: E402
 from lit_lm.module import LanguageModel  # noqa: E402
 
@@ -42,8 +43,19 @@ def data_module(ckpt: dict[str, Any], configs: Optional[list[Path]] = None) -> T
     return data_from_checkpoint(ckpt, **overrides)
 
 
-def batches(dataset: Any, batch_size: int, n: int, shuffle: bool = True) -> list[torch.Tensor]:
-    """`n` batches in a seeded random order (or in order), reading only the windows they hold."""
+def batches(dataset: Any, batch_size: int, n: int, shuffle: bool = True, flag: str = "batches"
+            ) -> list[torch.Tensor]:
+    """`n` batches in a seeded random order (or in order), reading only the windows they hold; at most as many as
+    the split holds (said in one line on stderr; a split smaller than one batch is refused in one line). `flag`:
+    the option that asked for `n`, named in those lines."""
+    held = len(dataset) // batch_size
+    if held == 0:
+        raise ConfigError(f"{flag} {n}: the split holds {len(dataset)} windows, fewer than one batch of "
+                          f"{batch_size}; lower data.init_args.batch_size (--config) or train on more data")
+    if n > held:
+        print(f"[offline] {flag} {n}: the split holds {held} batches of {batch_size} ({len(dataset)} windows): "
+              f"using {held}", file=sys.stderr, flush=True)
+        n = held
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)) if shuffle \
         else torch.arange(len(dataset))
     picks = order[: n * batch_size].view(-1, batch_size)

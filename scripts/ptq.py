@@ -79,8 +79,8 @@ def main() -> None:
 
     ckpt = load_checkpoint(opts.ckpt_path)
     data = data_module(ckpt, opts.config)
-    calib = batches(data.train_set, data.batch_size, opts.calib_batches)
-    val = batches(data.val_set, data.batch_size, opts.val_batches, shuffle=False)
+    calib = batches(data.train_set, data.batch_size, opts.calib_batches, flag="--calib-batches")
+    val = batches(data.val_set, data.batch_size, opts.val_batches, shuffle=False, flag="--val-batches")
     float_model = build_model(ckpt)
     rows = {("float", "fp32"): val_loss(float_model, val)}
     for bits, group_size in opts.weights:

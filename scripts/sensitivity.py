@@ -70,7 +70,7 @@ def main() -> None:
     ckpt = load_checkpoint(opts.ckpt)
     module = build_model(ckpt)
     data = data_module(ckpt, opts.config)
-    windows = batches(data.val_set, data.batch_size, opts.val_batches, shuffle=False)
+    windows = batches(data.val_set, data.batch_size, opts.val_batches, shuffle=False, flag="--val-batches")
     dense = val_loss(module, windows)
     weights = select(whole_weights(module), None, DEFAULT_EXCLUDE, "sensitivity")
     results: dict[str, dict[float, float]] = {}

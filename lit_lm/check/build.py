@@ -9,6 +9,8 @@ checks), so the check sees the run `fit` would start. From them:
 - the callbacks, but the ones that only watch or write files (checkpoints, progress, LR monitor, ...); a callback
   scheduled by step (`*start_step`, `*end_step`, `frequency`) acts at once: its schedule starts and ends at step
   0 (pruning: its final sparsity after the first step, so the next steps train the pruned weights);
+- the data: random token ids over the scaled model's whole vocabulary (every row is looked up and a target, under
+  tp every rank's vocabulary shard);
 - two cases: plain SGD (every gradient compared: a constant factor shows) and the module's own optimizer, param
   groups and LR schedule (its sharded state and update: a final parameter shows).
 Precision is fp32 on the CPU: the layout's maths is what is checked (bf16 rounding would hide a 1e-5 difference).
@@ -32,7 +34,7 @@ from lightning.pytorch.callbacks import (Checkpoint, DeviceStatsMonitor, EarlySt
 from lit_lm.check.meter import Meter
 from lit_lm.check.scale import model_args, scaled_config
 from lit_lm.config import ConfigError, ModelConfig
-from lit_lm.data import TextDataModule
+from lit_lm.data import TextDataModule, model_vocab_size
 from lit_lm.module import LanguageModel
 from lit_lm.parity import Case
 from strategies.composed import ComposedStrategy
@@ -115,7 +117,7 @@ def plan_check(config: Namespace, argv: list[str], steps: int = 2, mutation: Any
     module = (module_path, tuple(sorted(module_kwargs.items())))
     common = dict(strategy=partial(build_strategy, spec), model=model_args(small), steps=steps,
                   global_batch=micro * dp, trainer=settings, callbacks=(*callbacks, Meter()), module=module,
-                  mutation=mutation)
+                  mutation=mutation, token_vocab=small.vocab_size)  # every row: a tp rank's vocabulary shard too
     labels = {"sgd": "SGD", "module": "the module's optimizer"}
     cases = [Case(optimizer=o, label=f"{strategy_name}, {labels[o]}", **common) for o in optimizers]
     data = config.data.init_args
@@ -157,8 +159,9 @@ def _model(config: Namespace) -> tuple[str, dict[str, Any], ModelConfig]:
     a LanguageModel builds no weights before `configure_model`)."""
     model = config.model
     kwargs = model.init_args.as_dict() if model.init_args is not None else {}
-    data = config.data.init_args
-    cfg = dict(kwargs.get("config") or {}, vocab_size=data.vocab_size, max_seq_len=data.seq_len)
+    data = config.data.init_args  # the vocabulary as `fit` links it: the tokenizer's with a tokenizer_dir
+    cfg = dict(kwargs.get("config") or {}, vocab_size=model_vocab_size(data.vocab_size, data.get("tokenizer_dir")),
+               max_seq_len=data.seq_len)
     module = _import(model.class_path)(**{**kwargs, "config": ModelConfig(**cfg)})
     kept = {k: v for k, v in kwargs.items() if k not in MODEL_ARGS_DROPPED}
     return model.class_path, kept, module.config

@@ -43,14 +43,18 @@ def options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def run_checks(plans: list[CheckPlan]) -> dict[int, str]:
     """Every plan's cases, one spawned world per world size (shared by the plans of that size); fills `plan.runs`.
-    Returns {plan index: why its world did not run} for worlds whose ranks raised (each plan then runs alone, so
-    one failing config does not hide the others)."""
+    Returns {plan index: why its world did not run} for worlds whose ranks raised (a world of several plans then runs
+    each alone, so one failing config does not hide the others; a world of one plan is not run again: its error
+    is the plan's, and a rank that timed out would make the user wait as long again)."""
     errors: dict[int, str] = {}
     for world in sorted({p.world for p in plans}):
         members = [i for i, p in enumerate(plans) if p.world == world]
         try:
             _run(plans, members, world)
-        except Exception:  # noqa: BLE001 - a rank's exception, reported per plan below
+        except Exception as err:  # noqa: BLE001 - a rank's exception, reported per plan below
+            if len(members) == 1:
+                errors[members[0]] = _last_line(err)
+                continue
             for i in members:
                 try:
                     _run(plans, [i], world)

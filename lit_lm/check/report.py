@@ -1,7 +1,9 @@
 """The report of `lit-lm check`: a verdict line, the layout, what was scaled, a table per case (every parameter's
 gradient agreement), losses and norms, communication and memory against the planner; or the same as JSON.
 
-Colour only on a terminal: rich drops styles when stdout is a file or a pipe (CI logs stay plain text)."""
+Colour only on a terminal: rich drops styles when stdout is a file or a pipe (CI logs stay plain text). Every text
+put into rich markup is escaped (`_e`): a rank's error (gloo's start with a bracketed source path), a parameter or
+callback name, a path read as markup would raise rich's MarkupError or lose its brackets."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import math
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from lit_lm.check.build import CheckPlan
@@ -62,17 +65,17 @@ def _what(result: dict[str, Any], rtol: float) -> str:
 
 def render(report: dict[str, Any], console: Console) -> None:
     ok = report["ok"]
-    console.print(f"[bold]lit-lm check[/]: {report['strategy']} on {report['world']} CPU gloo ranks "
-                  f"({report['layout']}), {_count(report['model']['checked_params'])} of the model's "
+    console.print(f"[bold]lit-lm check[/]: {_e(report['strategy'])} on {report['world']} CPU gloo ranks "
+                  f"({_e(report['layout'])}), {_count(report['model']['checked_params'])} of the model's "
                   f"{_count(report['model']['params'])} parameters")
     for note in report["model"]["changes"]:
-        console.print(f"  scaled: {note}")
+        console.print(f"  scaled: {_e(note)}")
     for run in report["runs"]:
         console.print(_param_table(run, report["tolerance"]))
         console.print(f"  losses: worst {_num(_worst(run['losses']))}; pre-clip norms: worst "
                       f"{_num(_worst(run['norms']))} (relative to one process)")
         if not run["ok"]:
-            console.print(f"  [red]{run['message'].splitlines()[0] if run['message'] else ''}[/]")
+            console.print(f"  [red]{_e(run['message'].splitlines()[0]) if run['message'] else ''}[/]")
     costs = report["costs"]
     if costs.get("comm"):
         table = Table(title="communication per optimizer step (the check's model), bytes per rank",
@@ -83,17 +86,17 @@ def render(report: dict[str, Any], console: Console) -> None:
             agree = "yes" if c["agree"] else "[yellow]no[/]"
             if "mean" in c:  # a data-dependent op: the planner's expectation against the ranks' mean
                 agree += f" (mean {_count(round(c['mean']))})"
-            table.add_row(c["group"], c["op"], _count(c["measured"]), _count(c["estimate"]), agree)
+            table.add_row(_e(c["group"]), _e(c["op"]), _count(c["measured"]), _count(c["estimate"]), agree)
         console.print(table)
     if costs.get("memory"):
         m = costs["memory"]
         console.print(f"model state per rank (the check's model, fp32): measured {_count(m['measured'])}B, "
                       f"planner {_count(m['estimate'])}B")
     if costs.get("estimate_error"):
-        console.print(f"planner: {costs['estimate_error']}")
+        console.print(f"planner: {_e(costs['estimate_error'])}")
     if costs.get("full_model"):
         f = costs["full_model"]
-        wire = ", ".join(f"{g} {_count(b)}B" for g, b in f["wire_bytes"].items()) or "none"
+        wire = ", ".join(f"{_e(g)} {_count(b)}B" for g, b in f["wire_bytes"].items()) or "none"
         console.print(f"your model at full size (planner): {_count(f['peak_bytes'])}B per rank at peak (state "
                       f"{_count(f['model_state_bytes'])}B, activations {_count(f['activation_bytes'])}B); on the "
                       f"wire per step: {wire}")
@@ -102,22 +105,27 @@ def render(report: dict[str, Any], console: Console) -> None:
         console.print(f"time per step (the check's model, CPU): {t['ranks'] * 1e3:.0f} ms on the ranks, "
                       f"{(t['single'] or 0) * 1e3:.0f} ms in one process")
     style = "bold green" if ok else "bold red"
-    console.print(f"[{style}]{report['verdict']}[/]")
+    console.print(f"[{style}]{_e(report['verdict'])}[/]")
 
 
 def _param_table(run: dict[str, Any], rtol: float) -> Table:
-    table = Table(title=f"{run['label']}: gradients against one process (tolerance {rtol:g})", title_justify="left")
+    table = Table(title=f"{_e(run['label'])}: gradients against one process (tolerance {rtol:g})", title_justify="left")
     for col in ("parameter", "shape", "ratio of norms", "error", "breaks at", "final"):
         table.add_column(col, justify="left" if col in ("parameter", "shape") else "right")
     for row in run["params"]:
         bad = row["step"] is not None or (row["final"] is not None and float(row["final"]) > rtol)
-        name = f"[red]{row['name']}[/]" if bad else row["name"]
+        name = f"[red]{_e(row['name'])}[/]" if bad else _e(row["name"])
         ratio = "-" if row["ratio"] is None else f"{row['ratio']:.4f}"
         step = "-" if row["step"] is None else f"step {row['step']}"
         shape = "none" if row["shape"] is None else "x".join(map(str, row["shape"]))
-        table.add_row(name, shape, ratio, _num(row["error"]), step + (f" {row['problem']}" if row["problem"] else ""),
-                      _num(row["final"]))
+        problem = f" {_e(row['problem'])}" if row["problem"] else ""
+        table.add_row(name, shape, ratio, _num(row["error"]), step + problem, _num(row["final"]))
     return table
+
+
+def _e(text: Any) -> str:
+    """`text` as rich markup that shows it as it is."""
+    return escape(str(text))
 
 
 def _worst(values: list[Any]) -> float:
