@@ -277,6 +277,13 @@ class ZeroEngine:
             for name, p in mod._parameters.items():
                 if p is not None:
                     owners.setdefault(p, []).append((mod, name))
+        # separate fp32 master shards (stage 3, or parameters below fp32) live in one buffer: `flatten` can then
+        # replace it by the optimizer's layout and return all of it to the system at once (many small shards
+        # freed one by one stay resident in the allocator's heap)
+        own = [sp for unit in self.units for sp in unit.params if self.stage == 3 or sp.param.dtype != torch.float32]
+        where = self.device if not own or own[0].param.is_meta else own[0].param.device
+        masters = torch.empty(sum(sp.local_numel for sp in own), device=where) if own else None
+        offset = 0
         for unit in self.units:
             for sp in unit.params:
                 if sp.param.is_meta:  # a meta tensor cannot take real data in place: swap in a new Parameter
@@ -294,11 +301,14 @@ class ZeroEngine:
                         self._init(sp.fqn[len(dot):], new.data)
                 p = sp.param
                 rows = p.data[sp.start: sp.end]
-                if self.stage == 3:
-                    sp.master = rows.to(torch.float32, copy=True)
-                    _free_storage(p.data)
-                else:  # fp32 params are their own master weights (a view); lower precision gets an fp32 copy
-                    sp.master = rows if p.dtype == torch.float32 else rows.float()
+                if masters is not None and (self.stage == 3 or p.dtype != torch.float32):
+                    sp.master = masters[offset: offset + sp.local_numel].view(rows.shape).detach()
+                    sp.master.copy_(rows)
+                    offset += sp.local_numel
+                    if self.stage == 3:
+                        _free_storage(p.data)
+                else:  # fp32 params are their own master weights (a view)
+                    sp.master = rows
                 sp.master.requires_grad_(p.requires_grad)  # a leaf the optimizer (and its state init) accepts
             unit.gathered = self.stage < 3
         # Replicas start equal whatever each rank's seed was: whole parameters (stages 1-2) over the shard group,
@@ -442,6 +452,11 @@ class ZeroEngine:
             self._launch_next_reduce()
 
     def _launch_next_reduce(self) -> None:
+        """Launch the next unit's reduce-scatter; the one two places before it is waited for first, so at most two
+        packed gradient buffers are in flight (each the size of its whole unit), not every unit's until the end
+        of the backward."""
+        if self._next_reduce >= 2:
+            self._complete_reduce(self._reduce_order[self._next_reduce - 2])
         unit = self._reduce_order[self._next_reduce]
         self._next_reduce += 1
         self._launch_reduce(unit)
@@ -513,6 +528,11 @@ class ZeroEngine:
                 view.copy_(old)
                 sp.master = view.detach().requires_grad_(old.requires_grad)
                 sp.master.grad = old.grad
+        if master is not None:  # the shards left out (frozen, or in no group) leave the construction buffer, which
+            taken = set(members)  # is then freed whole
+            for sp in self.sharded_params():
+                if sp not in taken and (self.stage == 3 or sp.param.dtype != torch.float32):
+                    sp.master = sp.master.detach().clone().requires_grad_(sp.master.requires_grad)
         master_of = master.split(sizes) if master is not None else [None] * len(groups)
         grad_of = grad.split(sizes) if grad is not None else [None] * len(groups)
         return list(zip(master_of, grad_of))
@@ -523,9 +543,11 @@ class ZeroEngine:
         without (the pipeline), or where stage 1's last backward ran inside `no_sync()`, the accumulated full
         gradients are reduced here."""
         if not self.reduce_in_backward or (self.stage == 1 and not self._reduced):
-            for unit in self._reduce_order:
+            for i, unit in enumerate(self._reduce_order):  # at most two in flight, as in the backward
+                if i >= 2:
+                    self._complete_reduce(self._reduce_order[i - 2])
                 self._launch_reduce(unit)
-            for unit in self._reduce_order:
+            for unit in self._reduce_order[-2:]:
                 self._complete_reduce(unit)
         self._reduced = False
 
@@ -535,10 +557,12 @@ class ZeroEngine:
 
     def refresh_params(self) -> None:
         """Stages 1 and 2: all-gather the master shards into the replicated parameters (stage 3 gathers lazily)."""
-        if self.stage < 3:
-            for unit in self.units:
+        if self.stage < 3:  # at most two gathers in flight: each holds its unit's whole all-gather output
+            for i, unit in enumerate(self.units):
+                if i >= 2:
+                    self._complete_gather(self.units[i - 2])
                 self._launch_gather(unit)
-            for unit in self.units:
+            for unit in self.units[-2:]:
                 self._complete_gather(unit)
 
     def after_step(self) -> None:

@@ -85,7 +85,13 @@ def _train(stage: int, optimizer: str, dtype: torch.dtype) -> dict[str, Any]:
     frozen = _shards(engine)[FROZEN]
     frozen_before = frozen.detach().clone()
     seen: list[list[int]] = []
-    opt.register_step_pre_hook(lambda o, *_: seen.append([len(g["params"]) for g in o.param_groups]))
+    largest: list[int] = []  # the largest tensor torch's step saw (its temporaries are that size)
+
+    def look(o: torch.optim.Optimizer, *_: Any) -> None:
+        seen.append([len(g["params"]) for g in o.param_groups])
+        largest.append(max(p.numel() for g in o.param_groups for p in g["params"]))
+
+    opt.register_step_pre_hook(look)
     probe: dict[str, Any] = {}
     for k in range(STEPS):
         if k == 2:
@@ -106,7 +112,9 @@ def _train(stage: int, optimizer: str, dtype: torch.dtype) -> dict[str, Any]:
     # one flat per group (GradSync: per bucket holding any of it), the frozen weight left in its group as it is
     buckets = engine.buckets if isinstance(engine, GradSync) else [None]
     runs = [sum(b is None or any((p.dim() >= 2) == decay for p in b.params) for b in buckets) for decay in (1, 0)]
+    members = max(t.numel() for t in trainable)
     return {"masters": _masters(engine), "resumed": _masters(engine2), "seen": seen, "raised": _raise_in_step(opt2),
+            "largest": max(largest), "largest_member": members,
             "frozen_unchanged": torch.equal(frozen, frozen_before), "frozen_state": frozen in opt.state,
             "phi_trainable": sum(t.numel() for t in trainable), "state_storages": len(state_storages),
             "state_keys": len({k for t in trainable for k in opt.state[t]}), "flats": [runs[0] + 1, runs[1]],
@@ -133,16 +141,26 @@ def _raise_in_step(opt: torch.optim.Optimizer) -> bool:
             and getattr(opt, "_opt_called", False) and scheduler.last_epoch == 0)
 
 
+PIECE = 700  # a piece limit below the tiny model's flats (its largest member has 2048 elements)
+
+
 def _both(stage: int) -> dict[str, tuple[dict, dict]]:
     """AdamW and SGD on fp32 parameters; under stages 1-2 also AdamW on bf16 ones (separate fp32 master shards:
-    views of the flat master buffer)."""
+    views of the flat master buffer); where the step runs flat, AdamW again with pieces of at most PIECE elements
+    (several pieces per flat, a member larger than that alone)."""
     out = {}
-    runs = [("adamw", torch.float32), ("sgd", torch.float32)] + [("adamw", torch.bfloat16)] * (stage < 3)
-    for optimizer, dtype in runs:
-        flat = _train(stage, optimizer, dtype)
+    runs = [("adamw", torch.float32, None), ("sgd", torch.float32, None)] + [("adamw", torch.bfloat16, None)] * (
+        stage < 3) + [("adamw", torch.float32, PIECE)] * (stage in (3, DDP))
+    for optimizer, dtype, piece in runs:
+        limit, flat_step.CPU_PIECE_NUMEL = flat_step.CPU_PIECE_NUMEL, piece or flat_step.CPU_PIECE_NUMEL
+        try:
+            flat = _train(stage, optimizer, dtype)
+        finally:
+            flat_step.CPU_PIECE_NUMEL = limit
         elementwise, flat_step.ELEMENTWISE = flat_step.ELEMENTWISE, ()  # the per-parameter step, as before
         try:
-            out[f"{optimizer} {dtype}"] = (flat, _train(stage, optimizer, dtype))
+            out[f"{optimizer} {dtype}" + (f" pieces of {piece}" if piece else "")] = (flat, _train(stage, optimizer,
+                                                                                                dtype))
         finally:
             flat_step.ELEMENTWISE = elementwise
     return out
@@ -158,13 +176,25 @@ def test_flat_step_equals_per_parameter_step(stage: int) -> None:
                                            msg=lambda m: f"{where} {name}: {m}")  # noqa: B023 (called at once)
                 torch.testing.assert_close(flat["resumed"][name], value, rtol=1e-6, atol=1e-7,
                                            msg=lambda m: f"{where} resumed {name}: {m}")  # noqa: B023
-            assert flat["seen"] == [flat["flats"]] * STEPS, (where, flat["seen"])
             assert per_param["seen"][0][0] > 10, where
             assert flat["frozen_unchanged"] and not flat["frozen_state"], where
             assert flat["raised"], where
-            # optimizer state: one flat tensor per key and flat (AdamW m, v; SGD momentum)
-            flats = sum(flat["flats"]) - 1
-            assert flat["state_storages"] == flats * (flat["state_keys"] - optimizer.startswith("adamw")), where
+            # flat where the shards and their gradients are views of flat buffers (stage 3, GradSync, stage 2's
+            # bf16 parameters with their fp32 master buffer); stage 1 and stage 2's fp32 shards (the parameters'
+            # own rows, or rows of stage 1's full gradient) step one by one, as torch does: no transient flat
+            if stage == 3 or stage == DDP or (stage == 2 and "bfloat16" in optimizer):
+                if "pieces" in optimizer:  # several pieces, none larger than the limit or a member
+                    assert flat["seen"][0][0] > flat["flats"][0], (where, flat["seen"])  # the matrices' group
+                    assert flat["largest"] <= max(PIECE, flat["largest_member"]) < flat["phi_trainable"], where
+                else:  # one piece per flat
+                    assert flat["seen"] == [flat["flats"]] * STEPS, (where, flat["seen"])
+                    # optimizer state: one tensor per key and piece (AdamW m, v; SGD momentum)
+                    flats = sum(flat["flats"]) - 1
+                    assert flat["state_storages"] == flats * (flat["state_keys"] - optimizer.startswith("adamw")), \
+                        where
+            else:
+                assert flat["seen"] == per_param["seen"], (where, flat["seen"])
+                assert flat["largest"] == flat["largest_member"], where
             if stage == DDP:  # parameters and gradients: one buffer per bucket (and the frozen weight on its own)
                 assert flat["buckets"] >= 2 and len(flat["param_storages"]) == flat["buckets"] + 1, where
                 assert len(flat["grad_storages"]) == flat["buckets"], where  # the gradients: one buffer a bucket
