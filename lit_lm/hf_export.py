@@ -1,14 +1,16 @@
-"""Export a dense lit-lm checkpoint as a Hugging Face model: `model.safetensors`, `config.json`,
+"""Export a lit-lm checkpoint as a Hugging Face model: `model.safetensors`, `config.json`,
 `generation_config.json` and the tokenizer as `tokenizer.json` in the `tokenizers` library's format
 (`Tokenizer.save_hf`: lit-lm's BPE converted, a `tokenizers` one as it is).
 
 lit-lm's Transformer is Llama's architecture with the same conventions (rotate-half RoPE, RMSNorm with fp32
-statistics, SwiGLU, separate q/k/v projections), so the export is a renaming of tensors through the one name map
-of `lit_lm.hf_import` (`hf_name`), and `config.json` is `hf_import.model_config` backwards: a Llama model (with
-Llama 3's rope scaling if set), a Mistral one when the attention is windowed, a Qwen2 one with q/k/v biases. A
-model imported from Hugging Face comes back tensor for tensor (the same names, shapes and values). The embedding
-keeps its padded rows (config `vocab_size` is the padded size; the tokenizer never produces the extra ids). Not
-exportable: MoE layers and QK-norm.
+statistics, SwiGLU, separate q/k/v projections), so the export is a renaming of tensors through the family's
+entry in `lit_lm.hf_families` (the one map the import reads too; stacked expert weights are written one tensor
+per expert, as the family stores them), and `config.json` is the import backwards. The family is the first of
+`hf_families.FAMILIES` whose config, imported again, is the model's own (`export_family`): Llama, Mistral when
+windowed, Qwen2 with q/k/v biases, Qwen3 with per-head QK-norm, Mixtral / Qwen3-MoE / OLMoE for MoE models; a
+model no family holds (shared experts, sigmoid routing, ...) is refused naming the field. A model imported from
+Hugging Face comes back tensor for tensor (the same names, shapes and values). The embedding keeps its padded
+rows (config `vocab_size` is the padded size; the tokenizer never produces the extra ids).
 """
 
 from __future__ import annotations
@@ -22,40 +24,95 @@ import torch
 from safetensors.torch import save_file
 
 from lit_lm.checkpoints import model_state_dict, tokenizer_from
-from lit_lm.config import ConfigError, ModelConfig
-from lit_lm.hf_import import FIELDS, HF_FOLDER, hf_name
+from lit_lm.config import ARCHITECTURE, ConfigError, ModelConfig
+from lit_lm.hf_families import FAMILIES, Family
+from lit_lm.hf_import import HF_FOLDER, config_from_hf
 from lit_lm.tokenizer import Tokenizer
+
+# what an exported model must keep besides ARCHITECTURE: the function of each layer
+FUNCTION = ("rope_theta", "rope_scaling", "sliding_window", "norm_eps", "moe_top_k", "moe_score", "moe_norm_topk",
+            "padded_vocab_size")
+
+
+def _signature(cfg: ModelConfig) -> dict[str, Any]:
+    """The fields that decide the model's tensors and function, less those that decide nothing here (the MoE
+    fields of a dense model, d_ff when every block is MoE, the vocabulary's padding rule: its padded size counts)."""
+    names = [n for n in ARCHITECTURE + FUNCTION if n not in ("vocab_size", "vocab_multiple_of")]
+    if not cfg.moe_experts:
+        names = [n for n in names if not n.startswith("moe_")]
+    elif all(cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
+        names.remove("d_ff")
+    if not cfg.qk_norm:
+        names.remove("qk_norm_scope")
+    return {n: getattr(cfg, n) for n in names}
+
+
+def family_config(cfg: ModelConfig, family: Family) -> dict[str, Any]:
+    """The config.json keys of `family` that carry `cfg`'s fields (the import's map backwards)."""
+    out: dict[str, Any] = {"architectures": [family.architecture], "model_type": family.model_type}
+    for ours, keys in family.all_fields.items():  # family fields after the common ones (Mixtral's experts'
+        out[keys[0]] = getattr(cfg, ours)  # intermediate_size is theirs)
+    out["vocab_size"] = cfg.padded_vocab_size
+    if family.experts is not None and cfg.moe_first_dense:
+        out["mlp_only_layers"] = list(range(cfg.moe_first_dense))
+    rope = {"rope_type": "default"} if cfg.rope_scaling is None else dict(cfg.rope_scaling)
+    out.update(family.writes, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
+               rope_parameters={**rope, "rope_theta": cfg.rope_theta})
+    return out
+
+
+def export_family(cfg: ModelConfig) -> Family:
+    """The first family whose config.json, imported again, is `cfg` (its `_signature`); else a one-line refusal
+    naming the first field the closest family cannot hold."""
+    want = _signature(cfg)
+    misses = []
+    for family in FAMILIES.values():
+        try:
+            back = _signature(config_from_hf(family_config(cfg, family), cfg))
+        except ConfigError:
+            continue
+        differ = [n for n in want if back.get(n) != want[n]] + [n for n in back if n not in want]
+        differ.sort(key=lambda n: n == "d_ff")  # a family's d_ff follows its experts': name the cause first
+        if not differ:
+            return family
+        misses.append((len(differ), differ[0], family.model_type))
+    _, field, family = min(misses)
+    raise ConfigError(f"the model's {field} {getattr(cfg, field)} is in no Hugging Face family lit-lm exports "
+                      f"({', '.join(FAMILIES)}; the closest, {family}, does not have it) "
+                      f"(model.init_args.config.{field})")
 
 
 def check_exportable(cfg: ModelConfig) -> None:
-    unsupported = [name for name, on in (("moe_experts", cfg.moe_experts), ("qk_norm", cfg.qk_norm)) if on]
-    if cfg.qkv_bias and cfg.sliding_window:
-        unsupported.append("sliding_window")  # with biases it is a Qwen2, whose windows are per layer
-    if unsupported:
-        raise ConfigError(f"the model uses {', '.join(unsupported)}, which the exported Llama / Mistral / Qwen2 "
-                          f"does not have (model.init_args.config.{unsupported[0]}); only dense models without them "
-                          "are exported")
+    export_family(cfg)
 
 
 def hf_config(cfg: ModelConfig, bos_id: Optional[int], eos_id: Optional[int]) -> dict[str, Any]:
-    """config.json of the model: Qwen2 when it has q/k/v biases, Mistral when windowed, else Llama."""
-    family = "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window else "llama"
-    rope = {"rope_type": "default"} if cfg.rope_scaling is None else dict(cfg.rope_scaling)
-    out: dict[str, Any] = {
-        "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                           "qwen2": "Qwen2ForCausalLM"}[family]], "model_type": family,
-        **{theirs: getattr(cfg, ours) for theirs, ours in FIELDS.items()}, "vocab_size": cfg.padded_vocab_size,
-        "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
-        "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
-        "rope_parameters": {**rope, "rope_theta": cfg.rope_theta}, "initializer_range": cfg.init_std,
-        "bos_token_id": bos_id, "eos_token_id": eos_id, "torch_dtype": "float32",
-    }
-    if family == "llama":
-        out.update(attention_bias=False, mlp_bias=False)
-    elif family == "mistral":
-        out["sliding_window"] = cfg.sliding_window
-    else:
-        out.update(use_sliding_window=False, sliding_window=None)
+    """config.json of the model, as its family (`export_family`) writes it."""
+    return {**family_config(cfg, export_family(cfg)), "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
+            "initializer_range": cfg.init_std, "bos_token_id": bos_id, "eos_token_id": eos_id,
+            "torch_dtype": "float32"}
+
+
+def hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The state dict (lit-lm names) under the family's names, fp32; a stacked expert weight one tensor per expert.
+    A router's balancing bias (auxiliary-loss-free balancing) has no Hugging Face tensor: refused unless zero."""
+    family = export_family(cfg)
+    out = {}
+    for name, value in state.items():
+        if name.endswith("expert_bias"):
+            if value.any():
+                raise ConfigError(f"{name} is not zero (moe_bias_update trained it) and changes which experts are "
+                                  f"chosen; a {family.model_type} router has no such bias, so the export would route "
+                                  "differently (model.init_args.config.moe_bias_update)")
+            continue
+        if name.endswith("step_counts"):
+            continue
+        target = family.hf_name(name, cfg)
+        value = value.detach().to(torch.float32)
+        if isinstance(target, str):
+            out[target] = value.contiguous()
+        else:
+            out.update({t: v.contiguous() for t, v in zip(target, value.unbind(0))})
     return out
 
 
@@ -66,7 +123,7 @@ def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer: Option
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)  # transformers ties it to embed_tokens itself (tie_word_embeddings)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {hf_name(k): v.detach().to(torch.float32).contiguous() for k, v in state.items()}
+    tensors = hf_tensors(state, cfg)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     umask = os.umask(0)  # safetensors writes 0600 (a temporary file renamed): give it the mode open() would
     os.umask(umask)

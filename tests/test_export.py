@@ -44,10 +44,12 @@ def test_export_loads_in_transformers_with_the_same_logits_and_ids(tmp_path, tie
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("field, config", [("moe_experts", dict(moe_experts=4)), ("qk_norm", dict(qk_norm=True)),
-                                           ("sliding_window", dict(sliding_window=8, qkv_bias=True))])
-def test_what_llama_mistral_qwen2_cannot_hold_is_refused_by_name(field, config):
-    with pytest.raises(ConfigError, match=f"uses {field}, which the exported Llama / Mistral / Qwen2 does not have"):
+@pytest.mark.parametrize("field, config", [("moe_shared_experts", dict(moe_experts=4, moe_shared_experts=1)),
+                                           ("moe_score", dict(moe_experts=4, moe_score="sigmoid")),
+                                           ("qkv_bias", dict(sliding_window=8, qkv_bias=True))])
+def test_what_no_exported_family_holds_is_refused_by_name(field, config):
+    """(MoE and QK-norm models are exported as Mixtral, Qwen3, ...: tests/test_hf_families.py)"""
+    with pytest.raises(ConfigError, match=f"the model's {field} .* is in no Hugging Face family lit-lm exports"):
         check_exportable(ModelConfig(n_layers=2, **config))
 
 

@@ -174,7 +174,7 @@ def _edit_config(folder: Path, **changes) -> None:
 
 @pytest.mark.parametrize("changes, field", [
     ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "`model_type` 'gpt2'"),
-    ({"head_dim": 16}, "`head_dim` 16"),
+    ({"head_dim": 7}, "`head_dim` 7"),  # any even head_dim is imported (tests/test_hf_families.py)
     ({"intermediate_size": None}, "`intermediate_size` (missing)"),
     ({"hidden_act": "gelu"}, "`hidden_act` 'gelu'"),
     ({"attention_bias": True}, "`attention_bias` true"),
@@ -196,8 +196,8 @@ def test_weights_that_do_not_match_the_config_are_refused(tmp_path):
         HFWeights(tmp_path, model_config(tmp_path))
 
 
-def hf_folder_with_tokenizer(folder: Path, corpus: str) -> tuple[Path, object]:
-    """A random Llama whose vocabulary is a byte-level BPE trained with the `tokenizers` library on `corpus`, saved
+def hf_folder_with_tokenizer(folder: Path, corpus: str, make=transformers.LlamaConfig, **extra) -> tuple[Path, object]:
+    """A random Llama (or `make`'s family, with `extra` config arguments) whose vocabulary is a byte-level BPE trained with the `tokenizers` library on `corpus`, saved
     as a Hugging Face folder with its tokenizer.json (EOS `<|endoftext|>`, no BOS)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -209,8 +209,8 @@ def hf_folder_with_tokenizer(folder: Path, corpus: str) -> tuple[Path, object]:
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "add_bos_token": False}))
-    config = transformers.LlamaConfig(**{**SHAPE, "vocab_size": tokenizer.get_vocab_size()}, eos_token_id=None,
-                                      bos_token_id=None, pad_token_id=0)
+    config = make(**{**SHAPE, "vocab_size": tokenizer.get_vocab_size()}, eos_token_id=None, bos_token_id=None,
+                  pad_token_id=0, **extra)
     return folder, save_hf(folder, config)
 
 
