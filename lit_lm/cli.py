@@ -39,7 +39,7 @@ _DATA_FIELDS = tuple(inspect.signature(TextDataModule.__init__).parameters)[1:]
 class LitLMCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # One vocabulary and one context length: the data decides (a given tokenizer's size), the model follows.
-        parser.link_arguments(("data.init_args.vocab_size", "data.init_args.tokenizer_dir"),
+        parser.link_arguments(("data.init_args.vocab_size", "data.init_args.tokenizer_dir", "data.init_args.sources"),
                               "model.init_args.config.vocab_size", compute_fn=_linked_vocab_size)
         parser.link_arguments("data.init_args.seq_len", "model.init_args.config.max_seq_len")
 
@@ -99,11 +99,11 @@ class LitLMCLI(LightningCLI):
             print(f"[lit-lm] checkpoint: {ckpt.last_model_path or ckpt.best_model_path}")
 
 
-def _linked_vocab_size(vocab_size: int, tokenizer_dir: Optional[str]) -> int:
+def _linked_vocab_size(vocab_size: int, tokenizer_dir: Optional[str], sources: Optional[list] = None) -> int:
     """`model_vocab_size`; a tokenizer_dir it cannot read is reported by `before_instantiate_classes` in one line
     (jsonargparse would wrap the error in its usage text)."""
     try:
-        return model_vocab_size(vocab_size, tokenizer_dir)
+        return model_vocab_size(vocab_size, tokenizer_dir, sources)
     except ConfigError:
         return vocab_size
 
@@ -139,6 +139,10 @@ def main(args: Optional[list[str]] = None) -> None:
         if argv[:1] == ["generate"]:
             generate.main(argv[1:])
             return
+        if argv[:1] == ["prepare"]:  # lit_lm/prepare.py: tokenize a corpus once into a folder fit reads
+            from lit_lm.prepare import main as prepare
+
+            return prepare(argv[1:])
         if argv[:1] == ["check"]:  # lit_lm/check: the run's own layout against one process, through fit's parser
             from lit_lm.check.command import main as check
 

@@ -22,13 +22,15 @@ from typing import Any, Optional
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
 from lit_lm.config import ConfigError
 from lit_lm.corpus import Corpus, cuttable, log
-from lit_lm.sampler import ResumableSampler
+from lit_lm.mixture import MixtureWindows, ShardWindows
+from lit_lm.prepare import PreparedSource
+from lit_lm.sampler import PositionSampler, ResumableSampler
 from lit_lm.token_file import TokenFile, batch_chars, encode_documents, token_dtype
-from lit_lm.tokenizer import EOT, BPETokenizer, Tokenizer, load_tokenizer
+from lit_lm.tokenizer import EOT, BPETokenizer, Tokenizer, load_tokenizer, tokenizer_hash
 
 _CACHE_VERSION = 3
 
@@ -48,10 +50,35 @@ def stdlib_corpus(max_mb: float) -> list[str]:
     return files
 
 
-def model_vocab_size(vocab_size: int, tokenizer_dir: Optional[str]) -> int:
+def model_vocab_size(vocab_size: int, tokenizer_dir: Optional[str], sources: Optional[list[Any]] = None) -> int:
     """The model's vocabulary for these data settings (the CLI links it to model.init_args.config.vocab_size): the
-    given tokenizer's size, else `vocab_size` (the BPE trained on the corpus has at most that many tokens)."""
-    return vocab_size if tokenizer_dir is None else load_tokenizer(tokenizer_dir).vocab_size
+    given tokenizer's size, else the prepared sources' tokenizer's, else `vocab_size` (the BPE trained on the corpus
+    has at most that many tokens)."""
+    if tokenizer_dir is not None:
+        return load_tokenizer(tokenizer_dir).vocab_size
+    if sources:
+        return int(PreparedSource(_source_specs(sources)[0][1]).index["vocab_size"])
+    return vocab_size
+
+
+def _source_specs(sources: list[Any]) -> list[tuple[str, str, float]]:
+    """(name, path, weight) of each `data.init_args.sources` entry: {path, weight (default 1), name (default: the
+    folder's name)}."""
+    specs = []
+    for i, entry in enumerate(sources):
+        entry = {"path": entry} if isinstance(entry, str) else dict(entry)
+        unknown = set(entry) - {"path", "weight", "name"}
+        if "path" not in entry or unknown:
+            raise ConfigError(f"data.init_args.sources[{i}] = {entry}: give {{path: <prepared folder>, weight: <w>}} "
+                              f"(optional name){'; unknown keys ' + str(sorted(unknown)) if unknown else ''}")
+        weight = float(entry.get("weight", 1.0))
+        if not weight > 0:
+            raise ConfigError(f"data.init_args.sources[{i}].weight must be positive, got {entry.get('weight')}")
+        specs.append((str(entry.get("name") or Path(entry["path"]).name), str(entry["path"]), weight))
+    names = [n for n, _, _ in specs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"data.init_args.sources: two sources are named alike ({names}); give each a `name`")
+    return specs
 
 
 def check_vocabulary(tokenizer: Tokenizer, model_vocab: int) -> None:
@@ -109,12 +136,16 @@ class TextDataModule(L.LightningDataModule):
             `tokenizers` library tokenizer encodes on its own thread pool).
         seed: shuffling seed (the order is a function of seed and epoch only).
         skip_missing_text: train without jsonl/parquet rows that lack `text_field` (default: refuse them).
+        sources: folders written by `lit-lm prepare`, mixed by weight, instead of `files`:
+            `[{path: prepared/web, weight: 0.7}, {path: prepared/code, weight: 0.3}]` (`lit_lm.mixture`); read as
+            they are (never re-tokenized), each with its own held-out split, validated per source.
     """
 
     def __init__(self, files: Optional[list[str]] = None, text_field: str = "text", data_dir: str = "data",
                  vocab_size: int = 4096, seq_len: int = 256, batch_size: int = 16, val_fraction: float = 0.05,
                  corpus_mb: float = 4.0, tokenizer_dir: Optional[str] = None, num_workers: int = 0,
-                 tokenizer_workers: int = 2, seed: int = 1234, skip_missing_text: bool = False) -> None:
+                 tokenizer_workers: int = 2, seed: int = 1234, skip_missing_text: bool = False,
+                 sources: Optional[list[dict[str, Any]]] = None) -> None:
         super().__init__()
         if not 0.0 < val_fraction < 1.0:
             raise ConfigError(f"data.init_args.val_fraction must be in (0, 1), got {val_fraction}")
@@ -124,6 +155,10 @@ class TextDataModule(L.LightningDataModule):
         if files is not None and not files:
             raise ConfigError("data.init_args.files is an empty list: give at least one file, or null for the "
                               "default corpus")
+        if sources is not None and (files is not None or not sources):
+            raise ConfigError("data.init_args.sources: give prepared folders (a non-empty list) or files, not both")
+        self.sources = sources
+        self.source_specs = _source_specs(sources) if sources else None
         self.files = files
         self.text_field = text_field
         self.data_dir = Path(data_dir)
@@ -139,7 +174,8 @@ class TextDataModule(L.LightningDataModule):
         self.skip_missing_text = skip_missing_text
         self.tokenizer: Optional[Tokenizer] = None
         self.train_set: Optional[TokenWindows] = None
-        self.val_set: Optional[TokenWindows] = None
+        self.val_set: Optional[Dataset] = None
+        self.val_batch_sources: list[str] = []  # a mixture's: the source of each validation batch of this rank
         self._base_samples = 0  # global samples consumed when the current train loader was made
         self._base_batches = 0  # Lightning's processed-batch counter at that moment
         self._resumed_samples: Optional[int] = None  # from a checkpoint, applied when the loader is made
@@ -154,8 +190,7 @@ class TextDataModule(L.LightningDataModule):
         """Fixed at first use, so an edit of the inputs mid-run cannot move the cache under a running job."""
         vocabulary = str(self.vocab_size)
         if self.given_tokenizer is not None:  # its content: its path says nothing once the file is replaced
-            state = json.dumps(self.given_tokenizer.state_dict(), sort_keys=True)
-            vocabulary = hashlib.sha256(state.encode()).hexdigest()
+            vocabulary = tokenizer_hash(self.given_tokenizer)
         return self.data_dir / "cache" / _fingerprint(self.source_files, self.text_field, vocabulary)
 
     @cached_property
@@ -169,8 +204,26 @@ class TextDataModule(L.LightningDataModule):
                               "(data.init_args.tokenizer_dir); name one as eos_token in its tokenizer_config.json")
         return tokenizer
 
+    @cached_property
+    def prepared(self) -> list[PreparedSource]:
+        """The prepared sources (`sources`), checked to share one tokenizer (and `tokenizer_dir`'s, if given)."""
+        folders = [PreparedSource(path) for _, path, _ in self.source_specs]
+        want = tokenizer_hash(self.given_tokenizer) if self.given_tokenizer is not None else \
+            folders[0].tokenizer_sha256
+        for (_, path, _), folder in zip(self.source_specs, folders):
+            if folder.tokenizer_sha256 != want:
+                other = "data.init_args.tokenizer_dir's" if self.given_tokenizer is not None else \
+                    f"{self.source_specs[0][1]}'s"
+                raise ConfigError(f"data.init_args.sources: {path} was prepared with another tokenizer than "
+                                  f"{other}; prepare every source with the same --tokenizer_dir")
+        return folders
+
     def prepare_data(self) -> None:
-        """Build the tokenizer and the token file once (Lightning runs this on one process per node)."""
+        """Build the tokenizer and the token file once (Lightning runs this on one process per node); prepared
+        sources are only checked."""
+        if self.sources:
+            _ = self.prepared
+            return
         cache = self.cache_dir
         if (cache / "tokens.json").exists():
             return
@@ -189,6 +242,8 @@ class TextDataModule(L.LightningDataModule):
         _write_tokens(corpus, tokenizer, cache, self.tokenizer_workers)
 
     def setup(self, stage: str) -> None:
+        if self.sources:
+            return self._setup_mixture()
         cache = self.cache_dir
         if not (cache / "tokens.json").exists():  # e.g. setup() called without a Trainer
             self.prepare_data()
@@ -198,9 +253,7 @@ class TextDataModule(L.LightningDataModule):
         if meta["max_id"] >= self.tokenizer.vocab_size:
             raise ConfigError(f"token id {meta['max_id']} in {cache} is not the tokenizer's (it has "
                               f"{self.tokenizer.vocab_size} tokens): the cache is stale; delete {cache}")
-        model_config = getattr(getattr(self.trainer, "lightning_module", None), "config", None)
-        if model_config is not None:
-            check_vocabulary(self.tokenizer, model_config.vocab_size)
+        self._check_model_vocabulary()
         n_val = int(len(tokens) * self.val_fraction)
         self.train_set = TokenWindows(tokens[: len(tokens) - n_val], self.seq_len)
         self.val_set = TokenWindows(tokens[len(tokens) - n_val:], self.seq_len)
@@ -211,6 +264,39 @@ class TextDataModule(L.LightningDataModule):
                                   f"fewer than one batch of {self.batch_size} x {dp} data-parallel ranks "
                                   f"(data.init_args.val_fraction); {'raise' if split == 'val' else 'lower'} "
                                   "val_fraction, lower batch_size or seq_len, or add data")
+
+    def _check_model_vocabulary(self) -> None:
+        model_config = getattr(getattr(self.trainer, "lightning_module", None), "config", None)
+        if model_config is not None:
+            check_vocabulary(self.tokenizer, model_config.vocab_size)
+
+    def _setup_mixture(self) -> None:
+        """Train: the sources' windows mixed by weight (`MixtureWindows`); val: each source's held-out windows, a
+        whole number of global batches each, so every validation batch comes from one source."""
+        folders = self.prepared
+        self.tokenizer = self.given_tokenizer or folders[0].tokenizer()
+        self._check_model_vocabulary()
+        dp, _ = self._dp()
+        per_batch = self.batch_size * dp
+        trains, vals, self.val_batch_sources = [], [], []
+        for (name, path, _), folder in zip(self.source_specs, folders):
+            train, val = (ShardWindows(folder.parts(split), self.seq_len) for split in ("train", "val"))
+            for split, ds in (("train", train), ("val", val)):
+                if len(ds) < per_batch:
+                    raise ConfigError(f"source {name} ({path}) has {len(ds)} {split} windows of seq_len "
+                                      f"{self.seq_len} ({ds.n_tokens} tokens), fewer than one batch of "
+                                      f"{self.batch_size} x {dp} data-parallel ranks (data.init_args.sources); lower "
+                                      "batch_size or seq_len, or prepare it with more data (or a larger --val_fraction)")
+            trains.append(train)
+            keep = len(val) // per_batch * per_batch
+            vals.append(Subset(val, range(keep)))
+            self.val_batch_sources += [name] * (keep // per_batch)
+        self.train_set = MixtureWindows(trains, [w for _, _, w in self.source_specs], self.seed)
+        self.val_set = ConcatDataset(vals)
+
+    def val_source(self, batch_idx: int) -> Optional[str]:
+        """The source of validation batch `batch_idx` (a mixture's), else None."""
+        return self.val_batch_sources[batch_idx] if batch_idx < len(self.val_batch_sources) else None
 
     # -- loaders -------------------------------------------------------------------------------------------
     def _dp(self) -> tuple[int, int]:
@@ -232,8 +318,8 @@ class TextDataModule(L.LightningDataModule):
         else:
             self._base_samples = self.samples_consumed()
         self._base_batches = self._batches_processed()
-        sampler = ResumableSampler(len(self.train_set), self.batch_size, size, rank, seed=self.seed,
-                                   start=self._base_samples)
+        kind = PositionSampler if isinstance(self.train_set, MixtureWindows) else ResumableSampler
+        sampler = kind(len(self.train_set), self.batch_size, size, rank, seed=self.seed, start=self._base_samples)
         return self._loader(self.train_set, sampler, PositionedLoader)
 
     def val_dataloader(self) -> DataLoader:

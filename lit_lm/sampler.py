@@ -64,3 +64,12 @@ class ResumableSampler(DistributedSampler):
         if self.advance:
             self.start += count * self.num_replicas
         return iter(chunk)
+
+
+class PositionSampler(ResumableSampler):
+    """The same positions as `ResumableSampler` (rank r of R: start + r, start + r + R, ...), yielded as they are:
+    for a dataset indexed by the global stream position (`lit_lm.mixture.MixtureWindows`), which does its own
+    shuffling. `num_samples` only sets the length of a pass."""
+
+    def indices(self, start: int, count: int) -> list[int]:
+        return (start + self.rank + self.num_replicas * torch.arange(count)).tolist()

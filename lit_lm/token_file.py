@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator, NamedTuple, Optional, Union
 
 import numpy as np
 
@@ -17,6 +17,14 @@ from lit_lm.tokenizer import BPETokenizer, Tokenizer
 from lit_lm.tokenizer.bpe import PARALLEL_CHARS
 
 BATCH_CHARS = 4 << 20  # text per encode_batch call (a `tokenizers` one spreads it over its threads)
+
+
+class DocumentPart(NamedTuple):
+    """Pieces of a document that a token file holds only part of (`lit-lm prepare` cuts a long text file into
+    chunks): BOS only where it `begins` the document, EOS only where it `ends` it."""
+    pieces: Iterable[str]
+    begins: bool
+    ends: bool
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -28,10 +36,10 @@ def batch_chars(tokenizer: Tokenizer, workers: int) -> int:
     return PARALLEL_CHARS if isinstance(tokenizer, BPETokenizer) and workers > 1 else BATCH_CHARS
 
 
-def encode_documents(tokenizer: Tokenizer, documents: Iterable[Iterable[str]], workers: int = 1,
+def encode_documents(tokenizer: Tokenizer, documents: Iterable[Union[Iterable[str], DocumentPart]], workers: int = 1,
                      chars: Optional[int] = None) -> Iterator[tuple[np.ndarray, int, int]]:
     """(ids, documents ended, characters) per batch of about `chars` characters (BATCH_CHARS), in order: the
-    concatenation of the ids is every document's `[BOS] + ids + [EOS]`."""
+    concatenation of the ids is every document's `[BOS] + ids + [EOS]` (a `DocumentPart`: only its own ends)."""
     chars = chars or BATCH_CHARS
     dtype = token_dtype(tokenizer.vocab_size)
     bos = np.array([] if tokenizer.bos_id is None else [tokenizer.bos_id], dtype)
@@ -49,12 +57,13 @@ def encode_documents(tokenizer: Tokenizer, documents: Iterable[Iterable[str]], w
         return np.concatenate(parts), sum(ends for _, ends in marks), size
 
     for document in documents:
-        piece = next(iter_ := iter(document), None)
-        begins = True
+        part = document if isinstance(document, DocumentPart) else DocumentPart(document, True, True)
+        piece = next(iter_ := iter(part.pieces), None)
+        begins = part.begins
         while piece is not None:
             following = next(iter_, None)
             pieces.append(piece)
-            marks.append((begins, following is None))
+            marks.append((begins, following is None and part.ends))
             size += len(piece)
             begins, piece = False, following
             if size >= chars:

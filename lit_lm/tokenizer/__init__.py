@@ -11,6 +11,7 @@ Qwen2 or lit-lm's BPE). A prompt to generate from is encoded the same way, witho
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -22,7 +23,7 @@ from lit_lm.tokenizer.bpe import EOT, GPT2_PATTERN, BPETokenizer
 from lit_lm.tokenizer.hf import HFTokenizer
 
 __all__ = ["EOT", "GPT2_PATTERN", "BPETokenizer", "HFTokenizer", "Tokenizer", "TokenStream", "load_tokenizer",
-           "tokenizer_from_state", "document_ids", "prompt_ids"]
+           "tokenizer_from_state", "tokenizer_hash", "document_ids", "prompt_ids"]
 FILE_NAME = "tokenizer.json"  # both kinds are saved under this name: `load_tokenizer` tells them apart by content
 
 
@@ -114,6 +115,11 @@ def tokenizer_from_state(state: dict[str, Any], source: str = "the tokenizer sta
     """The tokenizer of a `state_dict()` (as a checkpoint holds it)."""
     return HFTokenizer.from_state_dict(state, source) if state.get("format") == hf.FORMAT else \
         BPETokenizer.from_state_dict(state, source)
+
+
+def tokenizer_hash(tokenizer: Tokenizer) -> str:
+    """A digest of the tokenizer's content (its state, not its path): token files made with it carry it."""
+    return hashlib.sha256(json.dumps(tokenizer.state_dict(), sort_keys=True).encode()).hexdigest()
 
 
 def document_ids(tokenizer: Tokenizer, ids: list[int]) -> list[int]:
