@@ -242,7 +242,11 @@ class LanguageModel(L.LightningModule):
         return ce
 
     def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        return self._eval_step(batch, batch_idx)
+        ce = self._eval_step(batch, batch_idx)
+        source = getattr(getattr(self._trainer, "datamodule", None), "val_source", lambda _: None)(batch_idx)
+        if source is not None:  # a mixture's batch comes from one source (lit_lm.data): its loss beside the overall
+            self.log(f"val_loss/{source}", ce, on_step=False, on_epoch=True, sync_dist=True, batch_size=batch.shape[0])
+        return ce
 
     def test_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         return self._eval_step(batch, batch_idx)
