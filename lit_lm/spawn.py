@@ -71,6 +71,7 @@ def load_result(path: Path) -> Any:
     of the suite's modules (the dataclasses and NamedTuples callers return); anything else is refused by torch,
     naming the global."""
     allowed = [cls for cls in map(_own_class, torch.serialization.get_unsafe_globals_in_checkpoint(path)) if cls]
+    allowed.append(slice)  # the parity harness's gradient parts are indexed by slices (tp, ZeRO rows)
     with torch.serialization.safe_globals(allowed):
         return torch.load(path, weights_only=True)
 
