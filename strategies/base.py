@@ -27,6 +27,9 @@ What the base does
                     `<path>.tmp-<id>`, marked `COMPLETE` (step, world size, strategy, dp/tp/pp) after a barrier
                     and published by rename; any directory without the marker is refused on load, naming it.
                     `remove_checkpoint` (save_top_k retention) also clears what crashed saves left in the folder.
+                    During fit a save is written in the background (`strategies/async_save.py`: the step waits only
+                    for a host copy; at most one in flight; removals wait for its publish); `async_checkpoint=False`
+                    writes in the step. `wait_for_checkpoints()` returns once the save in flight is published.
     SIGTERM         Lightning's broadcast of rank 0's SIGTERM flag (a host sync on GPUs) runs after logging steps,
                     not at every step (`_sigterm_check_at_logging_steps`).
     failures        `timeout` (seconds, or a timedelta) bounds every collective; when one fails (a dead or hung
@@ -89,7 +92,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
@@ -98,6 +101,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from strategies import checkpoint as ckpt
+from strategies.async_save import AsyncSaver
 from strategies import comm
 from strategies.clip import GradShards, clip_grad_norm_, local_grad_shards, with_global_norm_clip
 from strategies.layout import ParallelDims, ParallelLayout
@@ -198,6 +202,7 @@ class BaseStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: Union[float, timedelta, None] = default_pg_timeout,
+        async_checkpoint: bool = True,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.num_nodes = 1  # the connector only sets num_nodes on strategies that have the attribute
@@ -207,6 +212,8 @@ class BaseStrategy(ParallelStrategy):
         self._layout: Optional[ParallelLayout] = None
         self._described = False
         self._sync_enabled = True
+        # checkpoints saved during fit are written in the background (strategies/async_save.py); False: in the step
+        self._saver = AsyncSaver(self._timeout) if async_checkpoint else None
 
     # -- processes and groups ---------------------------------------------------------------------------------
     @property
@@ -457,13 +464,50 @@ class BaseStrategy(ParallelStrategy):
         state = {"model": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         topology = {"strategy": type(self).__name__, **asdict(self.layout.dims)}
-        ckpt.save(path, state, checkpoint, topology)
+        background = self._saver if self._saving_in_background() else None
+        if background is not None and background.last is not None and background.last[0] == checkpoint.get(
+                "global_step") and background.last[1] != path:  # `last.ckpt` right after `step=N.ckpt`: same state
+            if self.is_global_zero:
+                source, meta = background.last[1], ckpt.serialize_meta(checkpoint)
+                background.after_publish(lambda: ckpt.save_alias(source, path, meta))
+            return
+        self.wait_for_checkpoints()  # at most one save in flight
+        if background is not None:
+            state = background.stage(state)  # the step waits for this copy only
+            background.last = (checkpoint.get("global_step"), path)
+        ckpt.save(path, state, checkpoint, topology, background=background)
+
+    def _saving_in_background(self) -> bool:
+        """During fit (ModelCheckpoint's saves); a save called after fit returns (or outside it) is written before
+        it returns, as callers of `trainer.save_checkpoint` expect."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return (self._saver is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING
+                and trainer.state.status == TrainerStatus.RUNNING)
+
+    def wait_for_checkpoints(self) -> None:
+        """Return once the checkpoint being written in the background (if any) is published; raise its error."""
+        if self._saver is not None:
+            self._saver.wait()
 
     @override
     def remove_checkpoint(self, filepath: Union[str, Path]) -> None:
         if self.is_global_zero:
-            ckpt.remove(filepath)
-            ckpt.remove_stale(Path(filepath).parent)
+            def remove() -> None:
+                ckpt.remove(filepath)
+                ckpt.remove_stale(Path(filepath).parent)
+
+            if self._saver is not None:
+                self._saver.after_publish(remove)  # never before the save in flight is complete
+            else:
+                remove()
+
+    @override
+    def teardown(self) -> None:
+        try:
+            if self._saver is not None:
+                self._saver.close()  # the last checkpoint is published before the process group goes
+        finally:
+            super().teardown()
 
     @override
     def load_checkpoint(self, checkpoint_path: Union[str, Path], weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -20,6 +20,7 @@ directory without the marker, naming the missing file.
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import os
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.optim import Optimizer
 
@@ -64,9 +66,19 @@ def check_complete(path: PathLike) -> dict[str, Any]:
     return json.loads(marker.read_text() or "{}")
 
 
-def save(path: PathLike, state: dict[str, Any], meta: dict[str, Any], info: dict[str, Any]) -> None:
+class CheckpointSaveError(ConfigError):
+    """A save that could not be written (a full disk, a lost mount): nothing was published, the previous
+    checkpoint of that name is whole."""
+
+
+def save(path: PathLike, state: dict[str, Any], meta: dict[str, Any], info: dict[str, Any],
+         background: Optional[Any] = None) -> None:
     """Collective: every rank writes its part of `state`; rank 0 writes `meta` and a marker of `info`, then
-    publishes the directory at `path` (replacing whatever was there) by a rename."""
+    publishes the directory at `path` (replacing whatever was there) by a rename.
+
+    With `background` (a `strategies.async_save.AsyncSaver` whose previous save is done, `state` staged by it) the
+    writing, marker and rename run on its thread and group: this returns once the directory is made and `meta`
+    is serialised."""
     path = Path(path)
     # every rank writes into the same temporary directory
     tmp = Path(comm.broadcast_object(f"{path}{TMP}{uuid.uuid4().hex[:8]}", label="checkpoint save: directory"))
@@ -74,22 +86,81 @@ def save(path: PathLike, state: dict[str, Any], meta: dict[str, Any], info: dict
         remove_stale(path.parent)
         tmp.mkdir(parents=True)
     comm.barrier(label="checkpoint save: directory made")
-    comm.note("dcp_save", label=f"checkpoint save: {path.name}")
-    dcp.save(state, checkpoint_id=tmp)
-    if dist.get_rank() == 0:
-        torch.save(meta, tmp / META)
-    comm.barrier(label="checkpoint save: shards written")  # every rank's shards are on disk
-    if dist.get_rank() == 0:
-        marker = {"step": meta.get("global_step"), "epoch": meta.get("epoch"), "world_size": dist.get_world_size(),
-                  **info}
-        _write_synced(tmp / COMPLETE, json.dumps(marker))
-        _publish(tmp, path)
-    comm.barrier(label="checkpoint save: published")  # nobody goes on (or removes an older one) before it is visible
+    # serialised now: `meta` may hold live values (a callback's tensors)
+    meta_bytes = serialize_meta(meta) if dist.get_rank() == 0 else io.BytesIO()
+    marker = {"step": meta.get("global_step"), "epoch": meta.get("epoch"), "world_size": dist.get_world_size(),
+              **info}
+    if background is None:
+        comm.note("dcp_save", label=f"checkpoint save: {path.name}")
+        _write(path, tmp, state, meta_bytes, marker, group=None)
+    else:
+        group = background.group  # made here, by every rank at the same save, not on the thread
+        background.submit(lambda: _write(path, tmp, state, meta_bytes, marker, group=group))
 
 
-def _write_synced(file: Path, text: str) -> None:
-    with open(file, "w") as f:
-        f.write(text)
+def save_alias(source: Path, path: Path, meta: io.BytesIO) -> None:
+    """Rank 0, once `source` is published: `path` as a second name for the same state (a `last.ckpt` saved at the
+    step of a `step=N.ckpt`), its shard files hard-linked (copied across filesystems), its own `meta`
+    (`serialize_meta`'d), published
+    like a save."""
+    tmp = path.with_name(f"{path.name}{TMP}{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    for file in source.iterdir():
+        if file.name not in (META, COMPLETE):
+            try:
+                os.link(file, tmp / file.name)
+            except OSError:
+                shutil.copy2(file, tmp / file.name)
+    _write_synced(tmp / META, meta.getvalue())
+    _write_synced(tmp / COMPLETE, (source / COMPLETE).read_text())
+    _publish(tmp, path)
+
+
+def serialize_meta(meta: dict[str, Any]) -> io.BytesIO:
+    out = io.BytesIO()
+    torch.save(meta, out)
+    return out
+
+
+def _write(path: Path, tmp: Path, state: dict[str, Any], meta: io.BytesIO, marker: dict[str, Any],
+           group: Optional[dist.ProcessGroup]) -> None:
+    """Collective over `group`: the shards, then (rank 0) meta.pt, the marker and the rename. A failed write on any
+    rank (DCP tells every rank) publishes nothing, removes the temporary directory and raises one line."""
+    failure = None
+    try:
+        dcp.save(state, checkpoint_id=tmp, process_group=group)
+        if dist.get_rank() == 0:
+            _write_synced(tmp / META, meta.getvalue())
+    except (OSError, CheckpointException) as e:
+        failure = _failure(e)
+    failures = comm.all_gather_object(failure, group, label="checkpoint save: shards written")  # on every rank
+    failure = next((f for f in failures if f), None)
+    if failure is not None:
+        if dist.get_rank() == 0:
+            remove(tmp)
+        raise CheckpointSaveError(
+            f"saving checkpoint {path} failed ({failure}): nothing was published; the previous checkpoint of that "
+            "name, if any, is whole. Free space or fix the folder, then resume with --ckpt_path last")
+    try:
+        if dist.get_rank() == 0:
+            _write_synced(tmp / COMPLETE, json.dumps(marker))
+            _publish(tmp, path)
+    finally:
+        comm.barrier(group, label="checkpoint save: published")  # nobody removes an older one before it is visible
+
+
+def _failure(error: BaseException) -> str:
+    """The first underlying error of a failed save, in a few words ('[Errno 28] No space left on device')."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (first, _) = next(iter(sorted(error.failures.items(), key=lambda kv: kv[0])))
+        return f"rank {rank}: {_failure(first)}"
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:200]
+
+
+def _write_synced(file: Path, data: Union[str, bytes]) -> None:
+    with open(file, "w" if isinstance(data, str) else "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
 

@@ -41,19 +41,21 @@ def _saver(ckpt_dir: str) -> ModelCheckpoint:
 
 # -- kill -9 during a save -------------------------------------------------------------------------------------
 def _train_and_hang_in_save(ckpt_dir: str, sentinel: str, hang_at: int) -> None:
-    """Train 4 steps saving every 2 (each save writes `epoch=..-step=N.ckpt` then `last.ckpt`); the `hang_at`-th
-    save stops after its shards are written, as a process killed in the middle of a save would."""
+    """Train 4 steps saving every 2, in the step (each save writes `epoch=..-step=N.ckpt` then `last.ckpt`); the
+    `hang_at`-th save stops after its shards are written, as a process killed in the middle of a save would."""
     real_save, calls = ckpt.dcp.save, [0]
 
-    def slow_save(state: dict, checkpoint_id: Path) -> None:
-        real_save(state, checkpoint_id=checkpoint_id)
+    def slow_save(state: dict, checkpoint_id: Path, **kwargs: Any) -> None:
+        real_save(state, checkpoint_id=checkpoint_id, **kwargs)
         calls[0] += 1
         if calls[0] == hang_at:
             Path(sentinel).write_text(str(checkpoint_id))
             time.sleep(600)
 
     ckpt.dcp.save = slow_save
-    fit_tiny("lm_ddp", devices=1, max_steps=4, callbacks=(_saver(ckpt_dir),), one_batch=True)
+    # written in the step (test_resilience.py kills a background save)
+    fit_tiny(DataParallelStrategy(async_checkpoint=False), devices=1, max_steps=4, callbacks=(_saver(ckpt_dir),),
+             one_batch=True)
 
 
 def _resume_last(ckpt_dir: str) -> dict:

@@ -1,0 +1,161 @@
+"""Checkpoints that never stop the run, and runs that come back by themselves: a save written in the background
+and killed with SIGKILL leaves the previous checkpoint whole (2 ranks), retention keeps exactly the newest k and
+every N-th step's (zero3 x 2), and a full disk is one line with nothing published."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint import FileSystemWriter
+
+import strategies.registry  # noqa: F401  (registers lm_ddp, zero3)
+from dist_utils import fit_tiny, free_port, run_distributed
+from lit_lm.retention import RetainingCheckpoint
+from strategies import checkpoint as ckpt
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _launch(fn: str, world: int, *args: Any) -> list[subprocess.Popen]:
+    """`fn(*args)` of this module on `world` separate processes, wired as a launcher (torchrun) would."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
+               NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    code = f"import test_resilience; test_resilience.{fn}(*{args!r})"
+    return [subprocess.Popen([sys.executable, "-c", code], cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
+
+
+def _every(n: int, ckpt_dir: str) -> ModelCheckpoint:
+    return ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=n, save_top_k=-1, save_last=True)
+
+
+class _Progress(L.Callback):
+    """Write the global step reached after every batch (rank-named file)."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        Path(f"{self.file}.{trainer.global_rank}").write_text(str(trainer.global_step))
+
+
+# -- kill -9 during a background save, 2 ranks ------------------------------------------------------------------
+def _train_and_hang_in_background_save(ckpt_dir: str, mark: str) -> None:
+    """lm_ddp x 2, 8 steps, a save every 2 (`step=N.ckpt`, then `last.ckpt`: hard links to the same shards); the 2nd
+    write (step=4) stops after its shards are written, on the writer thread, as a process killed in the middle of a
+    save would."""
+    real_save, calls = ckpt.dcp.save, [0]
+
+    def hanging_save(state: dict, **kwargs: Any) -> None:
+        real_save(state, **kwargs)
+        calls[0] += 1
+        if calls[0] == 2:
+            rank = int(os.environ["RANK"])
+            on_thread = threading.current_thread() is not threading.main_thread()
+            Path(f"{mark}.hung.{rank}").write_text(f"{kwargs['checkpoint_id']}|{on_thread}")
+            time.sleep(600)
+
+    ckpt.dcp.save = hanging_save
+    fit_tiny("lm_ddp", devices=2, max_steps=8, callbacks=(_every(2, ckpt_dir), _Progress(mark)), one_batch=True)
+
+
+def _resume(ckpt_dir: str, max_steps: int) -> dict:
+    return fit_tiny("lm_ddp", devices=2, max_steps=max_steps, callbacks=(_every(2, ckpt_dir),), ckpt_path="last",
+                    one_batch=True)
+
+
+def test_kill_during_background_save_resumes_from_the_previous_checkpoint(tmp_path: Path) -> None:
+    ckpt_dir, mark = tmp_path / "ckpt", str(tmp_path / "mark")
+    procs = _launch("_train_and_hang_in_background_save", 2, str(ckpt_dir), mark)
+    progress = [Path(f"{mark}.{r}") for r in (0, 1)]
+    hung = [Path(f"{mark}.hung.{r}") for r in (0, 1)]
+    deadline = time.monotonic() + 240
+    try:
+        # the step-4 write hangs on both ranks while training goes on to step 6 (whose save waits for it)
+        while time.monotonic() < deadline and all(p.poll() is None for p in procs) and not (
+                all(h.exists() for h in hung) and all(p.exists() and int(p.read_text() or 0) >= 6 for p in progress)):
+            time.sleep(0.2)
+        assert all(h.exists() for h in hung), [p.communicate(timeout=30)[1][-3000:] for p in procs if p.poll()]
+        assert all(int(p.read_text()) >= 5 for p in progress)  # the step did not wait for the write
+    finally:
+        for p in procs:
+            p.kill()  # SIGKILL: no cleanup runs
+            p.wait()
+    for h in hung:
+        partial, on_thread = h.read_text().split("|")
+        assert on_thread == "True" and Path(partial).name.startswith("step=4.ckpt" + ckpt.TMP)
+        assert not (Path(partial) / ckpt.COMPLETE).exists()
+    assert not (ckpt_dir / "step=4.ckpt").exists()
+    assert ckpt.check_complete(ckpt_dir / "last.ckpt")["step"] == 2  # the previous checkpoint, whole
+
+    resumed = run_distributed(_resume, 2, str(ckpt_dir), 8, init_process_group=False)[0]
+    full = fit_tiny(devices=1, max_steps=8, one_batch=True)
+    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(full["losses"][2:]), rtol=1e-5, atol=0)
+    assert not list(ckpt_dir.glob(f"*{ckpt.TMP}*"))  # the killed save's leftovers are gone
+    assert ckpt.check_complete(ckpt_dir / "last.ckpt")["step"] == 8
+
+
+# -- retention ------------------------------------------------------------------------------------------------
+def _retained_run(ckpt_dir: str) -> list[str]:
+    keeper = RetainingCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, keep_last=3, keep_every=5,
+                                 save_last=True)
+    fit_tiny("zero3", devices=2, max_steps=20, steps_per_epoch=4, callbacks=(keeper,), one_batch=True)
+    return sorted(p.name for p in Path(ckpt_dir).iterdir())
+
+
+def test_retention_keeps_the_newest_and_every_nth(tmp_path: Path) -> None:
+    """A save every step for 20 steps under zero3 x 2 (in the background) ends with steps 5, 10, 15 (every 5th)
+    and 18, 19, 20 (the newest 3), each complete, and last.ckpt; nothing else."""
+    names = run_distributed(_retained_run, 2, str(tmp_path), init_process_group=False)[0]
+    assert names == ["last.ckpt"] + [f"step={s:05d}.ckpt" for s in (5, 10, 15, 18, 19, 20)]
+    assert ckpt.check_complete(tmp_path / "last.ckpt")["step"] == 20
+    for s in (5, 10, 15, 18, 19, 20):
+        assert ckpt.check_complete(tmp_path / f"step={s:05d}.ckpt")["step"] == s
+
+
+def test_retention_refuses_a_filename_without_step() -> None:
+    with pytest.raises(ValueError, match="must contain {step}"):
+        RetainingCheckpoint(filename="model")
+
+
+# -- a full disk ------------------------------------------------------------------------------------------------
+def _fill_the_disk_at_save(ckpt_dir: str, failing: str, background: bool) -> str:
+    real_write = FileSystemWriter.write_data
+
+    def write_data(self: FileSystemWriter, plan: Any, planner: Any) -> Any:
+        if Path(self.path).name.startswith(failing + ckpt.TMP):  # inside the temporary directory of `failing`
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data
+    from strategies.ddp import DataParallelStrategy
+
+    try:
+        fit_tiny(DataParallelStrategy(async_checkpoint=background), devices=1, max_steps=6,
+                 callbacks=(_every(2, ckpt_dir),), one_batch=True)
+    except ckpt.CheckpointSaveError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_full_disk_is_one_line_and_publishes_nothing(tmp_path: Path, background: bool) -> None:
+    """The write of step=4 fails with ENOSPC: one line naming it; step=4 never appears, last.ckpt stays at step 2,
+    no temporary directory is left."""
+    message = run_distributed(_fill_the_disk_at_save, 1, str(tmp_path), "step=4.ckpt", background,
+                              init_process_group=False)[0]
+    assert "\n" not in message and f"saving checkpoint {tmp_path / 'step=4.ckpt'} failed" in message, message
+    assert "No space left on device" in message and "nothing was published" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=2.ckpt"]
+    assert ckpt.check_complete(tmp_path / "last.ckpt")["step"] == 2
