@@ -278,7 +278,7 @@ class TextDataModule(L.LightningDataModule):
         self._check_model_vocabulary()
         dp, _ = self._dp()
         per_batch = self.batch_size * dp
-        trains, vals, self.val_batch_sources = [], [], []
+        trains, vals = [], []
         for (name, path, _), folder in zip(self.source_specs, folders):
             train, val = (ShardWindows(folder.parts(split), self.seq_len) for split in ("train", "val"))
             for split, ds in (("train", train), ("val", val)):
@@ -288,11 +288,15 @@ class TextDataModule(L.LightningDataModule):
                                       f"{self.batch_size} x {dp} data-parallel ranks (data.init_args.sources); lower "
                                       "batch_size or seq_len, or prepare it with more data (or a larger --val_fraction)")
             trains.append(train)
-            keep = len(val) // per_batch * per_batch
-            vals.append(Subset(val, range(keep)))
-            self.val_batch_sources += [name] * (keep // per_batch)
+            vals.append(val)
         self.train_set = MixtureWindows(trains, [w for _, _, w in self.source_specs], self.seed)
-        self.val_set = ConcatDataset(vals)
+        # the sources' whole batches taken in turn, so that limit_val_batches still sees every source
+        starts = np.cumsum([0] + [len(v) for v in vals])
+        turns = [(s, b) for b in range(max(len(v) // per_batch for v in vals)) for s in range(len(vals))
+                 if b < len(vals[s]) // per_batch]
+        self.val_set = Subset(ConcatDataset(vals), [int(starts[s]) + b * per_batch + j for s, b in turns
+                                                    for j in range(per_batch)])
+        self.val_batch_sources = [self.source_specs[s][0] for s, _ in turns]
 
     def val_source(self, batch_idx: int) -> Optional[str]:
         """The source of validation batch `batch_idx` (a mixture's), else None."""

@@ -111,10 +111,12 @@ def test_validation_loss_is_logged_per_source(sources):
     dm = TextDataModule(sources=sources, seq_len=8, batch_size=2)
     model = LanguageModel(ModelConfig(vocab_size=280, d_model=16, n_layers=1, n_heads=2, max_seq_len=8))
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, limit_val_batches=None)
+                        enable_checkpointing=False, limit_val_batches=5)
     metrics = trainer.validate(model, datamodule=dm, verbose=False)[0]
+    # the sources' batches in turn: 5 batches are web, code, books, web, code (or a source's last ones run out)
     assert {f"val_loss/{name}" for name in WEIGHTS} <= set(metrics) and "val_loss" in metrics
-    n = {name: dm.val_batch_sources.count(name) for name in WEIGHTS}
+    n = {name: dm.val_batch_sources[:5].count(name) for name in WEIGHTS}
+    assert dm.val_batch_sources[:3] == list(WEIGHTS)
     overall = sum(metrics[f"val_loss/{k}"] * n[k] for k in WEIGHTS) / sum(n.values())
     assert metrics["val_loss"] == pytest.approx(overall, rel=1e-4)  # batches of equal size: the weighted mean
 
