@@ -71,7 +71,7 @@ def workload_from(config: dict[str, Any], args: argparse.Namespace, world: int) 
     unknown = set(model) - {f.name for f in dataclasses.fields(ModelConfig)}
     if unknown:
         raise ConfigError(f"model.init_args.config: unknown field(s) {', '.join(sorted(unknown))}")
-    vocab = model_vocab_size(data["vocab_size"], data["tokenizer_dir"])  # as `fit` links it
+    vocab = model_vocab_size(data["vocab_size"], data["tokenizer_dir"], data.get("sources"))  # as `fit` links it
     cfg = ModelConfig(**{**model, "vocab_size": vocab, "max_seq_len": data["seq_len"]})
     precision = str(args.precision or trainer.get("precision") or "32-true")
     if precision not in PRECISIONS:

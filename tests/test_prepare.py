@@ -121,3 +121,15 @@ def test_fit_reads_a_prepared_folder_without_tokenizing(tmp_path, tok_dir, corpu
     assert all(any(np.array_equal(ids[s:s + 17], w) for s in range(0, len(ids) - 16)) for w in list(train_ids)[:3])
     with pytest.raises(ConfigError, match="not both"):
         TextDataModule(files=[str(corpus[0])], sources=[{"path": str(tmp_path / "web")}])
+
+
+def test_the_command_reports_bad_input_in_one_line(tmp_path, tok_dir, capsys):
+    from lit_lm.cli import main
+
+    for argv, message in ((["--files", str(tmp_path / "nope.txt")], "do not exist"),
+                          (["--files", str(tok_dir / "tokenizer.json"), "--workers", "0"], "--workers must be")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["prepare", *argv, "--tokenizer_dir", str(tok_dir), "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith("lit-lm: error: ") and message in err, err
+        assert len(err.strip().splitlines()) == 1

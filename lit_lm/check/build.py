@@ -160,7 +160,8 @@ def _model(config: Namespace) -> tuple[str, dict[str, Any], ModelConfig]:
     model = config.model
     kwargs = model.init_args.as_dict() if model.init_args is not None else {}
     data = config.data.init_args  # the vocabulary as `fit` links it: the tokenizer's with a tokenizer_dir
-    cfg = dict(kwargs.get("config") or {}, vocab_size=model_vocab_size(data.vocab_size, data.get("tokenizer_dir")),
+    cfg = dict(kwargs.get("config") or {}, vocab_size=model_vocab_size(data.vocab_size, data.get("tokenizer_dir"),
+                                                                       data.get("sources")),
                max_seq_len=data.seq_len)
     module = _import(model.class_path)(**{**kwargs, "config": ModelConfig(**cfg)})
     kept = {k: v for k, v in kwargs.items() if k not in MODEL_ARGS_DROPPED}
