@@ -167,7 +167,16 @@ class ComposedStrategy(BaseStrategy):
         self._split_record, self._init = split, partial(split.init, model, dot)  # fills a tensor by global name
         if any(t.is_meta for t in module.parameters()) and c.zero_stage != 3:
             materialize(model, self.root_device, self._init, ModelSplit.init_buffer(model))
+        elif c.zero_stage == 3:  # ZeRO-3 fills the parameters; the few meta buffers (MoE routers' counters) here
+            init_buffer = ModelSplit.init_buffer(model)
+            for name, buffer in [(n, b) for n, b in model.named_buffers() if b.is_meta]:
+                owner, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(owner), leaf, torch.empty_like(buffer, device=self.root_device))
+                init_buffer(name, model.get_buffer(name))
         split.check_materialised(module, dot, zero3=c.zero_stage == 3)
+        recipe = getattr(module, "fp8", None)  # the module's option (lit_lm's `LanguageModel(fp8=...)`)
+        if recipe:  # the block linears in FP8; a tp-split weight's scales reduced over tp (`strategies/fp8.py`)
+            apply_fp8(model, recipe, split.tp_splits(dot), layout.tp_group if c.tp > 1 else None)
         if self.activation_checkpointing != "none":
             ac.apply_activation_checkpointing(model, self.activation_checkpointing)
 

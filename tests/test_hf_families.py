@@ -223,8 +223,15 @@ def test_sharded_folder_follows_its_index_and_refuses_bad_shards(hf_dirs, tmp_pa
 
 
 class BytesRead(L.Callback):
+    """What this rank's import read from the files, once the strategy has materialised its part."""
+
+    read = None
+
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.read = module.model.weights.bytes_read
+
+    def __getstate__(self) -> dict:  # what travels back from a rank: the count (a strategy may attach its `log`)
+        return {"read": self.read}
 
 
 def test_imported_families_under_layouts_match_one_process(hf_dirs):
