@@ -349,6 +349,11 @@ class PreparedSource:
             if root not in file.parents:  # paths read from a file stay in its folder
                 raise ConfigError(f"{index_path} names a shard outside its folder: {shard['file']!r} ({field})")
         self.dtype = np.dtype(self.index["dtype"])
+        for shard in self.index["shards"]:
+            file = self.path / "shards" / shard["file"]
+            if not file.is_file() or file.stat().st_size != shard["tokens"] * self.dtype.itemsize:
+                raise ConfigError(f"{file} is missing or not the {shard['tokens']} tokens {index_path} lists ({field}); "
+                                  "prepare the source again into a new folder")
 
     @property
     def tokenizer_sha256(self) -> str:

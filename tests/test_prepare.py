@@ -121,6 +121,10 @@ def test_fit_reads_a_prepared_folder_without_tokenizing(tmp_path, tok_dir, corpu
     assert all(any(np.array_equal(ids[s:s + 17], w) for s in range(0, len(ids) - 16)) for w in list(train_ids)[:3])
     with pytest.raises(ConfigError, match="not both"):
         TextDataModule(files=[str(corpus[0])], sources=[{"path": str(tmp_path / "web")}])
+    shard = tmp_path / "web" / "shards" / "00000.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])  # a truncated copy
+    with pytest.raises(ConfigError, match="00000.bin is missing or not the"):
+        PreparedSource(tmp_path / "web")
 
 
 def test_the_command_reports_bad_input_in_one_line(tmp_path, tok_dir, capsys):
