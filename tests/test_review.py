@@ -333,3 +333,21 @@ def test_the_documented_plain_loop_with_the_old_names_runs(monkeypatch: pytest.M
         assert not synced._hooks
     finally:
         dist.destroy_process_group()
+
+
+# -- 8. suite speed: no process pool for a corpus of one task ---------------------------------------------------
+def test_a_small_corpus_trains_its_tokenizer_without_a_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting spawned workers costs seconds of imports (every tiny `fit` of the suite paid it); one task of text
+    is counted inline, with the same merges. Several tasks still go to the pool (tests/test_tokenizer.py)."""
+    import multiprocessing
+
+    from lit_lm.tokenizer.bpe import BPETokenizer
+
+    text = "def main(argv):\n    return [a.upper() for a in argv]\n" * 40
+    inline = BPETokenizer.train([text], vocab_size=300, num_workers=1)
+
+    def no_pool(*args: object) -> None:
+        raise AssertionError("a process pool for one task of text")
+
+    monkeypatch.setattr(multiprocessing, "get_context", no_pool)
+    assert BPETokenizer.train([text], vocab_size=300, num_workers=2).state_dict() == inline.state_dict()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import heapq
+import itertools
 import json
 import multiprocessing
 import os
@@ -95,10 +96,13 @@ def _batches(texts: Iterable[str], special_re: Optional[regex.Pattern]) -> Itera
 
 
 def _word_counts(texts: Iterable[str], special_tokens: Sequence[str], num_workers: int) -> Counter:
-    """Count the pre-tokens of a corpus, in `num_workers` processes (1 = inline, no pool)."""
+    """Count the pre-tokens of a corpus, in `num_workers` processes (1 = inline, no pool; nor for a corpus of one
+    task: starting the spawned processes costs seconds of imports, far more than counting ~1 MB of text)."""
     batches = _batches(texts, _special_split_re(special_tokens))
+    first = list(itertools.islice(batches, 2))
+    batches = itertools.chain(first, batches)
     counts: Counter = Counter()
-    if num_workers == 1:
+    if num_workers == 1 or len(first) < 2:
         for batch in batches:
             counts.update(_count_pretokens(batch))
         return counts
