@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -53,11 +54,20 @@ import torch
 from lit_lm.config import ConfigError, ModelConfig
 from strategies.ac import MODES as CHECKPOINTING
 from strategies.comm import wire_factor
+from strategies.flat_step import piece_numel
+from strategies.grad_sync import GradSync, _bucketize
 from strategies.layout import ParallelConfig, Refusal
 from strategies.pp_schedules import bubble_theory, build_schedule, schedule_spec
 from strategies.pp_split import split_layers
 
 PRECISIONS = {"32-true": (4, 4), "bf16-mixed": (4, 2), "bf16-true": (2, 2)}  # (parameter, activation) bytes
+# The moments of a step whose holdings differ (`RankEstimate.moment_peaks`), and the phases a resident-memory
+# measurement separates them into (scripts/bench_peaks.py)
+MOMENTS = ("build", "engines", "backward", "backward_end", "step", "after_step")
+PHASES = {"setup": ("build", "engines"), "fwd_bwd": ("backward", "backward_end"), "step": ("step", "after_step")}
+DEVICES = ("cuda", "cpu")  # where the ranks run: what torch's default optimizer implementation is there
+GRAD_SYNC = {k: v.default for k, v in inspect.signature(GradSync.__init__).parameters.items()
+             if k in ("bucket_cap_mb", "first_bucket_mb")}  # its buckets (the strategy's default cap is the same)
 
 
 def flops_per_token(num_params: int, n_layers: int, d_model: int, seq_len: int) -> int:
@@ -84,6 +94,7 @@ class Workload:
     precision: str = "bf16-mixed"
     checkpointing: str = "none"  # none | full | selective, as `strategies.ac` runs them
     accumulate: int = 1  # Lightning's accumulate_grad_batches: micro-steps per optimizer step
+    device: str = "cuda"  # what the ranks run on (`DEVICES`): torch's default optimizer step differs there
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -92,6 +103,8 @@ class Workload:
             raise ConfigError(f"activation checkpointing {self.checkpointing!r}: choose {', '.join(CHECKPOINTING)}")
         if not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise ConfigError(f"accumulate {self.accumulate!r}: must be an integer >= 1")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device {self.device!r}: the estimate knows {', '.join(DEVICES)}")
 
     @property
     def tokens(self) -> int:
@@ -117,9 +130,41 @@ class RankEstimate:
     def model_state(self) -> int:
         return self.params + self.grads + self.optimizer
 
+    # what lives only at one moment of the step, on top of what `moment_peaks` says holds then: {moment: {name:
+    # bytes}} (`MOMENTS`; filled by `_transients`)
+    transients: dict[str, dict[str, int]] = field(default_factory=dict)
+
     @property
     def peak(self) -> int:
-        return self.model_state + self.buffers + self.activations
+        """The most this rank holds at once: the largest of its moments (`moment_peaks`)."""
+        return max(self.moment_peaks().values())
+
+    def moment_peaks(self) -> dict[str, int]:
+        """Bytes held at each moment of `MOMENTS`: what persists there plus that moment's named transients."""
+        held = {"build": self.params, "engines": self.params + self.grads,
+                "backward": self.model_state + self.buffers + self.activations,
+                "backward_end": self.model_state, "step": self.model_state, "after_step": self.model_state}
+        return {m: held[m] + sum(self.transients.get(m, {}).values()) for m in MOMENTS}
+
+    def phase_peaks(self) -> dict[str, int]:
+        """The moments grouped as a measurement sees a step's phases: `setup` (the model built and split, the
+        engines and optimizer made), `fwd_bwd` (forward, backward, the gradient reduction), `step` (the optimizer
+        step and what follows it to the batch's end)."""
+        at = self.moment_peaks()
+        return {phase: max(at[m] for m in moments) for phase, moments in PHASES.items()}
+
+    def categories(self) -> dict[str, int]:
+        """Every named figure of this rank in bytes; a transient as `moment/name`."""
+        out = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "buffers": self.buffers,
+               "activations": self.activations}
+        for moment, terms in self.transients.items():
+            out.update({f"{moment}/{k}": v for k, v in terms.items()})
+        return out
+
+    def add_transient(self, moment: str, name: str, nbytes: int) -> None:
+        if nbytes:
+            terms = self.transients.setdefault(moment, {})
+            terms[name] = terms.get(name, 0) + int(nbytes)
 
     @property
     def work_flops(self) -> float:
@@ -265,6 +310,114 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
         rank.buffers += sum(biggest) * pbytes
 
 
+# -- what a step holds only for a moment --------------------------------------------------------------------------
+def _engine_steps(shapes: list[tuple[int, ...]], units: dict[str, list[tuple[int, ...]]], stage: int, group: int,
+                  pbytes: int, device: str) -> list[int]:
+    """Numels of the tensors torch's optimizer step is handed for the parameters one data-parallel engine holds
+    (`shapes` in registration order, `units` as ZeRO packs them), one param group: where the members are views of
+    a flat master and a flat gradient the step hands torch pieces of it (`strategies/flat_step.py`: runs of
+    consecutive members of at most `piece_numel`, a larger member alone; the whole flat on an accelerator),
+    elsewhere the members one by one. Flat: `GradSync`'s buckets (laid out in backward order, `_bucketize`), ZeRO
+    stages 2-3 where the master is its own buffer (stage 3, or parameters below fp32); stages 1-2 over fp32
+    parameters step the parameter's own rows, and a rank without data-parallel peers has no engine."""
+    if group == 1:
+        return [math.prod(s) for s in shapes]
+    limit = piece_numel(torch.device(device))
+    if stage == 0:
+        metas = [torch.empty(s, device="meta", dtype=torch.float32 if pbytes == 4 else torch.bfloat16)
+                 for s in shapes]
+        flats = [[m.numel() for m in b] for b in _bucketize(reversed(metas), GRAD_SYNC["bucket_cap_mb"] * 2**20,
+                                                            GRAD_SYNC["first_bucket_mb"] * 2**20)]
+    elif stage >= 2 and (stage == 3 or pbytes != 4):
+        flats = [[min(_chunk(s[0], group), s[0]) * math.prod(s[1:]) for u in units.values() for s in u]]
+    else:  # the param group's order: registration order
+        return [min(_chunk(s[0], group), s[0]) * math.prod(s[1:]) for s in shapes]
+    pieces = []
+    for members in flats:
+        size = 0
+        for n in members:  # as `FlatShard` cuts them
+            if size and limit is not None and size + n > limit:
+                pieces.append(size)
+                size = 0
+            size += n
+        pieces.append(size)
+    return pieces
+
+
+def _transients(rank: RankEstimate, work: Workload, layout: ParallelConfig, engines: list[tuple], whole: int,
+                meta_build: bool, logits: int, head: int) -> None:
+    """What the rank holds only at one moment of the step (`MOMENTS`), by name, from the engines' code:
+    `engines` is [(shapes in registration order, {unit: shapes}, data-parallel group size)] per engine, `whole`
+    the unsplit model's numel, `logits` the numel of one (batch, positions, vocabulary shard) tensor of the last
+    stage (0 elsewhere).
+
+    - build: a model built on a real device is whole before the strategy splits it (tp, ep), so its split copies
+      are made next to it; ZeRO-3 and pipelines build on the meta device and fill one tensor at a time, whole
+      before ZeRO-3 keeps its rows;
+    - engines: `GradSync` re-lays each bucket's parameters into a new flat buffer (one bucket at a time); ZeRO-3
+      copies its master rows into one flat master (the rows and the flat both alive until the copy ends);
+    - backward: the loss's backward makes the gradient of the fp32 log-probabilities and of the logits at once,
+      both (batch, positions, vocabulary shard) in fp32, while every saved activation still lives;
+    - backward: under ZeRO stages 2-3 the head's whole gradients, from its backward to the root unit's reduce
+      (the root unit, embedding and head, reduces last);
+    - backward_end: ZeRO's reduce-scatter buffers, a unit's whole-size send and its shard-size receive, at most
+      two units in flight (`_launch_next_reduce` waits for unit i - 2), next to the unit's whole gradients being
+      packed (stages 2-3) and, under ZeRO-3, the receive buffer of the unit gathered for the next backward;
+    - step: torch's default AdamW on the CPU (the for-loop) allocates `sqrt(v)` and the denominator at the size
+      of the tensor it steps (`_engine_steps`), while the previous tensor's denominator is still bound; on an
+      accelerator foreach's `sqrt(v)` is the size of all it steps
+      (one param group: `LanguageModel`'s second group, norms and embeddings, only splits it further);
+    - after_step: ZeRO-1/2 all-gather the updated rows unit by unit, at most two in flight: a unit's send (a
+      shard) and receive (the whole unit)."""
+    pbytes = PRECISIONS[work.precision][0]
+    stage = layout.zero_stage
+    local = sum(math.prod(s) for shapes, _, _ in engines for s in shapes)
+    if not meta_build and whole > local:
+        rank.add_transient("build", "the model built whole, before the split", whole * pbytes)
+    elif meta_build:
+        largest = max((math.prod(s) for shapes, _, _ in engines for s in shapes), default=0)
+        rank.add_transient("build", "one parameter whole, before its rows are kept", largest * pbytes)
+    rank.add_transient("backward", "loss gradients (log-probabilities, logits; fp32)", 2 * logits * 4)
+    stepped = []
+    for shapes, units, group in engines:
+        stepped += _engine_steps(shapes, units, stage, group, pbytes, work.device)
+        if group == 1:
+            continue
+        seg = {name: sum(_chunk(s[0], group) * math.prod(s[1:]) for s in u) for name, u in units.items()}
+        segments = list(seg.values())
+        if stage == 0:
+            buckets = _engine_steps(shapes, units, 0, group, pbytes, "cuda")  # one piece per bucket
+            rank.add_transient("engines", "a bucket re-laid flat", max(buckets) * pbytes)
+            continue
+        if stage == 3:
+            rows = sum(min(_chunk(s[0], group), s[0]) * math.prod(s[1:]) for s in shapes)
+            rank.add_transient("engines", "master rows before the flat master", rows * 4)
+        whole = {u: sum(math.prod(s) for s in shapes) for u, shapes in units.items()}
+        if stage >= 2 and head:  # the head's whole gradients wait for the embedding's: the root unit reduces last
+            rank.add_transient("backward", "the head's whole gradients", head * pbytes)
+        # the reduce order (the blocks from the last, then the rest); launching unit i waits for unit i - 2 first:
+        # unit i - 1's send and receive, unit i's send, and under stages 2-3 unit i's whole gradients (and the
+        # head's, until the root unit's turn) at once
+        order = [u for u in units if u != "root"][::-1] + [u for u in units if u == "root"]
+        # the receive is made once the unit is packed (stages 2-3 have dropped its whole gradients by then)
+        at = [(group + 1) * seg[order[i - 1]] * (i > 0) + group * seg[u]
+              + max(seg[u], (stage >= 2) * (whole[u] + head * (u != "root"))) for i, u in enumerate(order)]
+        rank.add_transient("backward_end", "reduce-scatters in flight (two units)", max(at) * pbytes)
+        if stage == 3:  # meanwhile the unit whose backward comes next is being gathered: its receive buffer
+            prefetch = [group * seg[order[i + 1]] if i + 1 < len(order) else 0 for i in range(len(order))]
+            rank.add_transient("backward_end", "the next unit's all-gather receive buffer",
+                               max(a + b for a, b in zip(at, prefetch)) * pbytes - max(at) * pbytes)
+        if stage < 3:  # the units in order (the root first); launching unit i waits for unit i - 2 first
+            pairs = [seg[a] + seg[b] for a, b in zip(units, list(units)[1:])] or segments
+            rank.add_transient("after_step", "all-gathers in flight (two units)", (group + 1) * max(pairs) * pbytes)
+    sbytes = 4 if stage else pbytes  # ZeRO steps fp32 master rows
+    if stepped:
+        # the for-loop: tensor i's two while tensor i - 1's denominator is still bound (freed when replaced)
+        cpu = max(2 * n + prev for n, prev in zip(stepped, [0, *stepped]))
+        temporaries = cpu if work.device == "cpu" else sum(stepped)
+        rank.add_transient("step", "optimizer temporaries", temporaries * sbytes)
+
+
 # -- activations -----------------------------------------------------------------------------------------------
 def rope_table_bytes(cfg: ModelConfig, t: int) -> int:
     """The RoPE cos and sin tables one block saves, fp32: whole on every tp rank (positions are not split)."""
@@ -405,6 +558,14 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
         if experts:  # one unit
             _model_state(rank, {"experts": [s for u in experts.values() for s in u]}, layout.zero_stage,
                          dims.size("edp"), pbytes, "edp", work.accumulate, p == 1)
+        engines = [([_local_shape(q, layout) for q in keep if not (q.expert and layout.ep > 1)], dense, dp_group)]
+        if experts:
+            engines.append(([_local_shape(q, layout) for q in keep if q.expert], experts, dims.size("edp")))
+        logits = mb * t * _chunk(cfg.padded_vocab_size, layout.tp) if last else 0
+        head = sum(math.prod(_local_shape(q, layout)) for q in keep if last and q.unit == "root"
+                   and not q.name.startswith("tok_embeddings"))  # the final norm and the head
+        _transients(rank, work, layout, engines, sum(math.prod(q.shape) for q in keep),
+                    layout.zero_stage == 3 or p > 1, logits, head)
         if layout.dp_replicate > 1:
             shard = sum(_chunk(s[0], dp_group) * math.prod(s[1:]) for u in dense.values() for s in u)
             rank.add_comm("dp_replicate", "all_reduce", shard * pbytes, layout.dp_replicate)

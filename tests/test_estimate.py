@@ -13,6 +13,8 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader, TensorDataset
 
 from dist_utils import TINY, TinyLM, rank_share, run_distributed, token_data
@@ -93,6 +95,38 @@ class LiveSavedBytes(torch.autograd.graph.saved_tensors_hooks):
 class _Holder:
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """The most bytes of tensor storage made while active and alive at once (each storage once, counted at its
+    size when made; what existed before is not counted): every op's outputs are registered, and a storage's
+    release (its last tensor gone) subtracts it again. `peak` since the last `reset()`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: set[int] = set()
+        self.current = self.peak = 0
+
+    def reset(self) -> None:
+        self.peak = self.current
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        given = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:  # new storages only: not an input's (in place, out=, views)
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.live and key not in given and storage.nbytes():
+                    self.live.add(key)
+                    self.current += storage.nbytes()
+                    self.peak = max(self.peak, self.current)
+                    weakref.finalize(storage, self._release, key, storage.nbytes())
+        return out
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self.live.discard(key)
+        self.current -= nbytes
 
 
 class Measure(L.Callback):
@@ -293,3 +327,81 @@ def test_cp_wire_bytes_follow_the_attention_theory(method: str) -> None:
     comm = est.ranks[0].comm
     if method == "ring":
         assert comm[("cp", "send")] == comm[("cp", "recv")] == est.wire_bytes("cp")
+
+
+# -- the moments of a step: the estimator's transients against the tensors a real run makes ----------------------
+PEAK_MODEL = dict(MODEL, vocab_size=4096)  # the root unit outweighs activations; a bucket over 2^18 elements
+PEAK_SEQ = 8
+PEAK_LAYOUTS = {"lm_ddp": ParallelConfig(dp_shard=2), "zero1": ParallelConfig(dp_shard=2, zero_stage=1),
+                "zero2": ParallelConfig(dp_shard=2, zero_stage=2), "zero3": ParallelConfig(dp_shard=2, zero_stage=3),
+                "tp": ParallelConfig(tp=2)}  # the presets of scripts/bench_peaks.py, on 2 ranks
+
+
+class StepMoments(L.Callback):
+    """On the last step, the tensor bytes made in each phase (`LiveTensorBytes`): `fwd_bwd` the most alive at once
+    from the batch's start to `on_before_optimizer_step` (forward, backward, the reduction), `step` the most made
+    from there to the batch's end (the optimizer step, ZeRO's all-gather) above what was alive when it began."""
+
+    def __init__(self) -> None:
+        self.out: dict[str, int] = {}
+        self.mode: LiveTensorBytes | None = None
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.mode = LiveTensorBytes()
+        self.mode.__enter__()
+
+    def on_before_optimizer_step(self, *args: Any) -> None:
+        assert self.mode is not None
+        self.out["fwd_bwd"] = self.mode.peak
+        self.mode.reset()
+        self.start = self.mode.current
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        assert self.mode is not None
+        self.out["step"] = self.mode.peak - self.start
+        self.mode.__exit__(None, None, None)
+
+
+def _moments(names: list[str]) -> list[dict[str, int]]:
+    out = []
+    for name in names:
+        layout = PEAK_LAYOUTS[name]
+        dp = layout.dims(2).dp
+        data = rank_share(token_data(2) % PEAK_MODEL["vocab_size"], 2, int(os.environ["LOCAL_RANK"]) // layout.tp, dp)
+        L.seed_everything(0, verbose=False)
+        probe = StepMoments()
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ComposedStrategy(**layout.strategy_args()),
+                            max_steps=2, callbacks=[probe], logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+                            enable_checkpointing=False)
+        trainer.fit(EstimateLM(dict(PEAK_MODEL, max_seq_len=PEAK_SEQ)),
+                    DataLoader(TensorDataset(data[:, :PEAK_SEQ + 1]), batch_size=2 // dp))
+        out.append(probe.out)
+    return out
+
+
+def _peak_estimate(name: str) -> Any:
+    layout = PEAK_LAYOUTS[name]
+    layout = dataclasses.replace(layout, dp_shard=layout.dims(2).dp_shard)
+    work = Workload(ModelConfig(**dict(PEAK_MODEL, max_seq_len=PEAK_SEQ)), PEAK_SEQ, layout.dims().dp, "32-true",
+                    device="cpu")
+    return estimate(work, layout).ranks[0]
+
+
+def test_step_transients_equal_the_tensors_a_run_makes() -> None:
+    """The optimizer step's temporaries (torch's for-loop AdamW over the flat step's pieces or the members one by
+    one, the previous tensor's denominator still bound) and ZeRO-1/2's all-gathers after it (two units in flight)
+    are exactly the tensor bytes the step makes; at the end of backward ZeRO's reduce-scatters in flight (two units)
+    and the whole gradients being packed are exactly what the backward made and still holds, where they outweigh
+    the activations (a large vocabulary, 8 positions; ZeRO-1's full gradients are model state the backward makes)."""
+    names = list(PEAK_LAYOUTS)
+    ranks = run_distributed(_moments, 2, names, init_process_group=False)
+    for i, name in enumerate(names):
+        est = _peak_estimate(name)
+        moments = {m: sum(terms.values()) for m, terms in est.transients.items()}
+        step = max(moments.get("step", 0), moments.get("after_step", 0))
+        for rank in ranks:  # rank 0 holds the larger shards (equal here: even rows)
+            assert rank[i]["step"] == step, (name, rank[i], est.transients)
+            if name.startswith("zero"):  # beyond them only the step's scalars (the loss, its log): a few bytes
+                made = moments["backward_end"] + est.grads * (name == "zero1")
+                assert 0 <= rank[i]["fwd_bwd"] - made <= 64, (name, rank[i], est.transients)

@@ -1,0 +1,242 @@
+"""The planner held to real peaks: each preset's resident peak per rank, measured, next to the estimator's figure.
+
+    python scripts/bench_peaks.py --size 217M                        # every preset, 2 gloo ranks, the 217M model
+    python scripts/bench_peaks.py --one zero3 --size 350M            # one contender once (what the rounds run)
+    python scripts/bench_peaks.py --table runs/bench_peaks.json      # a saved run as Markdown
+
+What a user runs: `LanguageModel` (its AdamW param groups: torch's default implementation, on CPU a per-tensor
+loop) through the Trainer under a preset name (`lm_ddp`, `zero1`-`zero3`, `tp`: tp2 with sequence parallelism), 2
+gloo ranks of one thread each, fp32, a batch of one 128-token sequence per data-parallel rank, `--steps` optimizer
+steps (the second is the first with the optimizer's state alive through forward and backward).
+
+Memory, per rank, from /proc/self/status: the baseline is VmRSS once torch, Lightning and lit-lm are imported (each
+rank is forked from a parent that imported them); Linux's `clear_refs` 5 resets the high-water mark VmHWM at each
+phase boundary, so every phase's peak is read alone: `setup` (the baseline to the first batch: the model built and
+split, the engines, the optimizer), then per step `fwd_bwd` (to `on_before_optimizer_step`: forward, backward, the
+gradient reduction) and `step` (the optimizer step, ZeRO's all-gather after it, to the batch's end). The peak is
+the largest phase peak above the baseline. Beside each, the estimator's figure for the same phase
+(`lit_lm.estimate`: `RankEstimate.phase_peaks`), per named category.
+
+Each contender (preset x size) runs in its own processes; `--rounds` alternate them in an order shuffled per round.
+Resident memory is not a clock: the spread over rounds is the allocator's, a few MB; the JSON keeps every round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.multiprocessing as mp
+from lightning.pytorch.strategies import StrategyRegistry
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import strategies.registry  # noqa: E402,F401  (registers the presets with Lightning)
+from bench_runner import MARK, run_once  # noqa: E402
+from lit_lm.config import ModelConfig  # noqa: E402
+from lit_lm.estimate import Workload, estimate  # noqa: E402
+from lit_lm.module import LanguageModel  # noqa: E402
+from lit_lm.resident import reset_peak, status_bytes  # noqa: E402
+from machine import describe, machine  # noqa: E402
+from strategies.zero_engine import model_state_bytes  # noqa: E402
+
+PRESETS = ["lm_ddp", "zero1", "zero2", "zero3", "tp"]
+SIZES = {"52M": dict(d_model=512, n_layers=6), "217M": dict(d_model=1024, n_layers=12),
+         "350M": dict(d_model=1024, n_layers=22)}  # 52.0M, 217.3M, 343.8M
+WORLD, SEQ, VOCAB = 2, 128, 32000
+
+
+def model_config(size: str) -> ModelConfig:
+    return ModelConfig(vocab_size=VOCAB, n_heads=16, max_seq_len=SEQ, tie_embeddings=False, **SIZES[size]).resolved()
+
+
+class PhasePeaks(L.Callback):
+    """Each phase's VmHWM above `baseline` (reset at its start), its VmRSS at its end, and the model-state tensor
+    bytes before each optimizer step."""
+
+    def __init__(self, baseline: int) -> None:
+        self.baseline = baseline
+        self.phases: list[dict[str, Any]] = []
+        self.state: dict[str, int] = {}
+        self._phase, self._step = "setup", 0
+
+    def _close(self, name: str) -> None:
+        self.phases.append({"phase": self._phase, "step": self._step, "peak": status_bytes("VmHWM") - self.baseline,
+                            "rss_end": status_bytes("VmRSS") - self.baseline})
+        self._phase = name
+        reset_peak()
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._close("fwd_bwd")
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        self.state = model_state_bytes(module, getattr(optimizer, "_optimizer", optimizer))
+        self._close("step")
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self._close("next")
+        self._step += 1
+
+
+def worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), NODE_RANK="0",
+                      RANK=str(rank), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    reset_peak()
+    baseline = status_bytes("VmRSS")
+    probe = PhasePeaks(baseline)
+    config = model_config(args.size)
+    strategy = StrategyRegistry.get(args.one)
+    dp = WORLD // strategy.config.tp
+    gen = torch.Generator().manual_seed(1000 + rank // strategy.config.tp)  # tp peers read the same rows
+    tokens = torch.randint(0, VOCAB, (args.steps, SEQ + 1), generator=gen)
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=args.steps,
+                        callbacks=[probe], logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0,
+                        precision="32-true")
+    trainer.fit(LanguageModel(config), DataLoader(tokens, batch_size=1))
+    phases = probe.phases
+    result = {"rank": rank, "baseline": baseline, "phases": phases, "peak": max(p["peak"] for p in phases),
+              "state": probe.state, "dp": dp}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def estimated(preset: str, size: str) -> dict[str, Any]:
+    """The estimator's per-rank figures for the run `worker` makes: phase peaks and their categories."""
+    config = StrategyRegistry.get(preset).config
+    layout = dataclasses.replace(config, dp_shard=config.dims(WORLD).dp_shard)
+    dp = layout.dims().dp
+    rank = estimate(Workload(model_config(size), SEQ, dp, "32-true", device="cpu"), layout).ranks[0]
+    return {"peak": rank.peak, "phases": rank.phase_peaks(), "categories": rank.categories()}
+
+
+def run_one(args: argparse.Namespace) -> dict[str, Any]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        # fork: the ranks start with the imports loaded, so their baseline is the same imports
+        mp.start_processes(worker, args=(args, port, out), nprocs=WORLD, join=True, start_method="fork")
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return {"ranks": ranks, "estimate": estimated(args.one, args.size), "phi": model_config(args.size).num_params()}
+
+
+def contenders(args: argparse.Namespace) -> dict[str, list[str]]:
+    """{"preset size": command}; with `--mmap-threshold` also "preset size mmap": the same run with glibc's
+    malloc mapping every block from that size on (its threshold fixed: freed blocks go back to the system at once,
+    none is kept in the heap), which tells the allocator's retention apart from what the program holds."""
+    base = [sys.executable, __file__, "--steps", str(args.steps)]
+    out = {f"{p} {s}": [*base, "--one", p, "--size", s] for s in args.sizes for p in args.presets}
+    if args.mmap_threshold:
+        env = ["env", f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}"]
+        out.update({f"{p} {s} mmap": [*env, *base, "--one", p, "--size", s] for s in args.sizes for p in args.presets})
+    return out
+
+
+def tree() -> dict[str, Any]:
+    """The commit measured, and whether the engines' files differed from it (a shared working tree)."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"), "modified": git("status", "--porcelain", "strategies", "lit_lm")}
+
+
+def rounds(args: argparse.Namespace) -> dict[str, Any]:
+    """Every contender once per round, in an order shuffled per round (seeded); every round kept."""
+    rng, done = random.Random(args.seed), []
+    for r in range(args.rounds):
+        order = list(contenders(args).items())
+        rng.shuffle(order)
+        for name, command in order:
+            result = run_once(command, timeout=1200)
+            print(f"round {r + 1}/{args.rounds} {name}: peak/rank "
+                  f"{[round(x['peak'] / 2**20) for x in result['ranks']]} MiB, estimate "
+                  f"{result['estimate']['peak'] / 2**20:.0f} MiB, load {result['load_1min']:.1f}", file=sys.stderr,
+                  flush=True)
+            done.append({"name": name, "round": r, **result})
+    return {"args": vars(args), "machine": machine(), "tree": tree(), "runs": done}
+
+
+def summary(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per contender: the median (min, max) over rounds of the larger rank's peak; the estimate; their ratio."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in run["runs"]:
+        row = out.setdefault(r["name"], {"peaks": [], "loads": [], "estimate": r["estimate"], "ranks": r["ranks"]})
+        row["peaks"].append(max(x["peak"] for x in r["ranks"]))
+        row["loads"].append(r["load_1min"])
+    for row in out.values():
+        row["median"] = statistics.median(row["peaks"])
+        row["ratio"] = row["estimate"]["peak"] / row["median"]
+    return out
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f}"
+
+
+def _phase_max(ranks: list[dict[str, Any]], phase: str) -> int:
+    return max(p["peak"] for r in ranks for p in r["phases"] if p["phase"] == phase)
+
+
+def markdown(run: dict[str, Any]) -> str:
+    lines = ["| preset | size | measured peak/rank, MiB: median (min–max) | estimate, MiB | estimate / measured | "
+             "setup | fwd+bwd: measured / est. | step: measured / est. |", "|---|---|---|---|---|---|---|---|"]
+    for name, row in summary(run).items():
+        preset, size, *malloc = name.split()
+        size += " (mmap)" if malloc else ""
+        est, ranks = row["estimate"], row["ranks"]
+        spread = f"{_mib(row['median'])} ({_mib(min(row['peaks']))}–{_mib(max(row['peaks']))})"
+        lines.append(f"| `{preset}` | {size} | {spread} | {_mib(est['peak'])} | {row['ratio']:.2f} | "
+                     f"{_mib(_phase_max(ranks, 'setup'))} / {_mib(est['phases']['setup'])} | "
+                     f"{_mib(_phase_max(ranks, 'fwd_bwd'))} / {_mib(est['phases']['fwd_bwd'])} | "
+                     f"{_mib(_phase_max(ranks, 'step'))} / {_mib(est['phases']['step'])} |")
+    m = run["machine"]
+    loads = [r["load_1min"] for r in run["runs"]]
+    lines.append(f"\n{len(run['runs'])} runs, {run['args']['rounds']} round(s), load average (1 min) "
+                 f"{min(loads):.1f}–{max(loads):.1f} on {describe(m)}.")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--one", choices=PRESETS, help="run this preset once and print its metrics")
+    p.add_argument("--size", choices=list(SIZES), default="217M", help="with --one")
+    p.add_argument("--presets", nargs="+", choices=PRESETS, default=PRESETS)
+    p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=["217M", "350M"])
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mmap-threshold", type=int, default=0, help="also run each with MALLOC_MMAP_THRESHOLD_ at this")
+    p.add_argument("--out", default="runs/bench_peaks.json")
+    p.add_argument("--table", help="print a saved run (its --out JSON) as Markdown, and exit")
+    args = p.parse_args(argv)
+    if args.table:
+        print(markdown(json.loads(Path(args.table).read_text())))
+    elif args.one:
+        print(MARK + json.dumps(run_one(args)), flush=True)
+    else:
+        run = rounds(args)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(run, indent=1))
+        print(markdown(run))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
