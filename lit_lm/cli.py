@@ -21,6 +21,7 @@ from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import strategies.registry  # noqa: F401  (registers lm_ddp, zero1/2/3, ... by name before any Trainer is built)
+from strategies import preemption
 from lit_lm import generate
 from lit_lm.checkpoints import prepare_run
 from lit_lm.config import ConfigError, ModelConfig
@@ -86,6 +87,8 @@ class LitLMCLI(LightningCLI):
         except BaseException:
             stop_other_ranks(self.trainer)  # the ranks this process launched may wait in a collective for it
             raise
+        if getattr(self.trainer.strategy, "preempted", False):  # saved at a common step (strategies/preemption.py)
+            sys.exit(preemption.exit_code())
 
     def after_fit(self) -> None:
         trainer = self.trainer

@@ -30,6 +30,9 @@ What the base does
                     During fit a save is written in the background (`strategies/async_save.py`: the step waits only
                     for a host copy; at most one in flight; removals wait for its publish); `async_checkpoint=False`
                     writes in the step. `wait_for_checkpoints()` returns once the save in flight is published.
+    preemption      SIGUSR1/SIGTERM during fit: every rank saves `last.ckpt` at the end of the same step (flags
+                    all-reduced asynchronously on a gloo group, one step late) and stops; `preempted` says so
+                    (strategies/preemption.py; the CLI then exits with REQUEUE_EXIT_CODE).
     SIGTERM         Lightning's broadcast of rank 0's SIGTERM flag (a host sync on GPUs) runs after logging steps,
                     not at every step (`_sigterm_check_at_logging_steps`).
     failures        `timeout` (seconds, or a timedelta) bounds every collective; when one fails (a dead or hung
@@ -102,6 +105,7 @@ from typing_extensions import override
 
 from strategies import checkpoint as ckpt
 from strategies.async_save import AsyncSaver
+from strategies.preemption import Preemption
 from strategies import comm
 from strategies.clip import GradShards, clip_grad_norm_, local_grad_shards, with_global_norm_clip
 from strategies.layout import ParallelDims, ParallelLayout
@@ -214,6 +218,7 @@ class BaseStrategy(ParallelStrategy):
         self._sync_enabled = True
         # checkpoints saved during fit are written in the background (strategies/async_save.py); False: in the step
         self._saver = AsyncSaver(self._timeout) if async_checkpoint else None
+        self._preemption: Optional[Preemption] = None
 
     # -- processes and groups ---------------------------------------------------------------------------------
     @property
@@ -318,7 +323,20 @@ class BaseStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            self._watch_preemption(trainer)
         _sigterm_check_at_logging_steps(trainer)
+
+    def _watch_preemption(self, trainer: Trainer) -> None:
+        """SIGUSR1/SIGTERM -> a checkpoint at a step every rank agrees on, then a requeue (strategies/preemption.py)."""
+        if self._preemption is None:
+            self._preemption = Preemption(dist.new_group(backend="gloo", timeout=self._timeout))
+        if self._preemption not in trainer.callbacks:
+            trainer.callbacks.append(self._preemption)
+
+    @property
+    def preempted(self) -> bool:
+        """The last fit stopped for a preemption, its checkpoint saved: exit with `REQUEUE_EXIT_CODE`."""
+        return self._preemption is not None and self._preemption.preempted
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -159,3 +160,72 @@ def test_full_disk_is_one_line_and_publishes_nothing(tmp_path: Path, background:
     assert "No space left on device" in message and "nothing was published" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=2.ckpt"]
     assert ckpt.check_complete(tmp_path / "last.ckpt")["step"] == 2
+
+
+# -- preemption and requeue (loopback torchrun, 2 ranks) ---------------------------------------------------------
+class SlowAfter(L.Callback):
+    """From training step `step` on, rank 0 writes `file` and every rank sleeps a little per step, so that a test
+    has time to send its signal before the run ends (loaded by the CLI as `test_resilience.SlowAfter`)."""
+
+    def __init__(self, step: int, file: str) -> None:
+        self.step, self.file = step, file
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.step:
+            if trainer.global_rank == 0:
+                Path(self.file).write_text(str(trainer.global_step))
+            time.sleep(0.3)
+
+
+def test_preemption_saves_at_a_common_step_and_the_requeued_job_finishes_the_run(tmp_path: Path) -> None:
+    """torchrun.sh, 1 node x 2 workers: SIGUSR1 to the script and its agent (as SLURM's --signal sends) mid-run ->
+    both workers save last.ckpt at the same step and stop, the script exits 75; the same command again resumes
+    there and ends with the uninterrupted run's losses."""
+    from test_launch import REPO, _args, _env, _free_port, _losses, _one_node
+
+    steps = 10
+    args = _args(tmp_path, batch=2, steps=steps)
+    reference = _one_node(tmp_path, args, tmp_path / "one", devices=2)
+    reached = tmp_path / "reached"
+    callbacks = tmp_path / "callbacks.yaml"
+    callbacks.write_text(
+        "trainer:\n  callbacks:\n"
+        f"    - class_path: test_resilience.SlowAfter\n      init_args: {{step: 3, file: '{reached}'}}\n"
+        "    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+        "      init_args: {every_n_train_steps: 100, save_last: true}\n")
+    run_dir = tmp_path / "job"
+    command = ["bash", str(REPO / "scripts/launch/torchrun.sh"), *args, "--config", str(callbacks)]
+
+    def submit(signal_it: bool) -> tuple[int, str]:
+        env = dict(_env(), NNODES="1", NPROC_PER_NODE="2", MASTER_PORT=str(_free_port()), MAX_RESTARTS="1",
+                   RUN_DIR=str(run_dir), RDZV_ID="preempt", PYTHON=sys.executable)
+        log = tmp_path / f"torchrun-{signal_it}.log"
+        with open(log, "w") as f:
+            proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            deadline = time.monotonic() + 240
+            while signal_it and not reached.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if signal_it and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGUSR1)  # the script and its torchrun agent
+            try:
+                proc.wait(timeout=240)
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+        return proc.returncode, log.read_text()
+
+    code, out = submit(signal_it=True)
+    assert code == 75, out[-4000:]
+    assert out.count("SIGUSR1 received") == 2 and "preempted: saved" in out, out[-4000:]
+    marker = ckpt.check_complete(run_dir / "checkpoints" / "last.ckpt")  # one save, collective: a common step
+    assert 3 <= marker["step"] < steps and marker["world_size"] == 2
+    assert max(_losses(run_dir)) == marker["step"] - 1  # nobody trained past it
+
+    code, out = submit(signal_it=False)  # the requeued job: the same command line
+    assert code == 0, out[-4000:]
+    assert f"resuming from {run_dir / 'checkpoints' / 'last.ckpt'}" in out
+    losses = _losses(run_dir)
+    assert sorted(losses) == sorted(reference)
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, rel=1e-5, abs=0), step
