@@ -31,6 +31,7 @@ from lit_lm.hf_export import export_hf  # noqa: E402
 from lit_lm.hf_families import FAMILIES as ENTRIES  # noqa: E402
 from lit_lm.hf_import import INDEX, HFWeights, as_checkpoint, config_from_hf, load_model, model_config  # noqa: E402
 from lit_lm.parity import Case, assert_parity, run_parity  # noqa: E402
+from strategies.composed import ComposedStrategy  # noqa: E402
 from strategies.ep import ExpertParallelStrategy  # noqa: E402
 from strategies.tp import TensorParallelStrategy  # noqa: E402
 from strategies.zero import ZeroStrategy  # noqa: E402
@@ -236,13 +237,15 @@ class BytesRead(L.Callback):
 
 def test_imported_families_under_layouts_match_one_process(hf_dirs):
     """First step's loss and every gradient as one process: Qwen3 (tied, head_dim 16) under tp2 with sequence
-    parallelism and zero3 x 2; Qwen3-MoE (a dense then an MoE block) under ep2, zero3 x 2 and tp2. Each rank read
+    parallelism, zero3 x 2 and cp2 (ring); Qwen3-MoE (a dense then an MoE block) under ep2, zero3 x 2 and tp2. Each rank read
     its share: under ZeRO-3 half of every parameter's rows (the two ranks together: every byte once), under ep2
     the dense parameters and half of the experts, under tp2 half of what tp splits and what it replicates."""
     dense, moe = hf_dirs["qwen3 tied"], hf_dirs["qwen3_moe"]
     case = partial(Case, steps=1, callbacks=(BytesRead(),))
     cases = [case(partial(TensorParallelStrategy, 2, sequence_parallel=True), init_from=str(dense), label="qwen3 tp2"),
              case(partial(ZeroStrategy, stage=3), init_from=str(dense), label="qwen3 zero3"),
+             case(partial(ComposedStrategy, context_parallel_size=2, cp_method="ring"), init_from=str(dense),
+                  label="qwen3 cp2"),
              case(partial(ExpertParallelStrategy, expert_parallel_size=2), init_from=str(moe), label="qwen3_moe ep2"),
              case(partial(ZeroStrategy, stage=3), init_from=str(moe), label="qwen3_moe zero3"),
              case(partial(TensorParallelStrategy, 2, sequence_parallel=False), init_from=str(moe),
@@ -283,3 +286,25 @@ def test_generate_cli_on_an_moe_folder_matches_transformers_greedy(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     until_eos = expected[:expected.index(tokenizer.eos_id)] if tokenizer.eos_id in expected else expected
     assert out.stdout == prompt + tokenizer.decode(until_eos) + "\n"
+
+
+def test_head_dim_apart_from_d_model_through_the_config_users():
+    """head_dim set apart from d_model / n_heads: the parameter count is the model's (q/o projections n_heads x
+    head_dim wide, OLMoE's whole-projection QK-norm), `lit-lm check`'s scaled copy keeps it apart, a derived one
+    follows d_model / n_heads, and an odd one is refused in one line."""
+    from lit_lm.check.scale import scaled_config
+    from lit_lm.config import ModelConfig
+    from lit_lm.model import Transformer
+    from strategies.layout import ParallelConfig
+
+    for extra in ({}, dict(qk_norm=True), dict(qk_norm=True, qk_norm_scope="all", qkv_bias=True)):
+        cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, **extra)
+        assert cfg.num_params() == sum(p.numel() for p in Transformer(cfg).parameters())
+    nemo = ModelConfig(vocab_size=131072, d_model=5120, n_layers=40, n_heads=32, n_kv_heads=8, head_dim=128,
+                       d_ff=14336, max_seq_len=1024)
+    small, notes = scaled_config(nemo, ParallelConfig(tp=2))
+    assert small.n_heads * small.head_dim != small.d_model and "head_dim 128 -> 8" in notes
+    Transformer(small)
+    assert ModelConfig(d_model=96, n_heads=4).head_dim == 24
+    with pytest.raises(ConfigError, match="`head_dim` 7 .* must be even"):
+        ModelConfig(d_model=32, n_heads=4, head_dim=7)
