@@ -54,10 +54,6 @@ class LanguageModel(L.LightningModule):
         init_from: a Hugging Face model folder (Llama, Qwen3, Mixtral, ...: `lit_lm.hf_families`) whose config.json
             decides the model's shape (the yaml's differing fields are replaced, said in one line) and whose
             weights start the run: weights only, a fresh optimizer at step 0 (unlike `--ckpt_path`). See docs/hf.md.
-        compile: each transformer block under `torch.compile` (true: inductor; or a backend's name, e.g.
-            aot_eager), applied after the strategy's engines (`strategies/compile.py`, docs/compile.md).
-        fp8: tensorwise or rowwise: the blocks' linears compute in FP8 with dynamic scales, fp32 master weights
-            (`strategies/fp8.py`, docs/compile.md).
     """
 
     def __init__(self, config: ModelConfig = ModelConfig.signature_default(), lr: float = 3e-3,
