@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any, Optional
@@ -155,6 +156,46 @@ def markdown(run: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def shard_layout(d_model: int, n_layers: int, vocab: int, ranks: int) -> list[int]:
+    """The sizes of the tensors one rank's optimizer steps under ZeRO-3 (row shards of each parameter), in order."""
+    d_ff = ModelConfig(d_model=d_model, n_heads=1, vocab_size=vocab).d_ff or 0
+    block = [d_model * d_model // ranks] * 4 + [d_ff * d_model // ranks] * 3 + [d_model // ranks] * 2
+    return [vocab * d_model // ranks] + block * n_layers + [d_model // ranks, vocab * d_model // ranks]
+
+
+def optimizer_step(reps: int = 7) -> None:
+    """`--optimizer-step`: AdamW (foreach=False) over one rank's ZeRO-3 shards laid out as one flat tensor, per
+    tensor, and as the flat step's pieces of 2^16, 2^18 and 2^20 elements; rank 0's CPU time per step (process time:
+    what the load disturbs least), the layouts alternated in one process, median (min) of `reps`."""
+    import strategies.flat_step as flat_step
+    from strategies.flat_step import FlatShard
+
+    torch.set_num_threads(1)
+    for name, sizes in {"4m": shard_layout(256, 4, 2048, 2), "44m": shard_layout(512, 8, 16000, 2)}.items():
+        layouts: dict[str, list[int]] = {"whole flat": [sum(sizes)], "per tensor": sizes}
+        for bits in (16, 18, 20):
+            flat_step.CPU_PIECE_NUMEL = 2**bits
+            fs = FlatShard([torch.empty(s) for s in sizes], torch.empty(sum(sizes)), torch.empty(sum(sizes)))
+            layouts[f"pieces of 2^{bits}"] = [piece.value.numel() for piece in fs.pieces]
+        optimizers = {}
+        for label, layout in layouts.items():
+            params = [torch.zeros(n) for n in layout]
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3)
+            optimizers[label] = adamw(params)
+            optimizers[label].step()
+        times: dict[str, list[float]] = {label: [] for label in layouts}
+        for _ in range(reps):
+            for label, optimizer in optimizers.items():
+                start = time.process_time()
+                optimizer.step()
+                times[label].append(time.process_time() - start)
+        print(f"\n{name}: {sum(sizes):,} elements per rank, {len(sizes)} shards; load {os.getloadavg()[0]:.1f}")
+        for label, t in times.items():
+            print(f"  {label:<16} {len(layouts[label]):>4} tensors  {statistics.median(t) * 1e3:7.1f} ms "
+                  f"({min(t) * 1e3:.1f})")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p)
@@ -167,7 +208,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="GradSync's (lm_ddp), as the strategy's default")
     p.add_argument("--out", default="runs/bench_size.json")
     p.add_argument("--table", help="print a saved run (its --out JSON) as Markdown, and exit")
+    p.add_argument("--optimizer-step", action="store_true", help="time AdamW over the flat step's layouts, and exit")
     args = p.parse_args(argv)
+    if args.optimizer_step:
+        optimizer_step()
+        return
     if args.size:
         for key, value in SIZES[args.size].items():
             setattr(args, key, value)

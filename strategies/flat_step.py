@@ -53,9 +53,9 @@ from torch.optim import Optimizer
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
                torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop)
 
-# The largest piece stepped on the CPU (elements; 1 MB of fp32): its temporaries stay in the core's cache and in the
+# The largest piece stepped on the CPU (elements; 256 KB of fp32): its temporaries stay in the core's cache and in the
 # allocator's reused blocks. Measured by `scripts/bench_size.py` and docs/benchmarks/2026-12-size-cpu.md.
-CPU_PIECE_NUMEL = 2**18
+CPU_PIECE_NUMEL = 2**16
 
 
 def piece_numel(device: torch.device) -> Optional[int]:
