@@ -31,6 +31,9 @@ class DieOnce(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if first_attempt and trainer.global_rank == self.rank and trainer.global_step == self.step:
+            wait = getattr(trainer.strategy, "wait_for_checkpoints", None)
+            if wait is not None:
+                wait()  # the step's checkpoint is written in the background: die once it is published
             print(f"[test] rank {self.rank} dies at step {self.step}", file=sys.stderr, flush=True)
             os._exit(1)
 
