@@ -66,6 +66,8 @@ class RotaryEmbedding(nn.Module):
         self._at: Optional[tuple[Tensor, torch.device, tuple[Tensor, Tensor]]] = None  # see cos_sin_at
 
     def cos_sin(self, seq_len: int, device: torch.device, offset: int = 0) -> tuple[Tensor, Tensor]:
+        if torch.compiler.is_compiling():  # in the graph, no cache: a lookup that fills it would recompile at step 2
+            return self.tables(torch.arange(offset, offset + seq_len), device)
         key = (seq_len, offset, device)
         if key not in self._cache:
             self._cache[key] = self.cos_sin_at(torch.arange(offset, offset + seq_len), device)
@@ -76,12 +78,17 @@ class RotaryEmbedding(nn.Module):
         built in fp64 like the contiguous tables, so a position gets the same angle whichever rank holds it.
         The last tables are kept against the positions tensor itself: context parallelism passes the same one
         every step (`strategies.cp.zigzag_batch`), so they are built once, not on the host per layer per step."""
+        if torch.compiler.is_compiling():
+            return self.tables(positions, device)
         if self._at is not None and self._at[0] is positions and self._at[1] == device:
             return self._at[2]
-        angles = torch.outer(positions.to("cpu", torch.float64), self.inv_freq)  # (T, D/2)
-        tables = angles.cos().float().to(device), angles.sin().float().to(device)
+        tables = self.tables(positions, device)
         self._at = (positions, device, tables)
         return tables
+
+    def tables(self, positions: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+        angles = torch.outer(positions.to("cpu", torch.float64), self.inv_freq)  # (T, D/2)
+        return angles.cos().float().to(device), angles.sin().float().to(device)
 
     @staticmethod
     def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

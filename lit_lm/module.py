@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, replace
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning as L
 import torch
@@ -22,6 +22,8 @@ from lit_lm.moe import moe_layers, moe_metrics, update_router_bias
 from strategies.base import BaseStrategy
 from strategies.checkpoint import OPTIMIZER_FQNS
 from strategies.clip import clip_grad_norm_, local_grad_shards
+from strategies.compile import compile_backend, speed_up
+from strategies.fp8 import check_fp8
 from strategies.plan import step_loss_fn
 
 SCHEDULE_HORIZON = "lit_lm_schedule_horizon"  # the checkpoint's key for the LR schedule's horizon (steps)
@@ -54,12 +56,16 @@ class LanguageModel(L.LightningModule):
         init_from: a Hugging Face model folder (Llama, Qwen3, Mixtral, ...: `lit_lm.hf_families`) whose config.json
             decides the model's shape (the yaml's differing fields are replaced, said in one line) and whose
             weights start the run: weights only, a fresh optimizer at step 0 (unlike `--ckpt_path`). See docs/hf.md.
+        compile: each transformer block under `torch.compile` (true: inductor; or a backend's name, e.g.
+            aot_eager), applied after the strategy's engines (`strategies/compile.py`, docs/compile.md).
+        fp8: tensorwise or rowwise: the blocks' linears compute in FP8 with dynamic scales, fp32 master weights
+            (`strategies/fp8.py`, docs/compile.md).
     """
 
     def __init__(self, config: ModelConfig = ModelConfig.signature_default(), lr: float = 3e-3,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, warmup_steps: int = 100, min_lr_ratio: float = 0.1,
                  kernels: Optional[list[str]] = None, schedule_steps: Optional[int] = None,
-                 init_from: Optional[str] = None) -> None:
+                 init_from: Optional[str] = None, compile: Union[bool, str] = False, fp8: Optional[str] = None) -> None:
         super().__init__()
         if isinstance(config, dict):  # from a checkpoint's hyper-parameters (stored as plain types)
             config = ModelConfig(**config)
@@ -76,11 +82,13 @@ class LanguageModel(L.LightningModule):
                               f"lr={lr}, warmup_steps={warmup_steps}, min_lr_ratio={min_lr_ratio}")
         self.config = config
         self.kernels = list(kernels or [])
+        self.compile_blocks, self.fp8 = compile_backend(compile), check_fp8(fp8)  # the strategy reads them
         # Plain types only, so `torch.load(weights_only=True)` (LightningCLI's ckpt parsing) can read them.
         self.save_hyperparameters({"config": asdict(config), "lr": lr, "betas": tuple(betas), "eps": eps,
                                    "weight_decay": weight_decay, "warmup_steps": warmup_steps,
                                    "min_lr_ratio": min_lr_ratio, "kernels": self.kernels,
-                                   "schedule_steps": schedule_steps})  # not init_from: `config` is its shape
+                                   "schedule_steps": schedule_steps, "compile": self.compile_blocks,
+                                   "fp8": self.fp8})  # not init_from: `config` is its shape
         self.model: Optional[Transformer] = None
         self._horizon: Optional[int] = None  # the LR schedule's, once known (the run's state: kept by checkpoints)
         self._saved_horizon: Optional[int] = None  # the checkpoint's, when resuming
@@ -131,6 +139,8 @@ class LanguageModel(L.LightningModule):
             import kernels
 
             kernels.apply(self.model, self.kernels)
+        if not isinstance(getattr(self._trainer, "strategy", None), BaseStrategy):  # lit-lm's apply them after TP
+            speed_up(self.model, self.fp8, self.compile_blocks)
 
     def _from_hf(self) -> Transformer:
         """The model built on the meta device with its values read from `init_from` by global name and slice: a

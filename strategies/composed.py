@@ -12,9 +12,13 @@ The model says WHAT can be split (its plans, `strategies/plan.py`); this strateg
                      schedule runs as the step's loss (`pp_step.PipelineStep`)
     5. materialise   a model built on the meta device (pp, ZeRO-3) gets its values one parameter at a time, each
                      initialised whole from its global name and sliced to this rank's placement (`placement.py`)
-    6. activation checkpointing of every block the stage keeps (`strategies/ac.py`)
+    6. FP8           with the module's `fp8` option, the blocks' linears compute in FP8 (`strategies/fp8.py`), the
+                     scales of tp-split tensors reduced over tp (the tp placements recorded in step 1)
+       activation checkpointing of every block the stage keeps (`strategies/ac.py`)
     7. data parallel `GradSync` (all-reduce over dp, dp x cp under cp) or the ZeRO engine (stage 1-3 over dp_shard
                      (x cp), all-reduced over dp_replicate: HSDP); with experts, a second engine over edp
+    8. compile       with the module's `compile` option, each block's forward under `torch.compile`
+                     (`strategies/compile.py`): every hook and slice above is in place, the block hooks outside
 
 so TP, CP and EP see the whole model, the pipeline cuts a model whose pieces are already tp/ep-local, and ZeRO
 shards what this rank finally holds. Steps 1-4 record what they did by parameter name (`params.ModelSplit`); the
@@ -44,9 +48,11 @@ from strategies import ac
 from strategies import cp as context
 from strategies.base import BaseStrategy, GradPart, WeightShard, _unwrap
 from strategies.clip import GradShards
+from strategies.compile import CompileReport, check_compile, compile_blocks, wants_compile
 from strategies.dp_engine import DataParallelEngine, bind_optimizer, no_sync
 from strategies.errors import ConfigError
 from strategies.experts import shard_experts
+from strategies.fp8 import apply_fp8
 from strategies.grad_sync import GradSync, broadcast_parameters
 from strategies.layout import ParallelConfig, ParallelDims
 from strategies.params import ModelSplit, ParamIndex
@@ -98,6 +104,7 @@ class ComposedStrategy(BaseStrategy):
         self._zero_for: Optional[tuple[nn.Module, list[DataParallelEngine]]] = None  # kept for a validate after fit
         self._pipeline: Optional[PipelineStep] = None
         self._seam: Optional[StepLoss] = None  # the step's loss under pp (the schedule) or cp (the zigzag share)
+        self._compile_report: Optional[CompileReport] = None  # under the module's `compile` option
 
     @override
     def _configure_launcher(self) -> None:
@@ -140,6 +147,12 @@ class ComposedStrategy(BaseStrategy):
             model.set_batch_group(self.layout.dp_group)  # MoE balancing statistics over the global batch
         self._data_parallel(fitting)
         self.model_to_device()
+        backend = wants_compile(module)
+        if backend:  # engine 8: last, over every hook and slice the others put in place
+            c = self.config
+            check_compile(self.activation_checkpointing)
+            compile_blocks(find_block_model(module)[1], fullgraph=c.tp == c.cp == c.ep == 1, backend=backend)
+            self._compile_report = CompileReport()
         self._index = ParamIndex(module, self._split_record, self._engines)
 
     def _split(self, module: nn.Module) -> None:
@@ -238,6 +251,8 @@ class ComposedStrategy(BaseStrategy):
             engine.after_step()  # ZeRO: all-gather the updated rows into the replicated parameters
         if self._pipeline is not None:
             self._pipeline.window_closed()
+        if self._compile_report is not None:
+            self._compile_report.after_step()
 
     def loss_fn(self, model: nn.Module) -> LossFn:
         """The step's loss function (`strategies.plan.LossSeam`): the schedule under pp, the zigzag share under cp,
@@ -251,6 +266,8 @@ class ComposedStrategy(BaseStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compile_report is not None:
+            self._compile_report.step_starts()
         with self._pipeline.stash(self.lightning_module) if self._pipeline else ExitStack(), self._step(train=True):
             return super().training_step(*args, **kwargs)
 

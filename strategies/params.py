@@ -57,6 +57,12 @@ class ModelSplit:
             self.placements[dot + name] = Placement(shape, dim, *shards.tp.rows(shape[dim]), "tp")
         self.tp_partial |= {self.global_name(dot + name) for name in shards.partial}
 
+    def tp_splits(self, dot: str) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """The tp-split parameters of the block model under prefix `dot`, by name relative to it: (dim, global
+        shape) (what FP8 reduces scales for: `strategies.fp8`)."""
+        return {name[len(dot):]: (p.dim, tuple(p.global_shape)) for name, p in self.placements.items()
+                if p.over == "tp" and name.startswith(dot)}
+
     def add_experts(self, shards: dict[str, ExpertShard]) -> None:
         for prefix, shard in shards.items():
             for name, shape in shard.global_shapes().items():

@@ -1,0 +1,187 @@
+"""FP8 training of the blocks' linears (`model.init_args.fp8: tensorwise | rowwise`), on `torch._scaled_mm`, with
+dynamic scaling as torchao's Float8Linear recipes do:
+
+    tensorwise  one scale per tensor (amax of the whole tensor); e4m3 weights and activations, e5m2 gradients
+    rowwise     one scale per row along each GEMM's contraction dim, rounded down to a power of 2; e4m3 throughout
+
+Each of the three GEMMs of a linear runs in FP8 (out = x W^T, grad_x = g W, grad_W = g^T x), each operand cast with
+its own scale just before it (`to_fp8`); the result is in the input's dtype. Master weights stay where they were
+(fp32, or whatever the precision plugin keeps), so checkpoints hold no FP8 and an FP8 run resumes without it and back.
+
+The swap keeps the module, its parameters and state-dict keys: the instance's `forward` is replaced (`Fp8Forward`), as
+activation checkpointing and compile do, and it reads `weight` at call time (ZeRO-3 gathers it just before).
+Which linears: every `nn.Linear`-like module (a `weight` of 2 dims used as `F.linear`) inside the model's blocks
+whose global shape is a multiple of 16 both ways (`_scaled_mm`'s alignment on GPUs), but MoE routers (routing
+decisions stay in full precision) — never the embedding, the head or the norms, which are outside the blocks or not
+linears. The MoE experts (grouped GEMMs) stay in full precision for now (docs/compile.md).
+
+Scales under tensor parallelism: a scale is the amax over some dims of a tensor; where one of those dims is split
+over the tp ranks, each rank holds only part of it, and the one-process scale is the max over the tp group
+(`comm.all_reduce(MAX)`). The strategy says which weights are split along which dim (the tp placements it
+recorded in `params.ModelSplit`) and gives the tp group: a column-parallel weight (rows split) and its output
+gradient (features split), a row-parallel weight (columns split) and its input (features split). The inputs of
+column-parallel linears are whole on every rank (the region's entry gathers the sequence-parallel positions first),
+so their scales need nothing. Tensorwise needs the reduction for every split tensor; rowwise only where the split
+dim is the contraction dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from strategies import comm
+from strategies.errors import ConfigError
+from strategies.tp_layers import ColumnParallelLinear, RowParallelLinear
+
+RECIPES = ("tensorwise", "rowwise")
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+ALIGN = 16  # `_scaled_mm` on GPUs: both dims multiples of 16
+SKIP = ("router",)  # linears kept in full precision, by the last part of their name
+EPS = 1e-12
+LINEARS = (nn.Linear, ColumnParallelLinear, RowParallelLinear)  # F.linear(x, weight, bias), whole or a tp shard
+
+
+def check_fp8(recipe: Optional[str]) -> Optional[str]:
+    if recipe is not None and recipe not in RECIPES:
+        raise ConfigError(f"model.init_args.fp8={recipe!r}: choose one of {', '.join(RECIPES)} (or null: no FP8)")
+    return recipe
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """How one linear's operands are scaled: the recipe, and where its weight is split over tp (`split`: 0 for
+    column-parallel, rows; 1 for row-parallel, columns; None: whole) with the group its scales are reduced over."""
+
+    recipe: str
+    split: Optional[int] = None
+    group: Optional[dist.ProcessGroup] = None
+
+    @property
+    def rowwise(self) -> bool:
+        return self.recipe == "rowwise"
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return E4M3 if self.rowwise else E5M2
+
+
+def amax(t: Tensor, dim: Optional[int], split_dim: Optional[int], scaling: Scaling) -> Tensor:
+    """|t|'s max over `dim` (None: the whole tensor), kept 2-D; reduced over the tp group when `split_dim` (the dim
+    of `t` that is split over tp, or None) is among the dims it is taken over."""
+    a = t.detach().abs().amax() if dim is None else t.detach().abs().amax(dim=dim, keepdim=True)
+    a = a.float()
+    if split_dim is not None and scaling.group is not None and (dim is None or dim == split_dim):
+        a = a.clone()
+        comm.all_reduce(a, scaling.group, op=dist.ReduceOp.MAX, label="fp8 amax")
+    return a
+
+
+def to_fp8(t: Tensor, dtype: torch.dtype, a: Tensor, rowwise: bool) -> tuple[Tensor, Tensor]:
+    """`t` cast to `dtype` so that |t|'s amax `a` lands on the format's largest value; (fp8 tensor, its scale: the
+    fp32 factor that turns it back). Rowwise scales are rounded down to powers of 2 (exact to apply)."""
+    factor = torch.finfo(dtype).max / a.clamp(min=EPS)
+    if rowwise:
+        factor = torch.exp2(torch.floor(torch.log2(factor)))
+    fp8 = (t.float() * factor).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype)
+    return fp8, factor.reciprocal()
+
+
+def scaled_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """a (M, K) @ b (K, N) in FP8: a row-major, b column-major (what the GPU kernels take); scales (M, 1) and (1, N),
+    or scalars."""
+    return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_scale.reshape(a_scale.shape[:2] or ()),
+                            scale_b=b_scale.reshape(b_scale.shape[:2] or ()), out_dtype=out_dtype)
+
+
+def _cast(t: Tensor, dtype: torch.dtype, contraction: int, split_dim: Optional[int], scaling: Scaling
+          ) -> tuple[Tensor, Tensor]:
+    """`t` as one GEMM operand: scaled along its `contraction` dim (rowwise) or as a whole (tensorwise)."""
+    dim = contraction if scaling.rowwise else None
+    return to_fp8(t, dtype, amax(t, dim, split_dim, scaling), scaling.rowwise)
+
+
+class Fp8Matmul(torch.autograd.Function):
+    """x (M, K) @ weight (N, K)^T with the three GEMMs in FP8 (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, scaling: Scaling) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.scaling = scaling
+        x_split = 1 if scaling.split == 1 else None  # a row-parallel input holds 1/tp of the K features
+        x8, xs = _cast(x, E4M3, 1, x_split, scaling)
+        w8, ws = _cast(weight, E4M3, 1, scaling.split, scaling)  # (N, K): rows scaled over K
+        return scaled_mm(x8, w8.t(), xs, ws.t() if ws.ndim else ws, x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], Optional[Tensor], None]:
+        x, weight = ctx.saved_tensors
+        scaling = ctx.scaling
+        g_split = 1 if scaling.split == 0 else None  # a column-parallel output holds 1/tp of the N features
+        x_split = 1 if scaling.split == 1 else None
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:  # g (M, N) @ W (N, K): contraction over N
+            g8, gs = _cast(grad, scaling.grad_dtype, 1, g_split, scaling)
+            w8, ws = _cast(weight, E4M3, 0, scaling.split, scaling)
+            grad_x = scaled_mm(g8, w8, gs, ws, grad.dtype)
+        if ctx.needs_input_grad[1]:  # g^T (N, M) @ x (M, K): contraction over the tokens M
+            gt = grad.t()
+            g8, gs = _cast(gt, scaling.grad_dtype, 1, None if g_split is None else 0, scaling)
+            x8, xs = _cast(x, E4M3, 0, x_split, scaling)
+            grad_w = scaled_mm(g8, x8, gs, xs, weight.dtype)
+        return grad_x, grad_w, None
+
+
+def fp8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], scaling: Scaling) -> Tensor:
+    """`F.linear` with its matmul in FP8: x (..., K), weight (N, K)."""
+    out = Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, scaling).view(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
+
+
+class Fp8Forward:
+    """A linear module's forward in FP8 (`module` is the linear: its weight and bias are read at every call)."""
+
+    def __init__(self, module: nn.Module, scaling: Scaling) -> None:
+        self.module, self.scaling = module, scaling
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return fp8_linear(x, self.module.weight, getattr(self.module, "bias", None), self.scaling)
+
+
+def fp8_linears(model: nn.Module, global_shapes: Optional[dict[str, tuple[int, ...]]] = None) -> dict[str, nn.Module]:
+    """The linears of `model`'s blocks that FP8 swaps, by name: `LINEARS` whose global shape (`global_shapes[name +
+    ".weight"]`, else the local one) is of multiples of `ALIGN`, not `SKIP`ped."""
+    shapes = global_shapes or {}
+    out = {}
+    for name, module in model.named_modules():
+        if not name.startswith("blocks.") or name.rsplit(".", 1)[-1] in SKIP:
+            continue
+        if not isinstance(module, LINEARS):
+            continue
+        shape = tuple(shapes.get(f"{name}.weight", module.weight.shape))
+        if all(n % ALIGN == 0 for n in shape):
+            out[name] = module
+    return out
+
+
+def apply_fp8(model: nn.Module, recipe: Optional[str], splits: Optional[dict[str, tuple[int, tuple[int, ...]]]] = None,
+              group: Optional[dist.ProcessGroup] = None) -> list[str]:
+    """Swap `model`'s block linears for FP8 ones, in place; the names swapped. `splits`: the tp-split weights by
+    name (relative to `model`) -> (split dim, global shape); `group`: the tp group their scales are reduced over."""
+    if check_fp8(recipe) is None:
+        return []
+    splits = splits or {}
+    shapes = {name: shape for name, (_, shape) in splits.items()}
+    swapped = []
+    for name, module in fp8_linears(model, shapes).items():
+        if isinstance(module.__dict__.get("forward"), Fp8Forward):
+            continue
+        split = splits.get(f"{name}.weight", (None, None))[0]
+        module.forward = Fp8Forward(module, Scaling(recipe, split, group if split is not None else None))
+        swapped.append(name)
+    return swapped
+
