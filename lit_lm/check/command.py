@@ -35,6 +35,8 @@ def options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--steps", type=int, default=2, help="optimizer steps compared (default 2)")
     p.add_argument("--tolerance", type=float, default=TOLERANCE, help=f"relative tolerance (default {TOLERANCE:g})")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--full-size", action="store_true", help="the model at full size on fake ranks of the real world "
+                   "size: memory and bytes per rank role against the planner (lit_lm/check/full_size.py)")
     args, rest = p.parse_known_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
@@ -95,12 +97,20 @@ def report(plan: CheckPlan, rtol: float, error: str = "") -> dict[str, Any]:
 def main(argv: list[str], cli_class: type, defaults: list[str], mutation: Optional[Any] = None) -> None:
     """`lit-lm check ...` (`lit_lm.cli` passes its LightningCLI class and default configs); exits with the code."""
     args, rest = options(argv)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    if args.full_size:
+        from lit_lm.check.full_size import main as full_size
+
+        plan = plan_check(parse(rest, cli_class, defaults), rest, optimizers=("module",))
+        if not full_size(plan, args.json, console):
+            sys.exit(EXIT_DISAGREES)
+        return
     plan = plan_check(parse(rest, cli_class, defaults), rest, steps=args.steps, mutation=mutation)
     errors = run_checks([plan])
     result = report(plan, args.tolerance, errors.get(0, ""))
     if args.json:
         print(to_json(result))
     else:
-        render(result, Console(highlight=False, width=None if sys.stdout.isatty() else 160))
+        render(result, console)
     if not result["ok"]:
         sys.exit(2 if result["error"] else EXIT_DISAGREES)
