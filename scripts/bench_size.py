@@ -144,14 +144,16 @@ def markdown(run: dict[str, Any]) -> str:
     over the rounds, and both against the reference the engine is held to (ratio of medians)."""
     table = run["summary"]
     lines = ["| contender | step s | peak RSS above imports, GB (max over ranks) | speed vs reference | "
-             "memory vs reference |", "|---|---|---|---|---|"]
+             "memory vs reference | Trainer speed vs plain loop |", "|---|---|---|---|---|---|"]
     for name, t in table.items():
-        kind = name.split()[0]
+        kind, loop = name.split()
         ref = table.get(f"{REFERENCE_OF.get(kind, '')} plain")
         speed = f"{ref['step_s']['median'] / t['step_s']['median']:.2f}×" if ref else "reference"
         memory = f"{t['peak_bytes']['median'] / ref['peak_bytes']['median']:.2f}×" if ref else "reference"
+        plain = table.get(f"{kind} plain") if loop == "trainer" else None
+        trainer = f"{plain['step_s']['median'] / t['step_s']['median']:.2f}×" if plain else ""
         lines.append(f"| {name} | {_spread(t['step_s'], 1, '.2f')} | {_spread(t['peak_bytes'], 1e-9, '.2f')} | "
-                     f"{speed} | {memory} |")
+                     f"{speed} | {memory} | {trainer} |")
     lines.append(f"\n{footer(run)}")
     return "\n".join(lines)
 
