@@ -268,11 +268,12 @@ def test_imported_families_under_layouts_match_one_process(hf_dirs):
     assert experts > 0 and read["qwen3_moe ep2"] == [nbytes(moe) - experts // 2] * 2, read
 
 
-def test_generate_cli_on_an_moe_folder_matches_transformers_greedy(tmp_path):
-    """`lit-lm generate --ckpt_path <Qwen3-MoE folder>` decodes transformers' greedy tokens, one for one."""
-    from lit_lm.generate import load
+def test_generate_command_on_an_moe_folder_matches_transformers_greedy(tmp_path, capsys):
+    """`lit-lm generate --ckpt_path <Qwen3-MoE folder>` (its `main`, in this process: the command's own subprocess
+    is tests/test_hf_import.py's) decodes transformers' greedy tokens, one for one."""
+    from lit_lm.generate import load, main
     from lit_lm.tokenizer import prompt_ids
-    from test_cli import CORPUS, run_cli
+    from test_cli import CORPUS
     from test_hf_import import hf_folder_with_tokenizer
 
     folder, theirs = hf_folder_with_tokenizer(tmp_path / "hf", CORPUS, transformers.Qwen3MoeConfig, head_dim=16,
@@ -281,11 +282,11 @@ def test_generate_cli_on_an_moe_folder_matches_transformers_greedy(tmp_path):
     prompt = "def main("
     ids = torch.tensor([prompt_ids(tokenizer, prompt)])
     expected = theirs.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
-    out = run_cli("generate", "--ckpt_path", str(folder), "--prompt", prompt, "--temperature", "0",
-                  "--max_new_tokens", "16", "--device", "cpu", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
+    capsys.readouterr()
+    main(["--ckpt_path", str(folder), "--prompt", prompt, "--temperature", "0", "--max_new_tokens", "16",
+          "--device", "cpu"])
     until_eos = expected[:expected.index(tokenizer.eos_id)] if tokenizer.eos_id in expected else expected
-    assert out.stdout == prompt + tokenizer.decode(until_eos) + "\n"
+    assert capsys.readouterr().out == prompt + tokenizer.decode(until_eos) + "\n"
 
 
 def test_head_dim_apart_from_d_model_through_the_config_users():
