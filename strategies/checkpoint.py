@@ -76,26 +76,18 @@ def save(path: PathLike, state: dict[str, Any], meta: dict[str, Any], info: dict
     """Collective: every rank writes its part of `state`; rank 0 writes `meta` and a marker of `info`, then
     publishes the directory at `path` (replacing whatever was there) by a rename.
 
-    With `background` (a `strategies.async_save.AsyncSaver` whose previous save is done, `state` staged by it) the
-    writing, marker and rename run on its thread and group: this returns once the directory is made and `meta`
-    is serialised."""
+    With `background` (a `strategies.async_save.AsyncSaver` whose previous save is done, `state` staged by it) all
+    of it but serialising `meta` runs on its thread and group: this returns at once."""
     path = Path(path)
-    # every rank writes into the same temporary directory
-    tmp = Path(comm.broadcast_object(f"{path}{TMP}{uuid.uuid4().hex[:8]}", label="checkpoint save: directory"))
-    if dist.get_rank() == 0:
-        remove_stale(path.parent)
-        tmp.mkdir(parents=True)
-    comm.barrier(label="checkpoint save: directory made")
     # serialised now: `meta` may hold live values (a callback's tensors)
     meta_bytes = serialize_meta(meta) if dist.get_rank() == 0 else io.BytesIO()
     marker = {"step": meta.get("global_step"), "epoch": meta.get("epoch"), "world_size": dist.get_world_size(),
               **info}
     if background is None:
-        comm.note("dcp_save", label=f"checkpoint save: {path.name}")
-        _write(path, tmp, state, meta_bytes, marker, group=None)
+        _write(path, state, meta_bytes, marker, group=None)
     else:
         group = background.group  # made here, by every rank at the same save, not on the thread
-        background.submit(lambda: _write(path, tmp, state, meta_bytes, marker, group=group))
+        background.submit(lambda: _write(path, state, meta_bytes, marker, group=group))
 
 
 def save_alias(source: Path, path: Path, meta: io.BytesIO) -> None:
@@ -122,10 +114,19 @@ def serialize_meta(meta: dict[str, Any]) -> io.BytesIO:
     return out
 
 
-def _write(path: Path, tmp: Path, state: dict[str, Any], meta: io.BytesIO, marker: dict[str, Any],
+def _write(path: Path, state: dict[str, Any], meta: io.BytesIO, marker: dict[str, Any],
            group: Optional[dist.ProcessGroup]) -> None:
-    """Collective over `group`: the shards, then (rank 0) meta.pt, the marker and the rename. A failed write on any
-    rank (DCP tells every rank) publishes nothing, removes the temporary directory and raises one line."""
+    """Collective over `group`: a temporary directory, the shards, then (rank 0) meta.pt, the marker and the
+    rename. A failed write on any rank (DCP tells every rank) publishes nothing, removes the temporary directory
+    and raises one line."""
+    # every rank writes into the same temporary directory
+    tmp = Path(comm.broadcast_object(f"{path}{TMP}{uuid.uuid4().hex[:8]}", group=group,
+                                     label="checkpoint save: directory"))
+    if dist.get_rank() == 0:
+        remove_stale(path.parent)
+        tmp.mkdir(parents=True)
+    comm.barrier(group, label="checkpoint save: directory made")
+    comm.note("dcp_save", group, label=f"checkpoint save: {path.name}")
     failure = None
     try:
         dcp.save(state, checkpoint_id=tmp, process_group=group)
