@@ -66,6 +66,7 @@ PRECISIONS = {"32-true": (4, 4), "bf16-mixed": (4, 2), "bf16-true": (2, 2)}  # (
 MOMENTS = ("build", "engines", "backward", "backward_end", "step", "after_step")
 PHASES = {"setup": ("build", "engines"), "fwd_bwd": ("backward", "backward_end"), "step": ("step", "after_step")}
 DEVICES = ("cuda", "cpu")  # where the ranks run: what torch's default optimizer implementation is there
+GLOO_STAGING = "gloo's all-gather staging (a whole unit)"
 GRAD_SYNC = {k: v.default for k, v in inspect.signature(GradSync.__init__).parameters.items()
              if k in ("bucket_cap_mb", "first_bucket_mb")}  # its buckets (the strategy's default cap is the same)
 
@@ -368,7 +369,10 @@ def _transients(rank: RankEstimate, work: Workload, layout: ParallelConfig, engi
       accelerator foreach's `sqrt(v)` is the size of all it steps
       (one param group: `LanguageModel`'s second group, norms and embeddings, only splits it further);
     - after_step: ZeRO-1/2 all-gather the updated rows unit by unit, at most two in flight: a unit's send (a
-      shard) and receive (the whole unit)."""
+      shard) and receive (the whole unit);
+    - on the CPU, gloo's all-gather first gathers into a flat output of its own and copies it out: one more whole
+      unit while ZeRO-1/2's after-step gathers run, and while ZeRO-3 gathers in forward and backward (NCCL gathers
+      in place). A library's workspace, but one this program's choice of collective makes: counted."""
     pbytes = PRECISIONS[work.precision][0]
     stage = layout.zero_stage
     local = sum(math.prod(s) for shapes, _, _ in engines for s in shapes)
@@ -407,9 +411,15 @@ def _transients(rank: RankEstimate, work: Workload, layout: ParallelConfig, engi
             prefetch = [group * seg[order[i + 1]] if i + 1 < len(order) else 0 for i in range(len(order))]
             rank.add_transient("backward_end", "the next unit's all-gather receive buffer",
                                max(a + b for a, b in zip(at, prefetch)) * pbytes - max(at) * pbytes)
+        staging = work.device == "cpu"  # gloo (the CPU backend) gathers into a flat copy of the output first
         if stage < 3:  # the units in order (the root first); launching unit i waits for unit i - 2 first
-            pairs = [seg[a] + seg[b] for a, b in zip(units, list(units)[1:])] or segments
-            rank.add_transient("after_step", "all-gathers in flight (two units)", (group + 1) * max(pairs) * pbytes)
+            pairs = [(seg[a], seg[b]) for a, b in zip(units, list(units)[1:])] or [(s, 0) for s in segments]
+            worst = max(pairs, key=lambda ab: (group + 1) * sum(ab) + staging * group * max(ab))
+            rank.add_transient("after_step", "all-gathers in flight (two units)", (group + 1) * sum(worst) * pbytes)
+            if staging:
+                rank.add_transient("after_step", GLOO_STAGING, group * max(worst) * pbytes)
+        elif staging:
+            rank.add_transient("backward", GLOO_STAGING, group * max(segments) * pbytes)
     sbytes = 4 if stage else pbytes  # ZeRO steps fp32 master rows
     if stepped:
         # the for-loop: tensor i's two while tensor i - 1's denominator is still bound (freed when replaced)

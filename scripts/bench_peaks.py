@@ -158,8 +158,11 @@ def tree() -> dict[str, Any]:
 
 
 def rounds(args: argparse.Namespace) -> dict[str, Any]:
-    """Every contender once per round, in an order shuffled per round (seeded); every round kept."""
+    """Every contender once per round, in an order shuffled per round (seeded); every round kept, the JSON
+    rewritten after each run (a long run stopped half-way keeps what it measured)."""
     rng, done = random.Random(args.seed), []
+    run = {"args": vars(args), "machine": machine(), "tree": tree(), "runs": done}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for r in range(args.rounds):
         order = list(contenders(args).items())
         rng.shuffle(order)
@@ -170,16 +173,21 @@ def rounds(args: argparse.Namespace) -> dict[str, Any]:
                   f"{result['estimate']['peak'] / 2**20:.0f} MiB, load {result['load_1min']:.1f}", file=sys.stderr,
                   flush=True)
             done.append({"name": name, "round": r, **result})
-    return {"args": vars(args), "machine": machine(), "tree": tree(), "runs": done}
+            Path(args.out).write_text(json.dumps(run, indent=1))
+    return run
 
 
 def summary(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per contender: the median (min, max) over rounds of the larger rank's peak; the estimate; their ratio."""
+    """Per contender: the median (min, max) over rounds of the larger rank's peak, the largest rank's phase peaks,
+    and the estimate of the estimator as it is now (the JSON keeps the one made at the run)."""
     out: dict[str, dict[str, Any]] = {}
     for r in run["runs"]:
-        row = out.setdefault(r["name"], {"peaks": [], "loads": [], "estimate": r["estimate"], "ranks": r["ranks"]})
+        preset, size = r["name"].split()[:2]
+        row = out.setdefault(r["name"], {"peaks": [], "estimate": estimated(preset, size), "phases": {}})
         row["peaks"].append(max(x["peak"] for x in r["ranks"]))
-        row["loads"].append(r["load_1min"])
+        for x in r["ranks"]:
+            for p in x["phases"]:
+                row["phases"][p["phase"]] = max(row["phases"].get(p["phase"], 0), p["peak"])
     for row in out.values():
         row["median"] = statistics.median(row["peaks"])
         row["ratio"] = row["estimate"]["peak"] / row["median"]
@@ -190,26 +198,22 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.0f}"
 
 
-def _phase_max(ranks: list[dict[str, Any]], phase: str) -> int:
-    return max(p["peak"] for r in ranks for p in r["phases"] if p["phase"] == phase)
-
-
 def markdown(run: dict[str, Any]) -> str:
-    lines = ["| preset | size | measured peak/rank, MiB: median (min–max) | estimate, MiB | estimate / measured | "
-             "setup | fwd+bwd: measured / est. | step: measured / est. |", "|---|---|---|---|---|---|---|---|"]
-    for name, row in summary(run).items():
+    lines = ["| preset | size | malloc | measured peak/rank, MiB (min–max) | estimate, MiB | estimate / measured | "
+             "setup: measured / est. | fwd+bwd: measured / est. | step: measured / est. |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, row in sorted(summary(run).items()):
         preset, size, *malloc = name.split()
-        size += " (mmap)" if malloc else ""
-        est, ranks = row["estimate"], row["ranks"]
+        est, phases = row["estimate"], row["phases"]
         spread = f"{_mib(row['median'])} ({_mib(min(row['peaks']))}–{_mib(max(row['peaks']))})"
-        lines.append(f"| `{preset}` | {size} | {spread} | {_mib(est['peak'])} | {row['ratio']:.2f} | "
-                     f"{_mib(_phase_max(ranks, 'setup'))} / {_mib(est['phases']['setup'])} | "
-                     f"{_mib(_phase_max(ranks, 'fwd_bwd'))} / {_mib(est['phases']['fwd_bwd'])} | "
-                     f"{_mib(_phase_max(ranks, 'step'))} / {_mib(est['phases']['step'])} |")
-    m = run["machine"]
+        lines.append(f"| `{preset}` | {size} | {'mmap threshold fixed' if malloc else 'default'} | {spread} | "
+                     f"{_mib(est['peak'])} | {row['ratio']:.2f} | "
+                     + " | ".join(f"{_mib(phases[p])} / {_mib(est['phases'][p])}" for p in ("setup", "fwd_bwd", "step"))
+                     + " |")
     loads = [r["load_1min"] for r in run["runs"]]
-    lines.append(f"\n{len(run['runs'])} runs, {run['args']['rounds']} round(s), load average (1 min) "
-                 f"{min(loads):.1f}–{max(loads):.1f} on {describe(m)}.")
+    lines.append(f"\n{len(run['runs'])} runs, {run['args']['rounds']} round(s), {run['args']['steps']} steps each, "
+                 f"load average (1 min) {min(loads):.1f}–{max(loads):.1f} on {describe(run['machine'])}; "
+                 f"commit {run.get('tree', {}).get('commit', '?')[:7]}.")
     return "\n".join(lines)
 
 
@@ -232,8 +236,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(MARK + json.dumps(run_one(args)), flush=True)
     else:
         run = rounds(args)
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(run, indent=1))
         print(markdown(run))
         print(f"wrote {args.out}")
 
