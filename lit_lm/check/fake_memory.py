@@ -63,8 +63,9 @@ class _Storage:
 
 
 class LiveBytes(TorchDispatchMode):
-    def __init__(self, host_read: Optional[Callable[[Tensor], Optional[Tensor]]] = None) -> None:
+    def __init__(self, host_read: Optional[Callable[[Tensor], Optional[Tensor]]] = None, device: str = "meta") -> None:
         super().__init__()
+        self.device = device  # the tensors counted: meta (the fake ranks), or e.g. cpu to hold it to a real step
         self.phase = SETUP
         self.host_read = host_read
         self._live: dict[int, _Storage] = {}  # id(storage object) -> record, while it lives
@@ -108,7 +109,7 @@ class LiveBytes(TorchDispatchMode):
         return value.item() if func is torch.ops.aten._local_scalar_dense.default else value
 
     def _record(self, t: Tensor, tag: str, retag: bool = False) -> None:
-        if t.device.type != "meta":
+        if t.device.type != self.device:
             return
         storage = t.untyped_storage()
         rec = self._live.get(id(storage))
@@ -192,7 +193,7 @@ class LiveBytes(TorchDispatchMode):
         """File the storages of `tensors` under `name` ("parameters", "gradients"...) in `at_peak_by_name`, also
         for a peak taken before (and after their storages are freed)."""
         for t in tree_leaves(tensors):
-            if isinstance(t, Tensor) and t.device.type == "meta":
+            if isinstance(t, Tensor) and t.device.type == self.device:
                 storage = t.untyped_storage()
                 rec = self._live.get(id(storage))
                 if rec is not None and rec.ref() is storage:
