@@ -450,3 +450,19 @@ def test_resident_step_holds_gloo_staging() -> None:
     expected = max(sum(est.transients["step"].values()), sum(est.transients["after_step"].values()))
     for rise in run_distributed(_step_resident, 2, init_process_group=False):
         assert rise == pytest.approx(expected, rel=0.1), (rise, est.transients)
+
+
+def test_loss_gradients_are_two_fp32_logits() -> None:
+    """The loss's backward makes the gradients of the fp32 log-probabilities and of the logits, both alive when the
+    logits' gradient is handed on to the head: the estimate's `loss gradients`, exactly (beyond the 4-byte seed)."""
+    cfg = ModelConfig(**dict(MODEL, vocab_size=512, max_seq_len=SEQ))
+    model, batch = Transformer(cfg), 2
+    tokens = torch.randint(0, 512, (batch, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens[:, :-1])
+    loss = model.loss_fn(logits, tokens[:, 1:])[0]
+    seen = []
+    with LiveTensorBytes() as made:
+        logits.register_hook(lambda grad: seen.append(made.peak))
+        loss.backward()
+    expected = estimate(Workload(cfg, SEQ, batch, "32-true", device="cpu"), ParallelConfig()).ranks[0]
+    assert seen[0] - 4 == expected.transients["backward"]["loss gradients (log-probabilities, logits; fp32)"]
