@@ -7,7 +7,8 @@ same state, a ~350M-parameter model under ZeRO-3 x 2 on CPU ranks.
 Each contender runs in its own 2-rank world (a fresh pair of processes per run), the contenders alternated over
 shuffled rounds. A run trains `--steps` steps with ModelCheckpoint-free saves made by a callback at the end of
 every step from step 1 on (`trainer.save_checkpoint`, what ModelCheckpoint calls): the stall is the time that call
-keeps the training thread (rank max). Between saves the previous write is let finish outside the timed window
+keeps the training thread (rank max), in wall time and in that thread's CPU time (which a loaded machine
+inflates less). Between saves the previous write is let finish outside the timed window
 (`wait_for_checkpoints`), so a stall is the save's own cost, not a wait for the last one. The first background
 save also allocates its host buffers (reported apart); the steady figure is the median of the later ones. The
 ratio is async stall / sync stall (median over rounds, min-max beside it), with the machine and its load.
@@ -62,6 +63,7 @@ def _run(async_checkpoint: bool, steps: int, out_dir: str, model: dict[str, Any]
     class Saves(L.Callback):
         def __init__(self) -> None:
             self.stalls: list[float] = []
+            self.cpu: list[float] = []  # the training thread's CPU time in the call: robust to a loaded machine
             self.steps: list[float] = []
             self._start = 0.0
 
@@ -70,9 +72,10 @@ def _run(async_checkpoint: bool, steps: int, out_dir: str, model: dict[str, Any]
 
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
             self.steps.append(time.perf_counter() - self._start)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             trainer.save_checkpoint(Path(out_dir) / f"step={trainer.global_step}.ckpt")
             self.stalls.append(time.perf_counter() - start)
+            self.cpu.append(time.thread_time() - cpu)
             trainer.strategy.wait_for_checkpoints()  # outside the window: the next save starts with none in flight
 
     tokens = torch.randint(0, model["vocab_size"], (steps, model["max_seq_len"] + 1),
@@ -85,7 +88,7 @@ def _run(async_checkpoint: bool, steps: int, out_dir: str, model: dict[str, Any]
     trainer.fit(LM(), DataLoader(TensorDataset(tokens), batch_size=1))
     state_bytes = sum(f.stat().st_size for f in Path(out_dir).glob(f"step={steps}.ckpt/*.distcp"))
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-    return {"rank": rank, "stalls": saves.stalls, "steps": saves.steps, "shard_bytes": state_bytes}
+    return {"rank": rank, "stalls": saves.stalls, "cpu": saves.cpu, "steps": saves.steps, "shard_bytes": state_bytes}
 
 
 def _one(async_checkpoint: bool, steps: int, model: dict[str, Any]) -> dict[str, Any]:
@@ -94,8 +97,10 @@ def _one(async_checkpoint: bool, steps: int, model: dict[str, Any]) -> dict[str,
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as out:
         ranks = run_distributed(_run, 2, async_checkpoint, steps, out, model, init_process_group=False)
     stalls = [max(r["stalls"][i] for r in ranks) for i in range(len(ranks[0]["stalls"]))]
+    cpu = [max(r["cpu"][i] for r in ranks) for i in range(len(ranks[0]["cpu"]))]
     return {"async": async_checkpoint, "stalls_s": stalls, "first_s": stalls[0],
             "steady_s": statistics.median(stalls[1:]) if len(stalls) > 1 else stalls[0],
+            "cpu_s": cpu, "steady_cpu_s": statistics.median(cpu[1:]) if len(cpu) > 1 else cpu[0],
             "step_s": [max(r["steps"][i] for r in ranks) for i in range(len(ranks[0]["steps"]))],
             "shard_bytes": ranks[0]["shard_bytes"]}
 
@@ -123,14 +128,16 @@ def main() -> None:
     ratios = []
     for r in range(args.rounds):
         a, s = (next(x for x in runs if x["round"] == r and x["async"] == m) for m in (True, False))
-        ratios.append({"steady": a["steady_s"] / s["steady_s"], "first": a["first_s"] / s["first_s"]})
+        ratios.append({"steady": a["steady_s"] / s["steady_s"], "first": a["first_s"] / s["first_s"],
+                       "steady_cpu": a["steady_cpu_s"] / s["steady_cpu_s"]})
     summary = {k: {"median": statistics.median(x[k] for x in ratios), "min": min(x[k] for x in ratios),
-                   "max": max(x[k] for x in ratios)} for k in ("steady", "first")}
+                   "max": max(x[k] for x in ratios)} for k in ("steady", "first", "steady_cpu")}
     result = {"model": model, "strategy": "zero3 x 2 (gloo, CPU ranks, 1 thread each)", "runs": runs,
               "ratios": ratios, "summary": summary, "machine": machine()}
     print(f"async/sync stall, steady: {summary['steady']['median']:.3f} "
           f"(min {summary['steady']['min']:.3f}, max {summary['steady']['max']:.3f}); first save (allocates its "
-          f"buffers): {summary['first']['median']:.3f}   [{describe(result['machine'])}]")
+          f"buffers): {summary['first']['median']:.3f}; training-thread CPU time, steady: "
+          f"{summary['steady_cpu']['median']:.3f}   [{describe(result['machine'])}]")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 
