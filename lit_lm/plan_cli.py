@@ -81,6 +81,25 @@ def workload_from(config: dict[str, Any], args: argparse.Namespace, world: int) 
     return Workload(cfg, data["seq_len"], batch, precision)
 
 
+def _speed_options(config: dict[str, Any], modes: tuple[str, ...], console: Console) -> tuple[str, ...]:
+    """The model's compile and fp8 options (docs/compile.md): compile refuses activation checkpointing, so only
+    layouts without it are planned; FP8 keeps fp32 masters and makes its copies per GEMM, so memory is planned as
+    without it, and its speed-up is not modelled (the compute time is bf16's, an upper bound)."""
+    from strategies.compile import REFUSED, compile_backend
+
+    args = (config.get("model") or {}).get("init_args") or {}
+    if args.get("fp8"):
+        console.print(f"fp8 {args['fp8']}: memory as without it (fp32 masters, FP8 copies per GEMM); compute timed "
+                      "at the bf16 peak (the FP8 speed-up is not modelled)")
+    if not compile_backend(args.get("compile", False)):
+        return modes
+    refused = [m for m in modes if m in REFUSED]
+    if refused and len(modes) == 1:
+        raise ConfigError(REFUSED[refused[0]])
+    console.print("compile: layouts without activation checkpointing only (compile refuses it)")
+    return tuple(m for m in modes if m not in REFUSED)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lit-lm plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,9 +134,11 @@ def run(args: argparse.Namespace) -> None:
     cluster = Cluster(args.nodes, args.gpus_per_node, quantity(args.gpu_memory, "gpu-memory"),
                       quantity(args.intra_bw, "intra-bw"), quantity(args.inter_bw, "inter-bw"),
                       quantity(args.peak_flops, "peak-flops"), args.mfu)
-    work = workload_from(read_configs(args.config), args, cluster.world)
+    config = read_configs(args.config)
+    work = workload_from(config, args, cluster.world)
     modes = CHECKPOINTING if args.checkpointing == "auto" else (args.checkpointing,)
     console = Console(width=160)
+    modes = _speed_options(config, modes, console)
     console.print(f"[bold]{_count(work.config.num_params())} parameters[/] "
                   f"({_count(work.config.num_params(False, active=True))} active, non-embedding), sequence "
                   f"{work.seq_len}, global batch {work.global_batch}, {work.precision} on {cluster.nodes} x "

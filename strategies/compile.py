@@ -117,9 +117,15 @@ def check_compile(activation_checkpointing: str) -> None:
         raise ConfigError(REFUSED[activation_checkpointing])
 
 
-def compile_blocks(model: nn.Module, fullgraph: bool, backend: str = BACKEND) -> int:
+def compile_blocks(model: nn.Module, fullgraph: bool, backend: str = BACKEND, retain_graph: bool = False) -> int:
     """Compile every block of `model` (a `strategies.plan.BlockModel`) in place; the number compiled. Applying it
-    again (Lightning sets up again for a validate after fit) keeps the compiled forwards: never twice."""
+    again (Lightning sets up again for a validate after fit) keeps the compiled forwards: never twice.
+    `retain_graph`: a backward runs more than once over the graph (the pipeline schedules' split input/weight
+    backward): AOTAutograd's donated buffers (a backward that frees its saved tensors as it goes) are switched off."""
+    if retain_graph:
+        import torch._functorch.config
+
+        torch._functorch.config.donated_buffer = False
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleDict):
         raise ConfigError(f"compile wraps a model's `blocks` (strategies.plan.BlockModel): {type(model).__name__} "

@@ -151,7 +151,8 @@ class ComposedStrategy(BaseStrategy):
         if backend:  # engine 8: last, over every hook and slice the others put in place
             c = self.config
             check_compile(self.activation_checkpointing)
-            compile_blocks(find_block_model(module)[1], fullgraph=c.tp == c.cp == c.ep == 1, backend=backend)
+            compile_blocks(find_block_model(module)[1], fullgraph=c.tp == c.cp == c.ep == 1, backend=backend,
+                           retain_graph=c.pp > 1)
             self._compile_report = CompileReport()
         self._index = ParamIndex(module, self._split_record, self._engines)
 

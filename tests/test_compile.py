@@ -9,6 +9,7 @@ checked on one process and under lm_ddp + ZeRO-3, whose block graph is the same 
 
 from __future__ import annotations
 
+import io
 import re
 from dataclasses import replace
 from functools import partial
@@ -65,7 +66,6 @@ PRESETS_2 = {
     "tp2_sp": compiled_case(partial(ComposedStrategy, tensor_parallel_size=2), "tp2 + sp"),
     "pp2_zb": compiled_case(partial(ComposedStrategy, pipeline_parallel_size=2, microbatches=2, schedule="zb_h1"),
                             "pp2 zb_h1"),
-    "refused": compiled_case(partial(ComposedStrategy, activation_checkpointing="full"), "checkpointing refused"),
     "cp2": compiled_case(partial(ComposedStrategy, context_parallel_size=2), "cp2 ring (Triton interpreter)"),
     "ep2": compiled_case(partial(ComposedStrategy, expert_parallel_size=2), "ep2 (MoE)", model=MOE),
 }
@@ -75,12 +75,14 @@ INDUCTOR_2 = {
 }
 
 
+REFUSED_CASE = compiled_case(partial(ComposedStrategy, activation_checkpointing="full"), "checkpointing refused")
+
+
 def test_presets_compiled_match_eager() -> None:
-    cases = list(PRESETS_2.values())
-    for run in run_parity(cases[:-1], world_size=2):
+    for run in run_parity(list(PRESETS_2.values()), world_size=2):
         assert_compiled_parity(run)
     with pytest.raises(Exception, match=re.escape(REFUSED["full"])):  # before any step
-        run_parity(cases[-1:], world_size=2)
+        run_parity([REFUSED_CASE], world_size=2)
 
 
 def test_inductor_compiled_matches_eager() -> None:
@@ -111,3 +113,17 @@ def test_the_option_compiles_blocks_in_place_and_generation_stays_eager() -> Non
     before = COMPILES.count
     assert torch.equal(generate(model, prompt, max_new_tokens=4, temperature=0.0), eager)
     assert COMPILES.count == before  # the KV cache calls run the eager forward
+
+
+def test_the_planner_plans_compile_without_checkpointing() -> None:
+    from rich.console import Console
+
+    from lit_lm.config import ConfigError
+    from lit_lm.plan_cli import _speed_options
+
+    console = Console(file=io.StringIO())
+    compiled = {"model": {"init_args": {"compile": True, "fp8": "rowwise"}}}
+    assert _speed_options(compiled, ("none", "selective", "full"), console) == ("none",)
+    assert _speed_options({}, ("none", "full"), console) == ("none", "full")
+    with pytest.raises(ConfigError, match=re.escape(REFUSED["full"])):
+        _speed_options(compiled, ("full",), console)
