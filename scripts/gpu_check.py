@@ -3,7 +3,8 @@
     bash scripts/gpu_check.sh                      # on the GPU machine: writes docs/gpu/<section>.json
     bash scripts/gpu_check.sh --dry-run --out DIR  # the same steps on CPU (Triton interpreter, tiny shapes)
 
-Sections (docs/gpu/README.md says what each JSON holds): kernels, kernel_speed, fits, sync_debug, mfu. Each runs in
+Sections (docs/gpu/README.md says what each JSON holds): kernels, kernel_speed, fits, sync_debug, mfu, speed (eager,
+compile and compile + FP8 tokens/s and MFU of the ~1B model under lm_ddp and zero3, docs/compile.md). Each runs in
 a process of its own under its own time budget, so a crash, a hang or a CUDA error in one is recorded in its JSON
 (status "error" or "timeout", with the message) and the others still run; the exit code is 1 when any section
 failed. A section writes its JSON as results come, so one cut short by its budget keeps what it measured.
@@ -28,7 +29,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 # Seconds per section on one H200, together under 8 minutes (the interpreter's dry-run is well inside them too).
 # Parity compiles ~50 Triton variants (~1.5 s each) into Triton's on-disk cache, which the later sections reuse.
-BUDGETS = {"kernels": 150, "kernel_speed": 120, "fits": 90, "sync_debug": 30, "mfu": 80}
+BUDGETS = {"kernels": 150, "kernel_speed": 120, "fits": 90, "sync_debug": 30, "mfu": 80,
+           "speed": 420}  # speed: 8 fits of the ~1B model, 6 of them compiling it (estimated, not yet measured)
 DRY_RUN_BUDGET = 300  # per section on a CPU: a guard against hangs only, so a busy CPU cannot fail the tests
 # the kernels the goals name first: a section cut short by its budget loses the teaching kernels, not these
 KERNEL_NAMES = ["rmsnorm", "swiglu", "attention", "cross_entropy", "rope", "softmax", "gelu", "matmul"]
@@ -109,6 +111,8 @@ def run_section(args: argparse.Namespace) -> int:
                 status = ct.run_fits(report, args.dry_run, device)
             elif args.section == "sync_debug":
                 status = ct.run_sync_debug(report, args.dry_run, device)
+            elif args.section == "speed":
+                status = ct.run_speed(report, args.dry_run, device, args.peak_tflops, args.mfu_precision)
             else:
                 status = ct.run_mfu(report, args.dry_run, device, args.peak_tflops, args.mfu_precision)
         report.update(status=status, elapsed_s=time.perf_counter() - t0)

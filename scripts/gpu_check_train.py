@@ -137,7 +137,8 @@ def free_port() -> int:
 
 
 def fit(config: ModelConfig, strategy: str, kernels: bool, precision: str, steps: int, batch: int, seq_len: int,
-        device: torch.device, callbacks: tuple[L.Callback, ...] = (), lr: float = 1e-3) -> dict[str, Any]:
+        device: torch.device, callbacks: tuple[L.Callback, ...] = (), lr: float = 1e-3, compile: Any = False,
+        fp8: Optional[str] = None) -> dict[str, Any]:
     """`steps` optimizer steps of `LanguageModel` under a fresh `strategy` object on one device, seed 0, random
     tokens (the same for every call); returns the per-step losses."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -145,7 +146,8 @@ def fit(config: ModelConfig, strategy: str, kernels: bool, precision: str, steps
     tokens = torch.randint(0, config.vocab_size, (steps * batch, seq_len + 1),
                            generator=torch.Generator().manual_seed(1234))
     L.seed_everything(0, verbose=False)
-    module = LanguageModel(config, lr=lr, warmup_steps=2, kernels=list(KERNELS) if kernels else None)
+    module = LanguageModel(config, lr=lr, warmup_steps=2, kernels=list(KERNELS) if kernels else None,
+                           compile=compile, fp8=fp8)
     recorder = LossRecorder()
     trainer = L.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
                         strategy=STRATEGIES[strategy](), precision=precision, max_steps=steps, gradient_clip_val=1.0,
@@ -159,7 +161,7 @@ def fit(config: ModelConfig, strategy: str, kernels: bool, precision: str, steps
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the next fit starts from an empty device
-    return dict(strategy=strategy, kernels=list(KERNELS) if kernels else [], precision=precision,
+    return dict(strategy=strategy, kernels=list(KERNELS) if kernels else [], precision=precision, compile=compile, fp8=fp8,
                 process_group_backend=backend, seconds=time.perf_counter() - t0, losses=recorder.values())
 
 
@@ -270,3 +272,67 @@ def run_mfu(report: Any, dry_run: bool, device: torch.device, peak_tflops: Optio
                   peak_flops=peak, peak_source=source, mfu=per_token * tokens_per_s / peak,
                   mfu_6n_only=6 * n * tokens_per_s / peak, peak_memory_bytes=memory)
     return "ok"
+
+
+# the `speed` section's variants: (name, compile option, fp8 recipe); the dry-run compiles with aot_eager (the same
+# dynamo graphs, no inductor code generation: minutes less on a CPU)
+SPEED_VARIANTS = [("eager", False, None), ("compile", True, None), ("compile+fp8 tensorwise", True, "tensorwise"),
+                  ("compile+fp8 rowwise", True, "rowwise")]
+SPEED_STRATEGIES = ("lm_ddp", "zero3")
+
+
+def peak_for(device: torch.device, dry_run: bool, peak_tflops: Optional[float]) -> tuple[float, str, str]:
+    """(dense bf16 peak FLOP/s, where it came from, the device's name) for the MFU denominator."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if peak_tflops:
+        return peak_tflops * 1e12, "--peak-tflops", name
+    if peak_flops_for(name):
+        return peak_flops_for(name), "callbacks.throughput.PEAK_FLOPS", name
+    if dry_run:
+        return 1e12, "dry-run nominal 1 TFLOP/s", name
+    raise RuntimeError(f"no peak FLOP/s known for {name!r}: pass --peak-tflops")
+
+
+def speed_shapes(dry_run: bool) -> tuple[ModelConfig, dict[str, int]]:
+    config, shape = mfu_shapes(dry_run)
+    return config, dict(shape, steps=2 if dry_run else 10)  # compile's first steps are warmup: 3 of the GPU's 10
+
+
+def run_speed(report: Any, dry_run: bool, device: torch.device, peak_tflops: Optional[float],
+              precision: str) -> str:
+    """The `speed` section: the ~1B model under lm_ddp and zero3 on one device, eager, per-block compile, and
+    compile + FP8 (tensorwise, rowwise): tokens/s over the steps after the warmup (the compile included in the
+    warmup) and MFU against the device's dense bf16 peak, each with its ratio to eager of the same strategy. A
+    variant that fails is recorded with its error; the others still run."""
+    config, shape = speed_shapes(dry_run)
+    peak, source, name = peak_for(device, dry_run, peak_tflops)
+    n = config.num_params(include_embedding=False)
+    per_token = flops_per_token(n, config.n_layers, config.d_model, shape["seq_len"])
+    report.update(device_name=name, model=vars(config), params=config.num_params(), params_without_embedding=n,
+                  **shape, precision=precision, flops_per_token=per_token, peak_flops=peak, peak_source=source,
+                  runs=[])
+    runs: list[dict[str, Any]] = []
+    for strategy in SPEED_STRATEGIES:
+        for variant, compile, recipe in SPEED_VARIANTS:
+            compile = "aot_eager" if compile and dry_run else compile
+            timer = StepTimer()
+            row: dict[str, Any] = dict(strategy=strategy, variant=variant, compile=compile, fp8=recipe)
+            try:
+                run = fit(config, strategy, False, precision, shape["steps"], shape["batch"], shape["seq_len"],
+                          device, callbacks=(timer,), compile=compile, fp8=recipe)
+                measured = timer.step_seconds()[shape["warmup"]:]
+                tokens_per_s = shape["batch"] * shape["seq_len"] * len(measured) / sum(measured)
+                eager = next((r for r in runs if r["strategy"] == strategy and r["variant"] == "eager"
+                              and "tokens_per_s" in r), None)
+                row.update(losses=run["losses"], step_seconds=timer.step_seconds(), tokens_per_s=tokens_per_s,
+                           mfu=per_token * tokens_per_s / peak,
+                           vs_eager=1.0 if variant == "eager" else tokens_per_s / eager["tokens_per_s"] if eager else None,
+                           peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
+            except Exception as err:
+                row.update(error=f"{type(err).__name__}: {err}"[:500], traceback=traceback.format_exc()[-3000:])
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            runs.append(row)
+            print(f"  {strategy:>6} {variant:<24} {row.get('tokens_per_s', row.get('error'))}", flush=True)
+            report.update(runs=runs)
+    return "ok" if all("tokens_per_s" in r for r in runs) else "failed"

@@ -22,7 +22,7 @@ import torch
 from lit_lm.estimate import flops_per_token
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ["kernels", "kernel_speed", "fits", "sync_debug", "mfu"]
+SECTIONS = ["kernels", "kernel_speed", "fits", "sync_debug", "mfu", "speed"]
 KERNELS = ["rmsnorm", "swiglu", "attention", "cross_entropy", "rope", "softmax", "gelu", "matmul"]
 BLOCKER = '''import sys
 
@@ -167,6 +167,20 @@ def test_mfu_is_model_flops_over_peak(dry_run: tuple) -> None:
     assert section["mfu"] == pytest.approx(per_token * section["tokens_per_s"] / section["peak_flops"])
     assert 0 < section["mfu"] < 1 and section["dry_run"] is True
     assert len(section["step_seconds"]) == section["steps"]
+
+
+def test_speed_rows_eager_compile_and_fp8_under_lm_ddp_and_zero3(dry_run: tuple) -> None:
+    section = dry_run[1]["speed"]
+    rows = {(r["strategy"], r["variant"]): r for r in section["runs"]}
+    variants = ["eager", "compile", "compile+fp8 tensorwise", "compile+fp8 rowwise"]
+    assert set(rows) == {(s, v) for s in ("lm_ddp", "zero3") for v in variants}
+    for (strategy, variant), row in rows.items():
+        assert "error" not in row, row.get("error")
+        assert row["compile"] == ("aot_eager" if variant != "eager" else False)  # the dry-run's backend
+        assert row["fp8"] == (variant.rsplit(" ", 1)[-1] if "fp8" in variant else None)
+        assert row["mfu"] == pytest.approx(section["flops_per_token"] * row["tokens_per_s"] / section["peak_flops"])
+        assert len(row["losses"]) == section["steps"] and all(x == x for x in row["losses"])
+        assert row["vs_eager"] == pytest.approx(row["tokens_per_s"] / rows[(strategy, "eager")]["tokens_per_s"])
 
 
 def test_a_failing_kernel_fails_the_run(env: dict[str, str], tmp_path: Path) -> None:
