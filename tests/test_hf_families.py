@@ -20,7 +20,6 @@ import shutil
 from functools import partial
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 
@@ -35,7 +34,7 @@ from strategies.composed import ComposedStrategy  # noqa: E402
 from strategies.ep import ExpertParallelStrategy  # noqa: E402
 from strategies.tp import TensorParallelStrategy  # noqa: E402
 from strategies.zero import ZeroStrategy  # noqa: E402
-from test_hf_import import SHAPE, save_hf  # noqa: E402
+from test_hf_import import SHAPE, BytesRead, save_hf  # noqa: E402
 
 NO_IDS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)  # greedy decoding never stops early
 BASE = dict(SHAPE, rms_norm_eps=1e-5, **NO_IDS)
@@ -221,18 +220,6 @@ def test_sharded_folder_follows_its_index_and_refuses_bad_shards(hf_dirs, tmp_pa
     refused(lambda folder: (folder / shards[1]).unlink(), f"{shards[1]}: missing, though .*index.json names it")
     truncate = lambda folder: (folder / shards[2]).write_bytes((folder / shards[2]).read_bytes()[:-100])  # noqa: E731
     refused(truncate, f"{shards[2]}: not a whole safetensors file .*truncated")
-
-
-class BytesRead(L.Callback):
-    """What this rank's import read from the files, once the strategy has materialised its part."""
-
-    read = None
-
-    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.read = module.model.weights.bytes_read
-
-    def __getstate__(self) -> dict:  # what travels back from a rank: the count (a strategy may attach its `log`)
-        return {"read": self.read}
 
 
 def test_imported_families_under_layouts_match_one_process(hf_dirs):

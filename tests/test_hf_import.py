@@ -148,8 +148,13 @@ def test_import_under_layouts_matches_one_process(hf_dirs):
 class BytesRead(L.Callback):
     """What this rank's import read from the files, once the strategy has materialised its part."""
 
+    read = None
+
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
         self.read = module.model.weights.bytes_read
+
+    def __getstate__(self) -> dict:  # what travels back from a rank: the count (a strategy may attach its `log`)
+        return {"read": self.read}
 
 
 def test_zero3_rank_reads_its_rows_only(tmp_path):
