@@ -101,7 +101,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mixtral", "MixtralForCausalLM",
            fields={"sliding_window": ("sliding_window",), "moe_experts": ("num_local_experts", "num_experts"),
                    "moe_d_ff": ("intermediate_size",), **MOE_FIELDS},
-           sets={"moe_norm_topk": True},
+           defaults={"rms_norm_eps": 1e-5}, sets={"moe_norm_topk": True},
            refuse=(("router_jitter_noise", "lit-lm's router has no input jitter"),),
            experts=Experts(router="block_sparse_moe.gate", prefix="block_sparse_moe.experts", gate="w1", up="w3",
                            down="w2")),
@@ -115,7 +115,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("olmoe", "OlmoeForCausalLM",
            fields={"moe_experts": ("num_experts", "num_local_experts"), "moe_d_ff": ("intermediate_size",),
                    "moe_norm_topk": ("norm_topk_prob",), **MOE_FIELDS},
-           defaults={"norm_topk_prob": False}, sets={"qk_norm": True, "qk_norm_scope": "all"},
+           defaults={"norm_topk_prob": False, "rms_norm_eps": 1e-5}, sets={"qk_norm": True, "qk_norm_scope": "all"},
            refuse=NO_BIAS[:1] + (("clip_qkv", "lit-lm does not clip q, k and v"),), writes={"attention_bias": False},
            experts=Experts()),
 )}

@@ -141,6 +141,9 @@ def test_every_config_key_a_family_reads_matters(hf_dirs):
                 exercised.add(keys[0])
     wanted = {keys[0] for entry in ENTRIES.values() for keys in entry.all_fields.values()}
     assert wanted | {"rope_parameters", "mlp_only_layers"} == exercised
+    for family, make in (("olmoe", transformers.OlmoeConfig), ("qwen3 tied", transformers.Qwen3Config)):
+        hf = json.loads((hf_dirs[family] / "config.json").read_text())  # an absent key: transformers' default
+        assert config_from_hf(_without(hf, ("rms_norm_eps",))).norm_eps == make().rms_norm_eps, family
 
 
 def test_transformers_4_config_with_top_level_rope(tmp_path):
