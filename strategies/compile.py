@@ -37,6 +37,7 @@ from kernels.runtime import interpreting
 from strategies.cp import ContextParallelAttention
 from strategies.errors import ConfigError
 from strategies.fp8 import apply_fp8
+from torch._functorch import config as functorch_config
 from torch._dynamo.callback import CallbackArgs, CallbackTrigger, on_compile_end, on_compile_start
 
 BACKEND = "inductor"
@@ -123,9 +124,7 @@ def compile_blocks(model: nn.Module, fullgraph: bool, backend: str = BACKEND, re
     `retain_graph`: a backward runs more than once over the graph (the pipeline schedules' split input/weight
     backward): AOTAutograd's donated buffers (a backward that frees its saved tensors as it goes) are switched off."""
     if retain_graph:
-        import torch._functorch.config
-
-        torch._functorch.config.donated_buffer = False
+        functorch_config.donated_buffer = False
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleDict):
         raise ConfigError(f"compile wraps a model's `blocks` (strategies.plan.BlockModel): {type(model).__name__} "
