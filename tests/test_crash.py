@@ -27,10 +27,12 @@ TESTS = Path(__file__).resolve().parent
 
 
 def _launch(fn: str, world: int, *args: Any) -> list[subprocess.Popen]:
-    """`fn(*args)` of this module on `world` separate processes, wired as a launcher (torchrun) would."""
+    """`fn(*args)` of this module (or `module.fn` of another test module) on `world` separate processes, wired as
+    a launcher (torchrun) would."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    code = f"import test_crash; test_crash.{fn}(*{args!r})"
+    module, _, name = fn.rpartition(".")
+    code = f"import {module or 'test_crash'} as m; m.{name}(*{args!r})"
     return [subprocess.Popen([sys.executable, "-c", code], cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
 

@@ -21,20 +21,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint import FileSystemWriter
 
 import strategies.registry  # noqa: F401  (registers lm_ddp, zero3)
-from dist_utils import fit_tiny, free_port, run_distributed
+from dist_utils import fit_tiny, run_distributed
 from lit_lm.retention import RetainingCheckpoint
 from strategies import checkpoint as ckpt
-
-TESTS = Path(__file__).resolve().parent
-
-
-def _launch(fn: str, world: int, *args: Any) -> list[subprocess.Popen]:
-    """`fn(*args)` of this module on `world` separate processes, wired as a launcher (torchrun) would."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
-               NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    code = f"import test_resilience; test_resilience.{fn}(*{args!r})"
-    return [subprocess.Popen([sys.executable, "-c", code], cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
+from test_crash import _launch
 
 
 def _every(n: int, ckpt_dir: str) -> ModelCheckpoint:
@@ -78,7 +68,7 @@ def _resume(ckpt_dir: str, max_steps: int) -> dict:
 
 def test_kill_during_background_save_resumes_from_the_previous_checkpoint(tmp_path: Path) -> None:
     ckpt_dir, mark = tmp_path / "ckpt", str(tmp_path / "mark")
-    procs = _launch("_train_and_hang_in_background_save", 2, str(ckpt_dir), mark)
+    procs = _launch("test_resilience._train_and_hang_in_background_save", 2, str(ckpt_dir), mark)
     progress = [Path(f"{mark}.{r}") for r in (0, 1)]
     hung = [Path(f"{mark}.hung.{r}") for r in (0, 1)]
     deadline = time.monotonic() + 240
