@@ -29,6 +29,7 @@ from lit_lm.corpus import Corpus, cuttable, log
 from lit_lm.mixture import MixtureWindows, ShardWindows
 from lit_lm.prepare import PreparedSource
 from lit_lm.sampler import PositionSampler, ResumableSampler
+from lit_lm.stream import StreamBatches, stream_spec
 from lit_lm.token_file import TokenFile, batch_chars, encode_documents, token_dtype
 from lit_lm.tokenizer import EOT, BPETokenizer, Tokenizer, load_tokenizer, tokenizer_hash
 
@@ -56,9 +57,20 @@ def model_vocab_size(vocab_size: int, tokenizer_dir: Optional[str], sources: Opt
     has at most that many tokens)."""
     if tokenizer_dir is not None:
         return load_tokenizer(tokenizer_dir).vocab_size
-    if sources:
+    if sources and _stream_entry(sources) is None:
         return int(PreparedSource(_source_specs(sources)[0][1]).index["vocab_size"])
     return vocab_size
+
+
+def _stream_entry(sources: list[Any]) -> Optional[dict[str, Any]]:
+    """The stream source (`{path, stream: true}`, `lit_lm.stream`) if `sources` is one, else None. A stream is read
+    alone: mixing it with weighted prepared sources is not built."""
+    if not any(isinstance(e, dict) and e.get("stream") for e in sources):
+        return None
+    if len(sources) > 1:
+        raise ConfigError("data.init_args.sources: a stream source is read alone (mixing a stream with other "
+                          "sources is not built); give one {path: <shards>, stream: true}, or prepare the sources")
+    return stream_spec(dict(sources[0]), 0)
 
 
 def _source_specs(sources: list[Any]) -> list[tuple[str, str, float]]:
@@ -158,7 +170,11 @@ class TextDataModule(L.LightningDataModule):
         if sources is not None and (files is not None or not sources):
             raise ConfigError("data.init_args.sources: give prepared folders (a non-empty list) or files, not both")
         self.sources = sources
-        self.source_specs = _source_specs(sources) if sources else None
+        self.stream = _stream_entry(sources) if sources else None
+        if self.stream is not None and tokenizer_dir is None:
+            raise ConfigError("data.init_args.sources: a stream source needs data.init_args.tokenizer_dir (no "
+                              "tokenizer is trained on a stream)")
+        self.source_specs = _source_specs(sources) if sources and self.stream is None else None
         self.files = files
         self.text_field = text_field
         self.data_dir = Path(data_dir)
@@ -179,6 +195,7 @@ class TextDataModule(L.LightningDataModule):
         self._base_samples = 0  # global samples consumed when the current train loader was made
         self._base_batches = 0  # Lightning's processed-batch counter at that moment
         self._resumed_samples: Optional[int] = None  # from a checkpoint, applied when the loader is made
+        self._resumed_stream: Optional[dict[str, Any]] = None  # a stream source's position, from a checkpoint
 
     # -- corpus and cache ----------------------------------------------------------------------------------
     @cached_property
@@ -221,6 +238,8 @@ class TextDataModule(L.LightningDataModule):
     def prepare_data(self) -> None:
         """Build the tokenizer and the token file once (Lightning runs this on one process per node); prepared
         sources are only checked."""
+        if self.stream is not None:
+            return
         if self.sources:
             _ = self.prepared
             return
@@ -242,6 +261,9 @@ class TextDataModule(L.LightningDataModule):
         _write_tokens(corpus, tokenizer, cache, self.tokenizer_workers)
 
     def setup(self, stage: str) -> None:
+        if self.stream is not None:  # batches made by the stream's worker when the loader is iterated
+            self.tokenizer = self.given_tokenizer
+            return self._check_model_vocabulary()
         if self.sources:
             return self._setup_mixture()
         cache = self.cache_dir
@@ -322,11 +344,17 @@ class TextDataModule(L.LightningDataModule):
         else:
             self._base_samples = self.samples_consumed()
         self._base_batches = self._batches_processed()
+        if self.stream is not None:
+            self.train_set = StreamBatches(self.stream, self.tokenizer, self.seq_len, self.batch_size, size, rank,
+                                           self.text_field, self._stream_position(self._base_samples))
+            return PositionedLoader(self.train_set, batch_size=None, num_workers=0)
         kind = PositionSampler if isinstance(self.train_set, MixtureWindows) else ResumableSampler
         sampler = kind(len(self.train_set), self.batch_size, size, rank, seed=self.seed, start=self._base_samples)
         return self._loader(self.train_set, sampler, PositionedLoader)
 
     def val_dataloader(self) -> DataLoader:
+        if self.stream is not None:  # a stream has no held-out split: no validation
+            return []
         size, rank = self._dp()
         sampler = ResumableSampler(len(self.val_set), self.batch_size, size, rank, shuffle=False, advance=False)
         return self._loader(self.val_set, sampler)
@@ -354,10 +382,24 @@ class TextDataModule(L.LightningDataModule):
         state: dict[str, Any] = {"samples_consumed": self.samples_consumed()}
         if self.tokenizer is not None:
             state["tokenizer"] = self.tokenizer.state_dict()
+        if self.stream is not None:
+            state["stream"] = self._stream_position(state["samples_consumed"])
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._resumed_samples = int(state["samples_consumed"])
+        self._resumed_stream = state.get("stream")
+
+    def _stream_position(self, samples: int) -> Optional[dict[str, Any]]:
+        """Where a stream source's global window `samples` begins (None: at the start)."""
+        if self._resumed_stream is not None and int(self._resumed_stream["window"]) == samples:
+            return self._resumed_stream
+        if isinstance(self.train_set, StreamBatches):
+            return self.train_set.position_at(samples)
+        if samples:
+            raise ConfigError(f"the checkpoint holds no stream position for sample {samples} (data.init_args.sources):"
+                              " it was not saved by a run reading this stream")
+        return None
 
 
 class PositionedLoader(DataLoader):
