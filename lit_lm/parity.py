@@ -48,11 +48,11 @@ import contextlib
 import copy
 import importlib
 import math
-import pickle
 import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field, replace
+from types import MethodType
 from typing import Any, Callable, Optional
 
 import lightning as L
@@ -63,7 +63,7 @@ from torch.utils.data import DataLoader
 from callbacks.clip import GlobalNormClip
 from lit_lm.config import ModelConfig
 from lit_lm.module import LanguageModel
-from lit_lm.spawn import run_distributed
+from lit_lm.spawn import returnable, run_distributed
 from strategies.base import BaseStrategy, GradPart
 from strategies.clip import global_grad_norm, local_grad_shards
 
@@ -249,13 +249,13 @@ def fit_case(case: Case, devices: int = 1, ckpt_path: Optional[str] = None, save
 
 
 def _portable(callback: L.Callback) -> bool:
-    """Whether a trained callback can travel back from a rank (pickled): one that keeps the module (a user's
-    pruning callback, `lit-lm check`) comes back as None."""
-    try:
-        pickle.dumps(callback)
-    except (pickle.PicklingError, TypeError, AttributeError):
-        return False
-    return True
+    """Whether a trained callback can travel back from a rank (through the harness's safe loader): one that keeps
+    the module (a user's pruning callback, `lit-lm check`) comes back as None. Lightning binds the module's `log`
+    and `log_dict` onto every callback (its callback connector): those are the module's, so they stay behind."""
+    for name in ("log", "log_dict"):
+        if isinstance(callback.__dict__.get(name), MethodType):
+            del callback.__dict__[name]
+    return returnable(callback)
 
 
 @contextlib.contextmanager

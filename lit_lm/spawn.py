@@ -19,8 +19,10 @@ state of the caller's (the server is a clean single-threaded process that only i
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import os
+import pickle
 import random
 import socket
 import sys
@@ -65,15 +67,30 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, init_pr
         return [load_result(Path(out) / f"rank{r}.pt") for r in range(world_size)]
 
 
-def load_result(path: Path) -> Any:
+def load_result(path: Path | io.BytesIO) -> Any:
     """A rank's result, read with `weights_only=True`: the harness's own file, yet nothing in it runs as code. Beyond
     torch's tensors and plain values it may construct only classes (never functions) of lit-lm's own packages and
     of the suite's modules (the dataclasses and NamedTuples callers return); anything else is refused by torch,
     naming the global."""
     allowed = [cls for cls in map(_own_class, torch.serialization.get_unsafe_globals_in_checkpoint(path)) if cls]
     allowed.append(slice)  # the parity harness's gradient parts are indexed by slices (tp, ZeRO rows)
+    if isinstance(path, io.BytesIO):
+        path.seek(0)
     with torch.serialization.safe_globals(allowed):
         return torch.load(path, weights_only=True)
+
+
+def returnable(obj: Any) -> bool:
+    """Whether `obj` can come back from a rank through `load_result` (a trained callback that picked up a bound
+    method or a foreign class cannot: the caller sends None in its place)."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        load_result(buffer)
+    except (pickle.PicklingError, pickle.UnpicklingError, TypeError, AttributeError):
+        return False
+    return True
 
 
 def _own_class(name: str) -> Any:
