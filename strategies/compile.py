@@ -16,6 +16,8 @@ all-to-all), and those go through `strategies.comm`'s accounting layer, which dy
 then compiled in the pieces between the collectives (`fullgraph=False`), each piece a graph, the collectives eager.
 Context parallelism's attention core (the ring: p2p in a loop, one attention tile per peer, each with its own
 offsets) runs eagerly as a whole between the block's graphs: traced, every tile's offset would be a new guard.
+The MoE experts (the model's `expert_plan()`) run eagerly too: `torch._grouped_mm` has no fake-tensor kernel on
+the CPU in torch 2.13, so dynamo cannot trace the grouped GEMM; routing and the shared expert are compiled.
 
 A call that passes something other than tensors (generation's KV cache, whose length changes every token) runs the
 block's eager forward: the compiled graphs serve training and validation at their fixed shapes only, so generation
@@ -130,9 +132,12 @@ def compile_blocks(model: nn.Module, fullgraph: bool, backend: str = BACKEND, re
         raise ConfigError(f"compile wraps a model's `blocks` (strategies.plan.BlockModel): {type(model).__name__} "
                           "has none; set model.init_args.compile false")
     fullgraph = not _interpreter_runs_eagerly() and fullgraph
-    for core in (m for m in blocks.modules() if isinstance(m, ContextParallelAttention)):
-        if not getattr(core.forward, "_torchdynamo_disable", False):  # the ring: eager between the block's graphs
-            core.forward = torch._dynamo.disable(core.forward)
+    experts = [model.get_submodule(name) for name in (model.expert_plan() if hasattr(model, "expert_plan") else {})]
+    fullgraph = fullgraph and not experts
+    eager = [m for m in blocks.modules() if isinstance(m, ContextParallelAttention)] + experts
+    for module in eager:  # the ring, the experts' grouped GEMM: eager between the block's graphs
+        if not getattr(module.forward, "_torchdynamo_disable", False):
+            module.forward = torch._dynamo.disable(module.forward)
     for block in blocks.values():
         if not isinstance(block.__dict__.get("forward"), CompiledForward):
             block.forward = CompiledForward(block.__dict__.get("forward", block.forward), fullgraph, backend)
