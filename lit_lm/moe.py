@@ -100,6 +100,7 @@ class GroupedExperts(nn.Module):
 
 
 GROUP_ROWS = 16  # every token group starts at a multiple of this many rows (`_aligned_rows`)
+ALIGNED_ON = ("cuda",)  # devices whose `_grouped_mm` kernel wants aligned groups (CPU's fallback loops over groups)
 
 
 def grouped_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
@@ -112,7 +113,8 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     zero-padded (exact, and a copy of the weights per call, so pick multiples of 8 for bf16, 4 for fp32). Its
     CUTLASS kernel may also want each group to start on an aligned row (torchtitan pads token groups to multiples
     of 8/16): every group is moved to a multiple of `GROUP_ROWS` rows, zero rows between (`_aligned_rows`, on the
-    device: static shapes, no host read)."""
+    device: static shapes, no host read) on the devices in `ALIGNED_ON`; elsewhere the rows go in as they are (no
+    padded copy for the estimator to count)."""
     if torch.is_autocast_enabled(x.device.type):
         x = x.to(torch.get_autocast_dtype(x.device.type))
     w = w.to(x.dtype)
@@ -120,12 +122,15 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     pad_in, pad_out = -w.shape[2] % align, -w.shape[1] % align
     if pad_in or pad_out:
         x, w = F.pad(x, (0, pad_in)), F.pad(w, (0, pad_in, 0, pad_out))
-    rows, padded_offs, length = _aligned_rows(offs, x.shape[0])
-    padded = x.new_zeros(length, x.shape[1]).index_copy(0, rows, x)
-    y = torch._grouped_mm(padded, w.transpose(-2, -1), offs=padded_offs)
+    aligned = x.device.type in ALIGNED_ON
+    if aligned:
+        rows, offs, length = _aligned_rows(offs, x.shape[0])
+        x = x.new_zeros(length, x.shape[1]).index_copy(0, rows, x)
+    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     if y.requires_grad:  # its backward rejects an expanded gradient (a sum()'s)
         y.register_hook(Tensor.contiguous)
-    y = y.index_select(0, rows)
+    if aligned:
+        y = y.index_select(0, rows)
     return y[:, : w.shape[1] - pad_out] if pad_out else y
 
 

@@ -35,6 +35,7 @@ from lit_lm.check.scale import scaled_config
 from lit_lm.cli import DEFAULT_CONFIG, LitLMCLI
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.hf_import import model_config
+from lit_lm import moe
 from lit_lm.moe import GROUP_ROWS, grouped_linear
 from lit_lm.module import LanguageModel
 from lit_lm.parity import TINY, case_tokens
@@ -270,6 +271,7 @@ def test_grouped_linear_aligns_every_group_and_matches_a_loop(monkeypatch: pytes
         return real(a, b, offs=offs)
 
     monkeypatch.setattr(torch, "_grouped_mm", recording)
+    monkeypatch.setattr(moe, "ALIGNED_ON", ("cpu",))  # the CUDA path's alignment, run here
     gen = torch.Generator().manual_seed(0)
     kept = sum(counts)
     x = torch.randn(kept + 3, 12, generator=gen, requires_grad=True)
