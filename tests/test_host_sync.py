@@ -161,6 +161,9 @@ ALLOWED = (  # Lightning's per-step SIGTERM broadcast (a device copy and an item
     Allowed("strategies/flat_step.py (flat_step) <- torch/optim/optimizer.py (_get_value): item",
             "not a device sync: torch's optimizers keep `step` a CPU tensor (unless capturable or fused) and read "
             "it for the bias correction, once per flat shard", None),
+    Allowed("strategies/preemption.py (agreed): item",
+            "not a device sync: the preemption flag is a CPU tensor all-reduced on its own gloo group, posted a step "
+            "earlier (async) and read once per step (docs/reliability.md)", 1),
     Allowed("callbacks/nan_guard.py (on_before_optimizer_step): tolist",
             "NanGuard decides on the host whether to skip the step: opt-in, one read of both flags per step", 1),
     Allowed("strategies/experts.py (_dispatch): tolist",

@@ -297,7 +297,10 @@ def test_strategy_matches_single_process_and_reshards_checkpoints(tmp_path: Path
                               init_process_group=False)[0]
     for name, run in zip(runs, tp_runs):
         ref = _fit(name)
-        _assert_same(run, ref)
+        # parameters after 2K AdamW steps: 1e-5 was exceeded (1.02e-5, w_down under tp2) on an AVX512/AMX Xeon at
+        # the landed commit, where AMD EPYC passed: the split matmuls' summation order differs by CPU kernel, and
+        # AdamW's normalised step amplifies it; losses stay at 1e-5, every mutant misses by orders of magnitude
+        _assert_same(run, ref, params_rtol=2e-5)
         if RUNS[name][2].get("gradient_clip_val"):
             torch.testing.assert_close(torch.tensor(run["grad_norms"]), torch.tensor(ref["grad_norms"]), rtol=1e-5,
                                        atol=0)
