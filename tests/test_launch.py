@@ -68,6 +68,9 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
+REFERENCE_STEPS = 10  # one reference run for every torchrun test here and in test_resilience.py (conftest.py)
+
+
 def _one_node(tmp_path: Path, args: list[str], run_dir: Path, devices: int) -> dict[int, float]:
     proc = subprocess.run([sys.executable, "-m", "lit_lm", "fit", *args, "--trainer.devices", str(devices),
                            "--trainer.default_root_dir", str(run_dir)], cwd=tmp_path, env=_env(),
@@ -76,12 +79,11 @@ def _one_node(tmp_path: Path, args: list[str], run_dir: Path, devices: int) -> d
     return _losses(run_dir)
 
 
-def test_two_torchrun_nodes_match_one_node(tmp_path: Path) -> None:
+def test_two_torchrun_nodes_match_one_node(tmp_path: Path, torchrun_reference: tuple) -> None:
     """2 nodes x 1 process (c10d rendezvous on 127.0.0.1) == 1 node x 2 processes, per-device batch 2."""
-    args = _args(tmp_path, batch=2, steps=4)
-    # first, so it also builds the data cache the two "nodes" then share (each node would build its own)
-    reference = _one_node(tmp_path, args, tmp_path / "one", devices=2)
-    assert sorted(reference) == [0, 1, 2, 3]
+    # the reference ran first, so it also built the data cache the two "nodes" then share (each would build its own)
+    args, reference = torchrun_reference
+    assert sorted(reference) == list(range(REFERENCE_STEPS))
 
     port, run_dir = _free_port(), tmp_path / "two"
     nodes = [subprocess.Popen([*TORCHRUN, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
@@ -105,13 +107,12 @@ def test_two_torchrun_nodes_match_one_node(tmp_path: Path) -> None:
     assert len(list((run_dir / "lightning_logs").glob("version_*"))) == 1
 
 
-def test_torchrun_sh_restarts_and_resumes_from_last(tmp_path: Path) -> None:
-    """torchrun.sh, 1 node x 2 processes, MAX_RESTARTS=1: rank 1 dies as step 4 begins (checkpoints at steps 2
-    and 4); torchrun restarts both workers, which resume from last.ckpt (step 4) and finish steps 4-5 with the
+def test_torchrun_sh_restarts_and_resumes_from_last(tmp_path: Path, torchrun_reference: tuple) -> None:
+    """torchrun.sh, 1 node x 2 processes, MAX_RESTARTS=1: rank 1 dies as step 4 begins (checkpoints every 2
+    steps); torchrun restarts both workers, which resume from last.ckpt (step 4) and finish steps 4-9 with the
     losses of an uninterrupted run."""
-    steps = 6
-    args = _args(tmp_path, batch=2, steps=steps)
-    reference = _one_node(tmp_path, args, tmp_path / "one", devices=2)
+    steps = REFERENCE_STEPS
+    args, reference = torchrun_reference
     assert sorted(reference) == list(range(steps))
 
     # the config's callbacks replaced: the fault, then a ModelCheckpoint every 2 steps (last: torchrun.sh sets
@@ -140,7 +141,7 @@ def test_torchrun_sh_restarts_and_resumes_from_last(tmp_path: Path) -> None:
     versions = sorted(p.name for p in (run_dir / "lightning_logs").glob("version_*"))
     assert versions == ["version_0", "version_1"]
     with open(run_dir / "lightning_logs/version_1/metrics.csv") as f:
-        assert sorted({int(r["step"]) for r in csv.DictReader(f) if r.get("train_loss")}) == [4, 5]
+        assert sorted({int(r["step"]) for r in csv.DictReader(f) if r.get("train_loss")}) == list(range(4, steps))
     losses = _losses(run_dir)
     assert sorted(losses) == sorted(reference)
     for step, loss in reference.items():

@@ -167,15 +167,16 @@ class SlowAfter(L.Callback):
             time.sleep(0.3)
 
 
-def test_preemption_saves_at_a_common_step_and_the_requeued_job_finishes_the_run(tmp_path: Path) -> None:
+def test_preemption_saves_at_a_common_step_and_the_requeued_job_finishes_the_run(tmp_path: Path,
+                                                                                  torchrun_reference: tuple) -> None:
     """torchrun.sh, 1 node x 2 workers: SIGUSR1 to the script and its agent (as SLURM's --signal sends) mid-run ->
     both workers save last.ckpt at the same step and stop, the script exits 75; the same command again resumes
     there and ends with the uninterrupted run's losses."""
-    from test_launch import REPO, _args, _env, _free_port, _losses, _one_node
+    from test_launch import REFERENCE_STEPS, REPO, _env, _free_port, _losses
 
-    steps = 10
-    args = _args(tmp_path, batch=2, steps=steps)
-    reference = _one_node(tmp_path, args, tmp_path / "one", devices=2)
+    steps = REFERENCE_STEPS
+    args, reference = torchrun_reference  # the one-node run (lm_ddp x 2, batch 2 per device, 10 steps)
+    assert sorted(reference) == list(range(steps))
     reached = tmp_path / "reached"
     callbacks = tmp_path / "callbacks.yaml"
     callbacks.write_text(
