@@ -27,6 +27,7 @@ from lit_lm.config import ConfigError, ModelConfig  # noqa: E402
 from lit_lm.hf_import import HFWeights, load_model, model_config  # noqa: E402
 from lit_lm.module import LanguageModel  # noqa: E402
 from lit_lm.parity import TINY, Case, _fit_cases, assert_parity, run_parity  # noqa: E402
+from lit_lm.resident import ResidentPeak, reset_peak  # noqa: E402
 from lit_lm.spawn import run_distributed  # noqa: E402
 from strategies.pp import PipelineStrategy  # noqa: E402
 from strategies.tp import TensorParallelStrategy  # noqa: E402
@@ -276,24 +277,15 @@ def test_init_from_without_its_tokenizer_is_warned_about(hf_dirs):
             module.on_fit_start()
 
 
-def _proc_status_bytes(key: str) -> int:
-    """A line of /proc/self/status (kB) in bytes: VmRSS now, VmHWM its peak since the last clear_refs."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{key}:"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 class MeasuredZero(ZeroStrategy):
     """ZeRO whose `parallelize` (the import: build on meta, then materialise this rank's rows from the files) is
     measured alone: the resident peak is reset (Linux `clear_refs` 5) before and read after it, so what the
     training state allocates next (the flat optimizer step's buffers) is not counted."""
 
     def parallelize(self, fitting: bool) -> None:
-        Path("/proc/self/clear_refs").write_text("5")
-        before = _proc_status_bytes("VmRSS")
+        peak = ResidentPeak()
         super().parallelize(fitting)
-        self.import_peak = _proc_status_bytes("VmHWM") - before
+        self.import_peak = peak.above()
 
 
 class ImportPeak(L.Callback):
@@ -306,10 +298,8 @@ def test_zero3_import_peak_memory_stays_below_the_model(tmp_path):
     under the whole model's bytes (its quarter of the rows as fp32 masters, one parameter at a time materialised,
     the slices it read: ~0.3-0.45x measured), where a rank reading or building the whole model grows by more than
     the whole."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError as e:  # not Linux, or a sandbox that forbids resetting the peak: nothing to measure with
-        pytest.skip(f"cannot reset the peak resident size: {e}")
+    if not reset_peak():  # not Linux, or a sandbox that forbids resetting the peak: nothing to measure with
+        pytest.skip("cannot reset the peak resident size (/proc/self/clear_refs)")
     shape = {**SHAPE, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 6,
              "num_attention_heads": 8, "num_key_value_heads": 4}
     save_hf(tmp_path, transformers.LlamaConfig(**shape))
