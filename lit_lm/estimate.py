@@ -54,6 +54,7 @@ import torch
 from lit_lm.config import ConfigError, ModelConfig
 from strategies.ac import MODES as CHECKPOINTING
 from strategies.comm import wire_factor
+from strategies.fp8 import check_fp8, fp8_linears
 from strategies.flat_step import piece_numel
 from strategies.grad_sync import GradSync, _bucketize
 from strategies.layout import ParallelConfig, Refusal
@@ -96,8 +97,10 @@ class Workload:
     checkpointing: str = "none"  # none | full | selective, as `strategies.ac` runs them
     accumulate: int = 1  # Lightning's accumulate_grad_batches: micro-steps per optimizer step
     device: str = "cuda"  # what the ranks run on (`DEVICES`): torch's default optimizer step differs there
+    fp8: Optional[str] = None  # the model's FP8 recipe (`strategies.fp8`): ZeRO-3 gathers tensorwise weights in FP8
 
     def __post_init__(self) -> None:
+        check_fp8(self.fp8)
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision {self.precision!r}: the estimate knows {', '.join(PRECISIONS)}")
         if self.checkpointing not in CHECKPOINTING:
@@ -230,6 +233,7 @@ class ParamSpec:
     layer: Optional[int]
     tp_style: Optional[str]  # the plan's style for the parameter's module (column, row, vocab_*, sequence, ...)
     expert: bool
+    fp8: bool = False  # the weight of a linear FP8 swaps (`strategies.fp8.fp8_linears`)
 
 
 def _config_key(cfg: ModelConfig) -> tuple:
@@ -245,12 +249,13 @@ def _inventory(key: tuple) -> tuple[ParamSpec, ...]:
         model = Transformer(cfg)
     plan = model.tensor_parallel_plan()  # MoE layers: `batch`, their parameters unsplit
     experts = set(model.expert_plan())
+    swapped = {f"{n}.weight" for n in fp8_linears(model)}
     out = []
     for name, p in model.named_parameters():
         module = name.rpartition(".")[0]
         layer = int(name.split(".")[1]) if name.startswith("blocks.") else None
         out.append(ParamSpec(name, tuple(p.shape), "root" if layer is None else f"blocks.{layer}", layer,
-                             plan[module].style if module in plan else None, module in experts))
+                             plan[module].style if module in plan else None, module in experts, name in swapped))
     return tuple(out)
 
 
@@ -273,12 +278,15 @@ def _local_shape(p: ParamSpec, layout: ParallelConfig) -> tuple[int, ...]:
 
 # -- model state -----------------------------------------------------------------------------------------------
 def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], stage: int, group: int,
-                 pbytes: int, group_name: str, accumulate: int, reduce_in_backward: bool) -> None:
+                 pbytes: int, group_name: str, accumulate: int, reduce_in_backward: bool,
+                 fp8: Optional[dict[str, list[bool]]] = None) -> None:
     """Params, grads, optimizer state and the data-parallel collectives of `units` ({unit: local shapes}) under
     ZeRO `stage` over `group` ranks (stage 0: `GradSync`'s bucketed all-reduce). Under accumulation stages 2-3
     reduce-scatter after every micro-step's backward into the shard (docs/zero.md), stage 1 and GradSync once at the
     window's end; ZeRO-3 gathers for every forward and backward. Without `reduce_in_backward` (a pipeline runs many
-    backwards per step) stage 2 keeps the full gradient until the window's end and reduces it once, as stage 1."""
+    backwards per step) stage 2 keeps the full gradient until the window's end and reduces it once, as stage 1.
+    `fp8` ({unit: one flag per shape}): ZeRO-3's FP8 weights (tensorwise), gathered as e4m3 bytes (1 per element)
+    after one all-reduce of the unit's fp32 amaxes (`strategies.zero_engine.Fp8Layout`)."""
     shapes = [s for unit in units.values() for s in unit]
     numel = sum(math.prod(s) for s in shapes)
     if stage == 0:
@@ -288,7 +296,11 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
         rank.add_comm(group_name, "all_reduce", numel * pbytes, group)
         return
     master_copy = pbytes != 4  # fp32 parameters are their own master rows (a view)
-    for shapes in units.values():
+    fp8 = fp8 if stage == 3 else None
+    gathered_bytes = {}  # per unit, whole: what ZeRO-3 holds of it gathered
+    for name, shapes in units.items():
+        in_fp8 = (fp8 or {}).get(name, [False] * len(shapes))
+        gathered_bytes[name] = sum(math.prod(s) * (1 if f else pbytes) for s, f in zip(shapes, in_fp8))
         rows = [(_chunk(s[0], group), min(_chunk(s[0], group), s[0]), math.prod(s[1:])) for s in shapes]
         segment = sum(chunk * row for chunk, _, row in rows)  # padded, one rank's share of the packed buffer
         local = sum(mine * row for _, mine, row in rows)
@@ -305,10 +317,12 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
         gathers = 2 * accumulate if stage == 3 else 1
         reduces = accumulate if stage >= 2 and reduce_in_backward else 1
         rank.add_comm(group_name, "reduce_scatter", reduces * group * segment * pbytes, group)
-        rank.add_comm(group_name, "all_gather", gathers * group * segment * pbytes, group)
+        wire = sum(chunk * row * (1 if f else pbytes) for (chunk, _, row), f in zip(rows, in_fp8))
+        rank.add_comm(group_name, "all_gather", gathers * group * wire, group)
+        if any(in_fp8):
+            rank.add_comm(group_name, "all_reduce", gathers * 4 * sum(in_fp8), group)
     if stage == 3:  # the unit being used and the one prefetched, whole
-        biggest = sorted((sum(math.prod(s) for s in unit) for unit in units.values()), reverse=True)[:2]
-        rank.buffers += sum(biggest) * pbytes
+        rank.buffers += sum(sorted(gathered_bytes.values(), reverse=True)[:2])
 
 
 # -- what a step holds only for a moment --------------------------------------------------------------------------
@@ -564,7 +578,12 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
         # dense gradients over the strategy's group (every rank that saw other tokens; under ZeRO within a replica,
         # HSDP all-reducing the shard over the replicas), experts over the ranks holding the same experts
         dp_group = dims.size(layout.dense_group)
-        _model_state(rank, dense, layout.zero_stage, dp_group, pbytes, layout.dense_group, work.accumulate, p == 1)
+        in_fp8: dict[str, list[bool]] = {}  # ZeRO-3 gathers these in FP8
+        for q in keep:
+            if not (q.expert and layout.ep > 1):
+                in_fp8.setdefault(q.unit, []).append(q.fp8 and work.fp8 == "tensorwise")
+        _model_state(rank, dense, layout.zero_stage, dp_group, pbytes, layout.dense_group, work.accumulate, p == 1,
+                     in_fp8)
         if experts:  # one unit
             _model_state(rank, {"experts": [s for u in experts.values() for s in u]}, layout.zero_stage,
                          dims.size("edp"), pbytes, "edp", work.accumulate, p == 1)

@@ -95,8 +95,13 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         offs = counts.cumsum(0).to(torch.int32)
-        h = F.silu(grouped_linear(x, self.w_gate, offs)) * grouped_linear(x, self.w_up, offs)
-        return grouped_linear(h, self.w_down, offs)
+        h = F.silu(self.grouped(x, self.w_gate, offs)) * self.grouped(x, self.w_up, offs)
+        return self.grouped(h, self.w_down, offs)
+
+    @staticmethod
+    def grouped(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+        """The grouped GEMM of the three projections; FP8 sets an instance's own (`strategies/fp8.py`)."""
+        return grouped_linear(x, w, offs)
 
 
 GROUP_ROWS = 16  # every token group starts at a multiple of this many rows (`_aligned_rows`)

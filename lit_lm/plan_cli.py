@@ -78,19 +78,23 @@ def workload_from(config: dict[str, Any], args: argparse.Namespace, world: int) 
         raise ConfigError(f"trainer.precision {precision!r}: the planner knows {', '.join(PRECISIONS)} "
                           "(override with --precision)")
     batch = args.global_batch or data["batch_size"] * int(trainer.get("accumulate_grad_batches") or 1) * world
-    return Workload(cfg, data["seq_len"], batch, precision)
+    fp8 = ((config.get("model") or {}).get("init_args") or {}).get("fp8")
+    return Workload(cfg, data["seq_len"], batch, precision, fp8=fp8)
 
 
 def _speed_options(config: dict[str, Any], modes: tuple[str, ...], console: Console) -> tuple[str, ...]:
     """The model's compile and fp8 options (docs/compile.md): compile refuses activation checkpointing, so only
-    layouts without it are planned; FP8 keeps fp32 masters and makes its copies per GEMM, so memory is planned as
-    without it, and its speed-up is not modelled (the compute time is bf16's, an upper bound)."""
+    layouts without it are planned; FP8 keeps fp32 masters and makes its copies per GEMM, so the model state and
+    activations are planned as without it, ZeRO-3's all-gathers of tensorwise weights at 1 byte per element
+    (`Workload.fp8`), and its speed-up is not modelled (the compute time is bf16's, an upper bound)."""
     from strategies.compile import REFUSED, compile_backend
 
     args = (config.get("model") or {}).get("init_args") or {}
     if args.get("fp8"):
-        console.print(f"fp8 {args['fp8']}: memory as without it (fp32 masters, FP8 copies per GEMM); compute timed "
-                      "at the bf16 peak (the FP8 speed-up is not modelled)")
+        gather = "; ZeRO-3 all-gathers the block linears' weights in FP8 (half bf16's bytes)" \
+            if args["fp8"] == "tensorwise" else ""
+        console.print(f"fp8 {args['fp8']}: memory as without it (fp32 masters, FP8 copies per GEMM){gather}; compute "
+                      "timed at the bf16 peak (the FP8 speed-up is not modelled)")
     if not compile_backend(args.get("compile", False)):
         return modes
     refused = [m for m in modes if m in REFUSED]

@@ -9,11 +9,15 @@ its own scale just before it (`to_fp8`); the result is in the input's dtype. Mas
 (fp32, or whatever the precision plugin keeps), so checkpoints hold no FP8 and an FP8 run resumes without it and back.
 
 The swap keeps the module, its parameters and state-dict keys: the instance's `forward` is replaced (`Fp8Forward`), as
-activation checkpointing and compile do, and it reads `weight` at call time (ZeRO-3 gathers it just before).
+activation checkpointing and compile do, and it reads `weight` at call time (ZeRO-3 gathers it just before; under
+tensorwise ZeRO-3 gathers it already in FP8 with the whole weight's scale, `Fp8Forward.weight8`, which the GEMMs take
+as it is: the one-process cast, bit for bit, at half bf16's bytes).
 Which linears: every `nn.Linear`-like module (a `weight` of 2 dims used as `F.linear`) inside the model's blocks
 whose global shape is a multiple of 16 both ways (`_scaled_mm`'s alignment on GPUs), but MoE routers (routing
 decisions stay in full precision) — never the embedding, the head or the norms, which are outside the blocks or not
-linears. The MoE experts (grouped GEMMs) stay in full precision for now (docs/compile.md).
+linears. The MoE experts (the model's `expert_plan()` modules, whose `grouped(x, w, offs)` is their grouped GEMM) get
+`Fp8Grouped`: each expert's GEMMs in FP8 on its own scales (per-expert tensorwise, or rowwise), emulated as one
+`Fp8Matmul` per expert's token segment — the maths of a scaled grouped GEMM, one `_scaled_mm` per group.
 
 Scales under tensor parallelism: a scale is the amax over some dims of a tensor; where one of those dims is split
 over the tp ranks, each rank holds only part of it, and the one-process scale is the max over the tp group
@@ -36,6 +40,7 @@ from torch import Tensor, nn
 
 from strategies import comm
 from strategies.errors import ConfigError
+from strategies.plan import ExpertModel
 from strategies.tp_layers import ColumnParallelLinear, RowParallelLinear
 
 RECIPES = ("tensorwise", "rowwise")
@@ -106,50 +111,121 @@ def _cast(t: Tensor, dtype: torch.dtype, contraction: int, split_dim: Optional[i
 
 
 class Fp8Matmul(torch.autograd.Function):
-    """x (M, K) @ weight (N, K)^T with the three GEMMs in FP8 (see the module docstring)."""
+    """x (M, K) @ weight (N, K)^T with the three GEMMs in FP8 (see the module docstring). `w8`, `ws`: the weight
+    already in FP8 with its tensorwise scale (ZeRO-3 gathers it so, `Fp8Forward.weight8`), used as it is in
+    forward and backward (both GEMMs take the same tensorwise cast); None: cast here from `weight`."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, scaling: Scaling) -> Tensor:
-        ctx.save_for_backward(x, weight)
+    def forward(ctx: Any, x: Tensor, weight: Tensor, scaling: Scaling, w8: Optional[Tensor] = None,
+                ws: Optional[Tensor] = None) -> Tensor:
+        ctx.save_for_backward(x, weight, w8, ws)
         ctx.scaling = scaling
         x_split = 1 if scaling.split == 1 else None  # a row-parallel input holds 1/tp of the K features
         x8, xs = _cast(x, E4M3, 1, x_split, scaling)
-        w8, ws = _cast(weight, E4M3, 1, scaling.split, scaling)  # (N, K): rows scaled over K
+        if w8 is None:
+            w8, ws = _cast(weight, E4M3, 1, scaling.split, scaling)  # (N, K): rows scaled over K
         return scaled_mm(x8, w8.t(), xs, ws.t() if ws.ndim else ws, x.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], Optional[Tensor], None]:
-        x, weight = ctx.saved_tensors
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        x, weight, w8, ws = ctx.saved_tensors
         scaling = ctx.scaling
         g_split = 1 if scaling.split == 0 else None  # a column-parallel output holds 1/tp of the N features
         x_split = 1 if scaling.split == 1 else None
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # g (M, N) @ W (N, K): contraction over N
             g8, gs = _cast(grad, scaling.grad_dtype, 1, g_split, scaling)
-            w8, ws = _cast(weight, E4M3, 0, scaling.split, scaling)
+            if w8 is None:
+                w8, ws = _cast(weight, E4M3, 0, scaling.split, scaling)
             grad_x = scaled_mm(g8, w8, gs, ws, grad.dtype)
         if ctx.needs_input_grad[1]:  # g^T (N, M) @ x (M, K): contraction over the tokens M
             gt = grad.t()
             g8, gs = _cast(gt, scaling.grad_dtype, 1, None if g_split is None else 0, scaling)
             x8, xs = _cast(x, E4M3, 0, x_split, scaling)
             grad_w = scaled_mm(g8, x8, gs, xs, weight.dtype)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None, None
 
 
-def fp8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], scaling: Scaling) -> Tensor:
-    """`F.linear` with its matmul in FP8: x (..., K), weight (N, K)."""
-    out = Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, scaling).view(*x.shape[:-1], weight.shape[0])
+def fp8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], scaling: Scaling,
+               weight8: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
+    """`F.linear` with its matmul in FP8: x (..., K), weight (N, K); `weight8`: the weight already cast (FP8, scale)."""
+    w8, ws = weight8 if weight8 is not None else (None, None)
+    out = Fp8Matmul.apply(x.reshape(-1, x.shape[-1]), weight, scaling, w8, ws).view(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
 
 
 class Fp8Forward:
-    """A linear module's forward in FP8 (`module` is the linear: its weight and bias are read at every call)."""
+    """A linear module's forward in FP8 (`module` is the linear: its weight and bias are read at every call).
+
+    Under ZeRO-3 (tensorwise) the engine gathers the weight already in FP8 (`strategies/zero_engine.py`): it fills
+    `weight8` (the whole weight in e4m3, its storage freed and refilled as a gathered parameter's) and `scale8`
+    (its tensorwise scale) and sets `filled`; the GEMMs then take them as they are, with no cast of `weight`."""
 
     def __init__(self, module: nn.Module, scaling: Scaling) -> None:
         self.module, self.scaling = module, scaling
+        self.weight8: Optional[Tensor] = None
+        self.scale8: Optional[Tensor] = None
+        self.filled = False
+
+    @property
+    def gathers_fp8(self) -> bool:
+        """Whether ZeRO-3 may gather this weight in FP8: one scale per tensor (rowwise scales need the whole weight's
+        columns in backward, so a rowwise weight is gathered in its own dtype and cast here)."""
+        return not self.scaling.rowwise
 
     def __call__(self, x: Tensor) -> Tensor:
-        return fp8_linear(x, self.module.weight, getattr(self.module, "bias", None), self.scaling)
+        weight8 = (self.weight8, self.scale8) if self.filled else None
+        return fp8_linear(x, self.module.weight, getattr(self.module, "bias", None), self.scaling, weight8)
+
+
+class Fp8Grouped:
+    """An expert module's grouped GEMM (rows offs[e-1]:offs[e] of x (n, in) times w[e]^T, w (E, out, in); rows past
+    offs[-1] are in no group and come back as zeros) in FP8: each expert's segment through `Fp8Matmul` with that
+    expert's scales (tensorwise: its own weight's amax and its segment's; rowwise: per row as the dense linears), so
+    experts sharded over ep ranks need no reduction. On CPU (no scaled grouped GEMM kernel) this loop of per-expert
+    `_scaled_mm`s is the exact reference; it reads the segment ends on the host. An empty segment is a 0-row
+    full-precision matmul (no amax of nothing), giving its expert a zero gradient."""
+
+    def __init__(self, scaling: Scaling) -> None:
+        self.scaling = scaling
+
+    def __call__(self, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+        pieces, start = [], 0
+        for e, end in enumerate(offs.tolist()):
+            seg = x[start:end]
+            pieces.append(fp8_linear(seg, w[e], None, self.scaling) if end > start else seg @ w[e].t().to(x.dtype))
+            start = end
+        if start < x.shape[0]:
+            pieces.append(x.new_zeros(x.shape[0] - start, w.shape[1]))
+        return torch.cat(pieces)
+
+
+def fp8_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """The expert modules of `model` (an `ExpertModel`) FP8 swaps, by name: those with a `grouped` GEMM whose
+    parameters' per-expert dims are multiples of `ALIGN`."""
+    names = model.expert_plan() if isinstance(model, ExpertModel) else {}
+    out = {}
+    for name in names:
+        module = model.get_submodule(name)
+        if hasattr(module, "grouped") and all(n % ALIGN == 0 for p in module.parameters() for n in p.shape[1:]):
+            out[name] = module
+    return out
+
+
+def weight_to_fp8(t: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
+    """A weight (or a dim-0 shard of it) in e4m3 with the tensorwise scale of amax `a` (the whole weight's): the cast
+    `Fp8Matmul` makes of the whole weight, element for element."""
+    return to_fp8(t, E4M3, a, rowwise=False)
+
+
+def fp8_forwards(model: nn.Module) -> dict[nn.Parameter, Fp8Forward]:
+    """The FP8 linears of `model` whose weight ZeRO-3 gathers in FP8, by their weight (`Fp8Forward.gathers_fp8`)."""
+    out = {}
+    for module in model.modules():
+        fwd = module.__dict__.get("forward")
+        if isinstance(fwd, Fp8Forward) and fwd.gathers_fp8:
+            out[module.weight] = fwd
+    return out
 
 
 def fp8_linears(model: nn.Module, global_shapes: Optional[dict[str, tuple[int, ...]]] = None) -> dict[str, nn.Module]:
@@ -170,7 +246,7 @@ def fp8_linears(model: nn.Module, global_shapes: Optional[dict[str, tuple[int, .
 
 def apply_fp8(model: nn.Module, recipe: Optional[str], splits: Optional[dict[str, tuple[int, tuple[int, ...]]]] = None,
               group: Optional[dist.ProcessGroup] = None) -> list[str]:
-    """Swap `model`'s block linears for FP8 ones, in place; the names swapped. `splits`: the tp-split weights by
+    """Swap `model`'s block linears (and its experts' grouped GEMMs) for FP8 ones, in place; the names swapped. `splits`: the tp-split weights by
     name (relative to `model`) -> (split dim, global shape); `group`: the tp group their scales are reduced over."""
     if check_fp8(recipe) is None:
         return []
@@ -183,5 +259,9 @@ def apply_fp8(model: nn.Module, recipe: Optional[str], splits: Optional[dict[str
         split = splits.get(f"{name}.weight", (None, None))[0]
         module.forward = Fp8Forward(module, Scaling(recipe, split, group if split is not None else None))
         swapped.append(name)
+    for name, module in fp8_experts(model).items():
+        if not isinstance(module.__dict__.get("grouped"), Fp8Grouped):
+            module.grouped = Fp8Grouped(Scaling(recipe))
+            swapped.append(name)
     return swapped
 

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from strategies import comm
+from strategies.fp8 import E4M3, Fp8Forward, fp8_forwards, weight_to_fp8
 from strategies.plan import find_block_model
 from strategies.flat_step import FlatShard, FlatStep, elementwise
 
@@ -119,6 +120,8 @@ class Unit:
     segment_numel: int  # one rank's share of the packed buffer (padded)
     gathered: bool = True
     pending_gather: Optional[tuple[dist.Work, Tensor]] = None
+    fp8: Optional["Fp8Layout"] = None  # stage 3 under FP8 (tensorwise): its linears' weights gathered in FP8
+    pending_fp8: Optional[tuple[list[dist.Work], Tensor, Optional[Tensor], list[Tensor]]] = None
     pending_reduce: Optional[tuple[dist.Work, Tensor, Tensor]] = None
     ready: set = field(default_factory=set)  # parameters whose gradient is accumulated in this backward
 
@@ -127,9 +130,39 @@ class Unit:
         return sum(sp.param.requires_grad for sp in self.params)
 
 
-def _slots(buffer: Tensor, world: int, sp: ShardedParam) -> Tensor:
-    """(world, chunk_rows, row_numel) view of `sp`'s padded chunk in every rank's segment of a packed buffer."""
-    return buffer.view(world, -1)[:, sp.offset: sp.offset + sp.slot_numel].view(world, sp.chunk_rows, sp.row_numel)
+def _slots(buffer: Tensor, world: int, sp: ShardedParam, offset: Optional[int] = None) -> Tensor:
+    """(world, chunk_rows, row_numel) view of `sp`'s padded chunk in every rank's segment of a packed buffer (at
+    `offset` in a segment; default: its place in the unit's buffer)."""
+    at = sp.offset if offset is None else offset
+    return buffer.view(world, -1)[:, at: at + sp.slot_numel].view(world, sp.chunk_rows, sp.row_numel)
+
+
+@dataclass(eq=False)
+class Fp8Layout:
+    """ZeRO-3 under FP8 (tensorwise; as torchao's float8 all-gather for FSDP2): a unit's FP8 linears' weights travel
+    as e4m3 bytes, each shard cast with the scale of its whole weight, in one all-gather; the unit's other
+    parameters (norms) in their dtype, in another. `offsets`: each parameter's place in its own packed segment."""
+
+    weights: list[tuple[ShardedParam, Fp8Forward]]
+    rest: list[ShardedParam]
+    offsets: dict[ShardedParam, int]
+    fp8_segment: int
+    rest_segment: int
+
+    @classmethod
+    def of(cls, unit: Unit, forwards: dict[nn.Parameter, Fp8Forward]) -> Optional["Fp8Layout"]:
+        weights = [(sp, forwards[sp.param]) for sp in unit.params if sp.param in forwards]
+        if not weights:
+            return None
+        rest = [sp for sp in unit.params if sp.param not in forwards]
+        offsets, segments = {}, []
+        for group in ([sp for sp, _ in weights], rest):
+            at = 0
+            for sp in group:
+                offsets[sp] = at
+                at += sp.slot_numel
+            segments.append(at)
+        return cls(weights, rest, offsets, *segments)
 
 
 def _copy_rows(full: Tensor, slots: Tensor, into_full: bool) -> None:
@@ -216,6 +249,10 @@ class ZeroEngine:
         self._next_reduce = 0  # stages 2-3: the first unit of `_reduce_order` not launched in this backward
         self._in_backward = False
         self._materialize(module)
+        if self.stage == 3:  # FP8 linears (tensorwise) are gathered in FP8
+            forwards = fp8_forwards(module)
+            for unit in self.units:
+                unit.fp8 = Fp8Layout.of(unit, forwards)
         self.attach()
 
     def attach(self) -> None:
@@ -320,35 +357,100 @@ class ZeroEngine:
                 comm.broadcast(tensor, src, group, label="zero broadcast parameters")
 
     # -- parameters: all-gather -------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _launch_gather(self, unit: Unit) -> None:
-        if unit.pending_gather is not None or not unit.params:
-            return
-        dtype, device = unit.params[0].param.dtype, unit.params[0].master.device
-        send = torch.empty(unit.segment_numel, dtype=dtype, device=device)
-        for sp in unit.params:
-            send[sp.offset: sp.offset + sp.local_numel].copy_(sp.master.view(-1))
-        recv = torch.empty(self.world * unit.segment_numel, dtype=dtype, device=device)
-        work = comm.all_gather(recv, send, self.group, async_op=True, label=f"zero gather {unit.name}")
-        unit.pending_gather = (work, recv)
+    def _gather_rows(self, params: list[ShardedParam], offsets: dict[ShardedParam, int], segment: int,
+                     label: str) -> tuple[dist.Work, Tensor]:
+        """Launch the all-gather of `params`' master rows, packed rank-major at `offsets` in `segment` elements."""
+        dtype, device = params[0].param.dtype, params[0].master.device
+        send = torch.empty(segment, dtype=dtype, device=device)
+        for sp in params:
+            send[offsets[sp]: offsets[sp] + sp.local_numel].copy_(sp.master.view(-1))
+        recv = torch.empty(self.world * segment, dtype=dtype, device=device)
+        return comm.all_gather(recv, send, self.group, async_op=True, label=label), recv
+
+    def _fill(self, params: list[ShardedParam], recv: Tensor, offsets: Optional[dict[ShardedParam, int]] = None
+              ) -> None:
+        """Give `params` their storage back and copy their rows out of the gathered `recv`."""
+        for sp in params:
+            storage = sp.param.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(sp.param.numel() * sp.param.element_size())
+            _copy_rows(sp.full_2d(), _slots(recv, self.world, sp, None if offsets is None else offsets[sp]),
+                       into_full=True)
 
     @torch.no_grad()
-    def _complete_gather(self, unit: Unit) -> None:
-        self._launch_gather(unit)
+    def _launch_gather(self, unit: Unit, full: bool = False) -> None:
+        """Launch `unit`'s all-gather; an FP8 unit's weights in FP8 unless `full` (whole parameters, for
+        `consolidate`)."""
+        if unit.pending_gather is not None or unit.pending_fp8 is not None or not unit.params:
+            return
+        if unit.fp8 is not None and not full:
+            self._launch_fp8_gather(unit, unit.fp8)
+            return
+        unit.pending_gather = self._gather_rows(unit.params, {sp: sp.offset for sp in unit.params},
+                                                unit.segment_numel, f"zero gather {unit.name}")
+
+    @torch.no_grad()
+    def _complete_gather(self, unit: Unit, full: bool = False) -> None:
+        self._launch_gather(unit, full)
+        if unit.pending_fp8 is not None:
+            self._complete_fp8_gather(unit, unit.fp8)
         if unit.pending_gather is None:
             return
         work, recv = unit.pending_gather
         work.wait()
         unit.pending_gather = None
-        for sp in unit.params:
-            storage = sp.param.untyped_storage()
-            if storage.nbytes() == 0:
-                storage.resize_(sp.param.numel() * sp.param.element_size())
-            _copy_rows(sp.full_2d(), _slots(recv, self.world, sp), into_full=True)
+        self._fill(unit.params, recv)
 
-    def unshard(self, unit: Unit) -> None:
+    # -- stage 3 under FP8: weights gathered as e4m3 bytes with their scales -----------------------------------
+    def _fp8_amax(self, unit: Unit, layout: Fp8Layout) -> Tensor:
+        """Each FP8 weight's |w| max over the WHOLE weight: the shards' maxima in one all-reduce (MAX) over the ZeRO
+        group for all the unit's weights, then over tp where they are tp-split (as `fp8.amax` reduces them)."""
+        local = [sp.master.detach().abs().amax() if sp.local_numel else sp.master.new_zeros(())
+                 for sp, _ in layout.weights]
+        amax = torch.stack(local).float()
+        comm.all_reduce(amax, self.group, op=dist.ReduceOp.MAX, label=f"zero fp8 amax {unit.name}")
+        tp = next((fwd.scaling.group for _, fwd in layout.weights if fwd.scaling.group is not None), None)
+        if tp is not None:
+            comm.all_reduce(amax, tp, op=dist.ReduceOp.MAX, label="fp8 amax")
+        return amax
+
+    def _launch_fp8_gather(self, unit: Unit, layout: Fp8Layout) -> None:
+        amax = self._fp8_amax(unit, layout)
+        device = layout.weights[0][0].master.device
+        send = torch.empty(layout.fp8_segment, dtype=torch.uint8, device=device)
+        scales = []
+        for i, (sp, _) in enumerate(layout.weights):
+            w8, scale = weight_to_fp8(sp.master.detach(), amax[i])
+            send[layout.offsets[sp]: layout.offsets[sp] + sp.local_numel].copy_(w8.view(-1).view(torch.uint8))
+            scales.append(scale)
+        recv = torch.empty(self.world * layout.fp8_segment, dtype=torch.uint8, device=device)
+        works = [comm.all_gather(recv, send, self.group, async_op=True, label=f"zero gather fp8 {unit.name}")]
+        rest = None
+        if layout.rest:
+            work, rest = self._gather_rows(layout.rest, layout.offsets, layout.rest_segment, f"zero gather {unit.name}")
+            works.append(work)
+        unit.pending_fp8 = (works, recv, rest, scales)
+
+    def _complete_fp8_gather(self, unit: Unit, layout: Fp8Layout) -> None:
+        works, recv, rest, scales = unit.pending_fp8
+        for work in works:
+            work.wait()
+        unit.pending_fp8 = None
+        for (sp, fwd), scale in zip(layout.weights, scales):
+            if fwd.weight8 is None:
+                fwd.weight8 = torch.empty(sp.param.shape, dtype=E4M3, device=recv.device)
+            storage = fwd.weight8.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(sp.param.numel())
+            whole = fwd.weight8.data.view(torch.uint8).view(sp.rows, sp.row_numel)  # outside autograd's versions
+            _copy_rows(whole, _slots(recv, self.world, sp, layout.offsets[sp]), into_full=True)
+            fwd.scale8, fwd.filled = scale, True
+        if rest is not None:
+            self._fill(layout.rest, rest, layout.offsets)
+
+    def unshard(self, unit: Unit, full: bool = False) -> None:
         if not unit.gathered:
-            self._complete_gather(unit)
+            self._complete_gather(unit, full)
             unit.gathered = True
 
     def prefetch(self, unit: Optional[Unit]) -> None:
@@ -359,6 +461,10 @@ class ZeroEngine:
         if self.stage == 3 and unit.gathered:
             for sp in unit.params:
                 _free_storage(sp.param.data)
+            for _, fwd in unit.fp8.weights if unit.fp8 is not None else ():
+                if fwd.weight8 is not None:
+                    _free_storage(fwd.weight8)
+                fwd.filled = False
             unit.gathered = False
 
     # -- gradients: reduce-scatter ----------------------------------------------------------------------------
@@ -577,7 +683,9 @@ class ZeroEngine:
         """Stage 3: make every parameter whole again on `device`, one unit at a time (peak: one unit on the
         accelerator). Lightning moves the module to the CPU after fit; whole weights keep `state_dict()` valid."""
         for unit in self.units:
-            self.unshard(unit)
+            if unit.fp8 is not None:  # its FP8-gathered weights are not the parameters: gather those whole
+                self.reshard(unit)
+            self.unshard(unit, full=True)
             for sp in unit.params:
                 sp.param.data = sp.param.data.to(device)
 

@@ -1,6 +1,8 @@
 """`--model.init_args.fp8 tensorwise|rowwise` (strategies/fp8.py): the FP8 GEMMs within the formats' error bound,
 the swap limited to the blocks' linears with fp32 masters, FP8 under tp2 (+sp) equal to FP8 in one process with the
-scales reduced over tp (a mutant with local scales fails), and a short run ending near bf16's loss."""
+scales reduced over tp (a mutant with local scales fails), ZeRO-3 gathering the weights in FP8 (bit for bit the
+one-process cast, half bf16's bytes, as the planner counts them; per-shard scales fail), and a short run ending near
+bf16's loss."""
 
 from __future__ import annotations
 
@@ -12,12 +14,18 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from dist_utils import run_distributed
 from lit_lm.config import ModelConfig
+from lit_lm.estimate import Workload, estimate
 from lit_lm.model import Transformer
 from lit_lm.module import LanguageModel
-from lit_lm.parity import TINY, Case, assert_parity, run_parity
+from lit_lm.parity import MOE, TINY, Case, assert_parity, run_parity
 from strategies import fp8
+from strategies.comm import COMM_LOG
 from strategies.composed import ComposedStrategy
+from strategies.experts import shard_experts
+from strategies.layout import ParallelConfig
+from strategies.zero_engine import ZeroEngine
 
 # the error of one element cast to a format: relative 2^-(mantissa bits + 1) for normal values, and below the
 # smallest normal an absolute half-spacing of the subnormals (in the scaled units: amax lands on the format's max)
@@ -143,3 +151,180 @@ def test_a_short_fp8_run_ends_near_bf16() -> None:
     for recipe in fp8.RECIPES:
         loss = val_loss_after_training("32-true", recipe)
         assert abs(loss - bf16) <= 0.02 * bf16, f"fp8 {recipe}: val loss {loss:.4f}, bf16 {bf16:.4f}"
+
+
+# -- ZeRO-3 gathers the FP8 linears' weights in FP8 ------------------------------------------------------------------
+def per_shard_scales(monkeypatch: Any) -> None:
+    """Mutant: each rank casts its shard with its own amax (the all-reduce over the ZeRO group left out)."""
+    monkeypatch.setattr(ZeroEngine, "_fp8_amax", lambda self, unit, layout: torch.stack(
+        [sp.master.detach().abs().amax() for sp, _ in layout.weights]).float())
+
+
+def _zero3_step(dtype: torch.dtype, recipe: Any) -> dict[str, Any]:
+    """One forward and backward of TINY (in `dtype`) under ZeRO-3 over the 2 ranks, both on the same batch (so the
+    activation scales and the dp mean are the one-process ones), and in one process: the results and what the
+    ZeRO-3 step sent."""
+    torch.manual_seed(0)
+    ref = Transformer(ModelConfig(**TINY)).to(dtype)
+    model = Transformer(ModelConfig(**TINY)).to(dtype)
+    model.load_state_dict(ref.state_dict())
+    fp8.apply_fp8(ref, recipe)
+    fp8.apply_fp8(model, recipe)
+    engine = ZeroEngine(model, 3)
+    idx = torch.randint(0, TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    COMM_LOG.reset()
+    loss = model.loss(idx, idx)[0]
+    loss.backward()
+    engine.finish_grad_sync()
+    sent = [(r.op, r.label, r.nbytes) for r in COMM_LOG.records]
+    ref_loss = ref.loss(idx, idx)[0]
+    ref_loss.backward()
+    out: dict[str, Any] = {"loss": (loss.item(), ref_loss.item()), "sent": sent, "grads": {}, "weights": {}}
+    for sp in engine.sharded_params():
+        out["grads"][sp.fqn] = (sp.master.grad.clone(), ref.get_parameter(sp.fqn).grad[sp.start: sp.end].float())
+    for unit in engine.blocks:
+        engine.unshard(unit)
+        for sp, fwd in unit.fp8.weights if unit.fp8 is not None else ():
+            w = ref.get_parameter(sp.fqn).detach()
+            expected = fp8.weight_to_fp8(w, w.abs().amax().float())
+            out["weights"][sp.fqn] = ((fwd.weight8.view(torch.uint8).clone(), fwd.scale8.clone()),
+                                      (expected[0].view(torch.uint8), expected[1]))
+        engine.reshard(unit)
+    return out
+
+
+def _zero3_fp8_worker() -> dict[str, Any]:
+    out = {"fp8": _zero3_step(torch.bfloat16, "tensorwise"), "bf16": _zero3_step(torch.bfloat16, None)}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        per_shard_scales(monkeypatch)
+        out["per-shard scales"] = _zero3_step(torch.bfloat16, "tensorwise")
+    return out
+
+
+def assert_fp8_gather_is_one_process_cast(run: dict[str, Any]) -> None:
+    assert len(run["weights"]) == 7 * TINY["n_layers"], sorted(run["weights"])
+    for name, ((got, got_scale), (expected, scale)) in run["weights"].items():
+        assert torch.equal(got_scale, scale) and torch.equal(got, expected), f"{name}: gathered FP8 weight"
+    assert run["loss"][0] == run["loss"][1], run["loss"]
+    for name, (got, expected) in run["grads"].items():
+        assert torch.equal(got, expected), f"{name}: gradient shard"
+
+
+def test_zero3_gathers_fp8_weights_exactly_at_half_the_bf16_bytes() -> None:
+    runs = run_distributed(_zero3_fp8_worker, 2)
+    for rank_runs in runs:  # bit for bit the one-process FP8 cast, so the loss and every gradient shard too
+        assert_fp8_gather_is_one_process_cast(rank_runs["fp8"])
+        with pytest.raises(AssertionError, match="gathered FP8 weight"):
+            assert_fp8_gather_is_one_process_cast(rank_runs["per-shard scales"])
+    fp8_sent, bf16_sent = runs[0]["fp8"]["sent"], runs[0]["bf16"]["sent"]
+
+    def gathered(sent: list, label: str) -> int:
+        return sum(n for op, lab, n in sent if op == "all_gather" and lab == label)
+
+    weights = {f"blocks.{i}": 0 for i in range(TINY["n_layers"])}  # bf16 bytes of each block's FP8 weights (every
+    for name, ((got, _), _) in runs[0]["fp8"]["weights"].items():  # shard: the all-gather output; even rows)
+        weights[name.rsplit(".", 3)[0]] += 2 * got.numel()
+    for unit, nbytes in weights.items():  # gathered twice a step (forward and backward)
+        fp8_bytes = gathered(fp8_sent, f"zero gather fp8 {unit}")
+        bf16_bytes = gathered(bf16_sent, f"zero gather {unit}") - gathered(fp8_sent, f"zero gather {unit}")  # norms
+        assert 2 * fp8_bytes == bf16_bytes == 2 * nbytes, (unit, fp8_bytes, bf16_bytes, nbytes)
+    amax = sorted((lab, n) for op, lab, n in fp8_sent if op == "all_reduce")  # one fp32 amax per weight, batched
+    assert amax == sorted(2 * [(f"zero fp8 amax blocks.{i}", 7 * 4) for i in range(TINY["n_layers"])])
+
+    # the planner counts the same bytes (its dp_shard group is this world)
+    for recipe, sent in (("tensorwise", fp8_sent), (None, bf16_sent)):
+        est = estimate(Workload(ModelConfig(**TINY), 16, 4, "bf16-true", fp8=recipe),
+                       ParallelConfig(dp_shard=2, zero_stage=3)).ranks[0].comm
+        for op in ("all_gather", "all_reduce", "reduce_scatter"):
+            assert est.get(("dp_shard", op), 0) == sum(n for o, _, n in sent if o == op), (recipe, op)
+
+
+# -- the MoE experts' grouped GEMMs ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_fp8_grouped_gemm_per_expert_within_the_error_bound(recipe: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    rowwise, e4 = recipe == "rowwise", torch.float8_e4m3fn
+    grad_dtype = fp8.Scaling(recipe).grad_dtype
+    w = (torch.randn(4, 16, 32, generator=gen) * torch.tensor([1e-2, 1.0, 30.0, 1.0])[:, None, None]).requires_grad_()
+    counts = [5, 0, 11, 3]  # an empty expert, experts of very different magnitudes (a stack-wide scale would
+    x = torch.randn(sum(counts) + 2, 32, generator=gen).requires_grad_()  # flush the small one); 2 rows of none
+    g = torch.randn(x.shape[0], 16, generator=gen)
+    y = fp8.Fp8Grouped(fp8.Scaling(recipe))(x, w, torch.tensor(counts).cumsum(0).to(torch.int32))
+    y.backward(g)
+    assert (y[sum(counts):] == 0).all() and (x.grad[sum(counts):] == 0).all()
+    assert (w.grad[1] == 0).all()
+    start = 0
+    for e, n in enumerate(counts):
+        xs, gs, we = x.detach()[start: start + n], g[start: start + n], w.detach()[e]
+        if n:
+            checks = {"out": (y[start: start + n], xs @ we.t(), gemm_bound(xs, we.t(), e4, e4, rowwise)),
+                      "grad_x": (x.grad[start: start + n], gs @ we, gemm_bound(gs, we, grad_dtype, e4, rowwise)),
+                      "grad_w": (w.grad[e], gs.t() @ xs, gemm_bound(gs.t(), xs, grad_dtype, e4, rowwise))}
+            for what, (got, ref, bound) in checks.items():
+                err = (got.detach() - ref).abs()
+                assert (err <= bound).all(), f"{recipe} expert {e} {what}: {(err / bound).max():.2f} x the bound"
+                assert err.max() > 0, f"{recipe} expert {e} {what}: no rounding (not in FP8?)"
+        start += n
+
+
+def stack_scale(monkeypatch: Any) -> None:
+    """Mutant: one tensorwise scale for the whole stack of experts a rank holds (not per expert)."""
+    def grouped(self: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        pieces, start = [], 0
+        for e, end in enumerate(offs.tolist()):
+            cast = fp8.weight_to_fp8(w[e].detach(), w.detach().abs().amax().float())
+            pieces.append(fp8.fp8_linear(x[start:end], w[e], None, self.scaling, cast) if end > start
+                          else x[start:end] @ w[e].t())
+            start = end
+        return torch.cat(pieces + [x.new_zeros(x.shape[0] - start, w.shape[1])])
+    monkeypatch.setattr(fp8.Fp8Grouped, "__call__", grouped)
+
+
+def _ep_step() -> dict[str, Any]:
+    """TINY MoE in FP8 (tensorwise), its experts sharded over the 2 ranks (ep2), both ranks on the same batch, and in
+    one process: the losses and each rank's expert gradients (the sum of both ranks' identical tokens: halved)."""
+    torch.manual_seed(0)
+    ref = Transformer(ModelConfig(**MOE))
+    model = Transformer(ModelConfig(**MOE))
+    model.load_state_dict(ref.state_dict())
+    assert "blocks.1.mlp.experts" in fp8.apply_fp8(ref, "tensorwise")
+    fp8.apply_fp8(model, "tensorwise")
+    shards = shard_experts(model, None)
+    idx = torch.randint(0, MOE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    loss, ref_loss = model.loss(idx, idx)[0], ref.loss(idx, idx)[0]
+    loss.backward()
+    ref_loss.backward()
+    grads = {}
+    for name, shard in shards.items():
+        for pname, p in shard.experts.named_parameters(recurse=False):
+            whole = ref.get_submodule(name).get_parameter(pname).grad
+            grads[f"{name}.{pname}"] = (p.grad / 2, whole[shard.start: shard.start + shard.num_local])
+    return {"loss": (loss.item(), ref_loss.item()), "grads": grads}
+
+
+def _ep_worker() -> dict[str, Any]:
+    out = {"fp8": _ep_step()}
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        stack_scale(monkeypatch)
+        out["stack scale"] = _ep_step()
+    return out
+
+
+def assert_ep_matches_one_process(run: dict[str, Any]) -> None:
+    # the experts' rows are computed as in one process (the same segments, scales and kernels); the expert
+    # gradient sums both ranks' copies of each row: an fp32 summation order apart
+    assert run["loss"][0] == pytest.approx(run["loss"][1], rel=1e-6, abs=0), run["loss"]
+    assert len(run["grads"]) == 3
+    for name, (got, expected) in run["grads"].items():
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_fp8_experts_under_ep2_match_one_process_and_a_stack_scale_fails() -> None:
+    caught = []
+    for run in run_distributed(_ep_worker, 2):
+        assert_ep_matches_one_process(run["fp8"])
+        try:  # the rank whose experts hold the largest weight gets the one-process stack scale: the other fails
+            assert_ep_matches_one_process(run["stack scale"])
+        except AssertionError:
+            caught.append(True)
+    assert caught, "a scale over the rank's stack of experts went unnoticed"

@@ -49,7 +49,9 @@ def _estimate(plan: CheckPlan, cfg: Any, global_batch: int, precision: str) -> A
     """The planner's estimate, or why there is none (a layout it does not model)."""
     layout = dataclasses.replace(plan.parallel, dp_shard=plan.dims["dp_shard"])
     try:
-        return estimate(Workload(cfg, cfg.max_seq_len, global_batch, precision, accumulate=plan.accumulate), layout)
+        fp8 = dict(plan.cases[0].module[1]).get("fp8") if plan.cases and plan.cases[0].module else None
+        return estimate(Workload(cfg, cfg.max_seq_len, global_batch, precision, accumulate=plan.accumulate, fp8=fp8),
+                        layout)
     except (ConfigError, ValueError, KeyError) as err:
         return f"no estimate: {err}"
 
