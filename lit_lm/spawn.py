@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 # the third-party imports of every rank (seconds), imported once in the fork server; lit-lm's own modules are
 # imported by each rank (a fraction of a second): one that fails to import (an edit in progress) then fails in the
 # rank with its traceback, where in the server it would stop the server and every later call with an EOFError
+# (the suite appends tests/forkserver_preload.py, which imports its ranks' own modules and skips one that fails)
 PRELOAD = ["torch", "lightning", "torch.distributed.checkpoint"]
 OWN_PACKAGES = ("lit_lm", "strategies", "kernels", "callbacks")  # whose classes a rank's result may hold
 

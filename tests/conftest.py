@@ -17,6 +17,10 @@ import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from lit_lm import spawn  # noqa: E402  (after TRITON_INTERPRET is set)
+
+spawn.PRELOAD.append("forkserver_preload")  # the suite's rank imports, loaded once per worker (tests/forkserver_preload.py)
+
 SLOWEST_FIRST = [
     "test_compile.py::test_presets_compiled_match_eager",
     "test_fp8.py::test_a_short_fp8_run_ends_near_bf16",
