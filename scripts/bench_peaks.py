@@ -2,7 +2,7 @@
 
     python scripts/bench_peaks.py --size 217M                        # every preset, 2 gloo ranks, the 217M model
     python scripts/bench_peaks.py --one zero3 --size 350M            # one contender once (what the rounds run)
-    python scripts/bench_peaks.py --table runs/bench_peaks.json      # a saved run as Markdown
+    python scripts/bench_peaks.py --table runs/a.json runs/b.json    # saved runs as one Markdown table
 
 What a user runs: `LanguageModel` (its AdamW param groups: torch's default implementation, on CPU a per-tensor
 loop) through the Trainer under a preset name (`lm_ddp`, `zero1`-`zero3`, `tp`: tp2 with sequence parallelism), 2
@@ -16,6 +16,11 @@ split, the engines, the optimizer), then per step `fwd_bwd` (to `on_before_optim
 gradient reduction) and `step` (the optimizer step, ZeRO's all-gather after it, to the batch's end). The peak is
 the largest phase peak above the baseline. Beside each, the estimator's figure for the same phase
 (`lit_lm.estimate`: `RankEstimate.phase_peaks`), per named category.
+
+`--malloc` runs each contender under each of lit-lm's choices for glibc's malloc on a CPU rank
+(strategies/host_malloc.py, `LIT_LM_MALLOC`): `trim` (free heap pages handed back after backward and after the
+step), `fixed` (glibc's mmap threshold fixed at 128 KiB), `glibc` (its default dynamic threshold: the allocator's
+retention is the difference). Each phase's wall time is kept too: the steps after the first tell a choice's cost.
 
 Each contender (preset x size) runs in its own processes; `--rounds` alternate them in an order shuffled per round.
 Resident memory is not a clock: the spread over rounds is the allocator's, a few MB; the JSON keeps every round.
@@ -33,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -51,6 +57,7 @@ from lit_lm.estimate import Workload, estimate  # noqa: E402
 from lit_lm.module import LanguageModel  # noqa: E402
 from lit_lm.resident import reset_peak, status_bytes  # noqa: E402
 from machine import describe, machine  # noqa: E402
+from strategies.host_malloc import MODES  # noqa: E402
 from strategies.zero_engine import model_state_bytes  # noqa: E402
 
 PRESETS = ["lm_ddp", "zero1", "zero2", "zero3", "tp"]
@@ -71,12 +78,13 @@ class PhasePeaks(L.Callback):
         self.baseline = baseline
         self.phases: list[dict[str, Any]] = []
         self.state: dict[str, int] = {}
-        self._phase, self._step = "setup", 0
+        self._phase, self._step, self._start = "setup", 0, time.perf_counter()
 
     def _close(self, name: str) -> None:
+        now = time.perf_counter()
         self.phases.append({"phase": self._phase, "step": self._step, "peak": status_bytes("VmHWM") - self.baseline,
-                            "rss_end": status_bytes("VmRSS") - self.baseline})
-        self._phase = name
+                            "rss_end": status_bytes("VmRSS") - self.baseline, "seconds": now - self._start})
+        self._phase, self._start = name, now
         reset_peak()
 
     def on_train_batch_start(self, *args: Any) -> None:
@@ -136,15 +144,12 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def contenders(args: argparse.Namespace) -> dict[str, list[str]]:
-    """{"preset size": command}; with `--mmap-threshold` also "preset size mmap": the same run with glibc's
-    malloc mapping every block from that size on (its threshold fixed: freed blocks go back to the system at once,
-    none is kept in the heap), which tells the allocator's retention apart from what the program holds."""
+    """{"preset size malloc": command}, for each of `--malloc` (`LIT_LM_MALLOC`: with `glibc`, freed blocks below
+    the largest mapped block freed so far stay in the heap, resident: that tells the allocator's retention apart from
+    what the program holds)."""
     base = [sys.executable, __file__, "--steps", str(args.steps)]
-    out = {f"{p} {s}": [*base, "--one", p, "--size", s] for s in args.sizes for p in args.presets}
-    if args.mmap_threshold:
-        env = ["env", f"MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}"]
-        out.update({f"{p} {s} mmap": [*env, *base, "--one", p, "--size", s] for s in args.sizes for p in args.presets})
-    return out
+    return {f"{p} {s} {m}": ["env", f"LIT_LM_MALLOC={m}", *base, "--one", p, "--size", s]
+            for s in args.sizes for p in args.presets for m in args.malloc}
 
 
 def tree() -> dict[str, Any]:
@@ -177,20 +182,32 @@ def rounds(args: argparse.Namespace) -> dict[str, Any]:
     return run
 
 
+def step_seconds(rank: dict[str, Any]) -> list[float]:
+    """The wall time of each step after the first (forward, backward and optimizer step), one rank's."""
+    steps: dict[int, float] = {}
+    for p in rank["phases"]:
+        if p["phase"] in ("fwd_bwd", "step") and p["step"] > 0 and "seconds" in p:
+            steps[p["step"]] = steps.get(p["step"], 0.0) + p["seconds"]
+    return list(steps.values())
+
+
 def summary(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per contender: the median (min, max) over rounds of the larger rank's peak, the largest rank's phase peaks,
-    and the estimate of the estimator as it is now (the JSON keeps the one made at the run)."""
+    the median step time after the first step (rank 0), and the estimate of the estimator as it is now (the JSON
+    keeps the one made at the run)."""
     out: dict[str, dict[str, Any]] = {}
     for r in run["runs"]:
         preset, size = r["name"].split()[:2]
-        row = out.setdefault(r["name"], {"peaks": [], "estimate": estimated(preset, size), "phases": {}})
+        row = out.setdefault(r["name"], {"peaks": [], "estimate": estimated(preset, size), "phases": {}, "steps": []})
         row["peaks"].append(max(x["peak"] for x in r["ranks"]))
+        row["steps"] += step_seconds(r["ranks"][0])
         for x in r["ranks"]:
             for p in x["phases"]:
                 row["phases"][p["phase"]] = max(row["phases"].get(p["phase"], 0), p["peak"])
     for row in out.values():
         row["median"] = statistics.median(row["peaks"])
         row["ratio"] = row["estimate"]["peak"] / row["median"]
+        row["step_s"] = statistics.median(row["steps"]) if row["steps"] else None
     return out
 
 
@@ -198,22 +215,38 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.0f}"
 
 
-def markdown(run: dict[str, Any]) -> str:
+def markdown(runs: list[dict[str, Any]]) -> str:
+    """Saved runs (their JSONs, e.g. one per size) as one table."""
+    def named(x: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
+        # older runs' names: "preset size" ran glibc's default ("mmap": MALLOC_MMAP_THRESHOLD_ set), or, with
+        # `args.glibc`, the fixed threshold
+        if len(r["name"].split()) == 2:
+            return {**r, "name": r["name"] + (" fixed" if "glibc" in x["args"] else " glibc")}
+        return r
+
+    run = {**runs[0], "runs": [named(x, r) for x in runs for r in x["runs"]]}
     lines = ["| preset | size | malloc | measured peak/rank, MiB (min–max) | estimate, MiB | estimate / measured | "
-             "setup: measured / est. | fwd+bwd: measured / est. | step: measured / est. |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name, row in sorted(summary(run).items()):
+             "setup: measured / est. | fwd+bwd: measured / est. | step: measured / est. | s/step |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    malloc_name = {"glibc": "glibc default", "mmap": "MALLOC_MMAP_THRESHOLD_", "fixed": "threshold fixed",
+                   "trim": "trimmed (lit-lm)"}
+    for name, row in sorted(summary(run).items(), key=lambda kv: (float(kv[0].split()[1][:-1]), kv[0])):
         preset, size, *malloc = name.split()
         est, phases = row["estimate"], row["phases"]
         spread = f"{_mib(row['median'])} ({_mib(min(row['peaks']))}–{_mib(max(row['peaks']))})"
-        lines.append(f"| `{preset}` | {size} | {'mmap threshold fixed' if malloc else 'default'} | {spread} | "
-                     f"{_mib(est['peak'])} | {row['ratio']:.2f} | "
+        step = "–" if row["step_s"] is None else f"{row['step_s']:.2f}"
+        lines.append(f"| `{preset}` | {size} | {malloc_name[malloc[0]]} | "
+                     f"{spread} | {_mib(est['peak'])} | {row['ratio']:.2f} | "
                      + " | ".join(f"{_mib(phases[p])} / {_mib(est['phases'][p])}" for p in ("setup", "fwd_bwd", "step"))
-                     + " |")
+                     + f" | {step} |")
     loads = [r["load_1min"] for r in run["runs"]]
-    lines.append(f"\n{len(run['runs'])} runs, {run['args']['rounds']} round(s), {run['args']['steps']} steps each, "
-                 f"load average (1 min) {min(loads):.1f}–{max(loads):.1f} on {describe(run['machine'])}; "
-                 f"commit {run.get('tree', {}).get('commit', '?')[:7]}.")
+    parts = [part for x in runs for part in x.get("parts", [x])]  # a file may merge several runs' JSONs
+    commits = sorted({part.get("tree", {}).get("commit", "?")[:7] for part in parts})
+    rounds = "/".join(sorted({str(part["args"]["rounds"]) for part in parts}))
+    steps = "/".join(sorted({str(part["args"]["steps"]) for part in parts}))
+    lines.append(f"\n{len(run['runs'])} runs, {rounds} round(s), {steps} steps each "
+                 f"(s/step: median over the steps after the first, rank 0), load average (1 min) "
+                 f"{min(loads):.1f}–{max(loads):.1f} on {describe(run['machine'])}; commit {', '.join(commits)}.")
     return "\n".join(lines)
 
 
@@ -226,17 +259,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--mmap-threshold", type=int, default=0, help="also run each with MALLOC_MMAP_THRESHOLD_ at this")
+    p.add_argument("--malloc", nargs="+", choices=MODES, default=["trim"], help="LIT_LM_MALLOC choices to run each with")
     p.add_argument("--out", default="runs/bench_peaks.json")
-    p.add_argument("--table", help="print a saved run (its --out JSON) as Markdown, and exit")
+    p.add_argument("--table", nargs="+", help="print saved runs (their --out JSONs) as one Markdown table, and exit")
     args = p.parse_args(argv)
     if args.table:
-        print(markdown(json.loads(Path(args.table).read_text())))
+        print(markdown([json.loads(Path(t).read_text()) for t in args.table]))
     elif args.one:
         print(MARK + json.dumps(run_one(args)), flush=True)
     else:
         run = rounds(args)
-        print(markdown(run))
+        print(markdown([run]))
         print(f"wrote {args.out}")
 
 

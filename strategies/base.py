@@ -108,6 +108,7 @@ from strategies.async_save import AsyncSaver
 from strategies.preemption import Preemption
 from strategies import comm
 from strategies.clip import GradShards, clip_grad_norm_, local_grad_shards, with_global_norm_clip
+from strategies.host_malloc import HostMalloc
 from strategies.layout import ParallelDims, ParallelLayout
 from strategies.placement import nested_index
 from strategies.watchdog import failure_report, is_collective_failure
@@ -219,6 +220,7 @@ class BaseStrategy(ParallelStrategy):
         # checkpoints saved during fit are written in the background (strategies/async_save.py); False: in the step
         self._saver = AsyncSaver(self._timeout) if async_checkpoint else None
         self._preemption: Optional[Preemption] = None
+        self._host_malloc: Optional[HostMalloc] = None  # a CPU rank's (setup_environment)
 
     # -- processes and groups ---------------------------------------------------------------------------------
     @property
@@ -276,6 +278,9 @@ class BaseStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        if self.root_device.type == "cpu":  # resident memory = what the rank holds (strategies/host_malloc.py)
+            self._host_malloc = HostMalloc()
+            self._host_malloc.start()
         reset_seed()
         self.set_world_ranks()
         assert self.cluster_environment is not None
@@ -369,11 +374,18 @@ class BaseStrategy(ParallelStrategy):
             # final by then.
             result = closure()
             self.finish_grad_sync()
+            self._trim_host_memory()
             return result
 
         output = super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
         self.after_optimizer_step(optimizer)
+        self._trim_host_memory()
         return output
+
+    def _trim_host_memory(self) -> None:
+        """On a CPU rank, hand what the phase freed back to the system (strategies/host_malloc.py)."""
+        if self._host_malloc is not None:
+            self._host_malloc.trim()
 
     def finish_grad_sync(self) -> None:
         """Hook: complete the gradient collectives started during backward."""

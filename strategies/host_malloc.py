@@ -1,0 +1,69 @@
+"""glibc's malloc on CPU ranks: freed memory handed back to the system at the step's phase boundaries, so that what a
+rank has resident is what it holds, and the planner's bytes (`lit_lm.estimate`) are its peak.
+
+glibc serves a block of at least its mmap threshold (128 KiB at start) with its own mapping, returned to the system
+when freed; smaller blocks come from the heap, where freed memory stays resident for reuse. The threshold is dynamic:
+freeing a mapped block raises it to that block's size (up to 32 MiB on 64-bit), so after the first step a layer's
+weights and gradients, activations and the optimizer step's pieces come from the heap, and what one phase frees
+there stays resident through the next, in amounts that depend on the order of every allocation since the start:
+7-14% above the estimate on 2 gloo ranks at 217M parameters, 17-26% at 52M, 830 MiB more in one zero3 run at 350M
+than in the next (docs/benchmarks/2026-12-planner-peaks-cpu.md).
+
+`LIT_LM_MALLOC` chooses (unset: `DEFAULT`):
+    trim   `malloc_trim(0)` after backward and its gradient reduction, and after the optimizer step (its all-gathers
+           included): the free heap pages of every arena go back to the system there. Within a phase glibc reuses
+           its heap as before, so what is faulted in again is each phase's heap high-water, once per step: no
+           measured cost at 52M and 217M. Fragmentation within forward and backward stays.
+    fixed  `mallopt(M_MMAP_THRESHOLD, 128 KiB)` at start: glibc's starting threshold kept, its adjustment off; every
+           block from 128 KiB on is mapped and unmapped each time. Resident memory is then the live blocks at every
+           moment (the estimate is 0.94-0.99 of the peak), but each large temporary is faulted in again each time:
+           8-37% slower steps at 52M-217M. For a run that must be held to the byte.
+    glibc  glibc as it is.
+Left alone where the user set `MALLOC_MMAP_THRESHOLD_` (glibc read it at start). Nothing happens off glibc (musl,
+macOS); with another allocator preloaded (jemalloc, tcmalloc) glibc's calls tune an allocator that serves nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from typing import Any, Optional
+
+M_MMAP_THRESHOLD = -3  # <malloc.h>
+THRESHOLD = 128 * 1024  # glibc's own starting threshold, kept fixed by `fixed`
+CHOICE = "LIT_LM_MALLOC"
+MODES = ("trim", "fixed", "glibc")
+DEFAULT = "trim"
+
+
+def _glibc() -> Optional[Any]:
+    """The C library if it is glibc (on Linux), else None."""
+    if sys.platform != "linux":
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018  (glibc only: AttributeError elsewhere)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+class HostMalloc:
+    """This process's choice (`LIT_LM_MALLOC`), applied: `start()` once the rank runs, `trim()` at each boundary."""
+
+    def __init__(self) -> None:
+        mode = os.environ.get(CHOICE) or DEFAULT
+        if mode not in MODES:
+            raise ValueError(f"{CHOICE}={mode!r}: choose one of {', '.join(MODES)} (strategies/host_malloc.py)")
+        self.libc = _glibc()
+        self.mode = "glibc" if self.libc is None or "MALLOC_MMAP_THRESHOLD_" in os.environ else mode
+
+    def start(self) -> bool:
+        """With `fixed`, fix glibc's mmap threshold for this process; True if it did."""
+        return self.mode == "fixed" and self.libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD) == 1
+
+    def trim(self) -> None:
+        """With `trim`, hand the free heap pages of every arena back to the system."""
+        if self.mode == "trim":
+            self.libc.malloc_trim(0)
