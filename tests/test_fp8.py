@@ -6,6 +6,7 @@ bf16's loss."""
 
 from __future__ import annotations
 
+import argparse
 from functools import partial
 from typing import Any
 
@@ -231,7 +232,11 @@ def test_zero3_gathers_fp8_weights_exactly_at_half_the_bf16_bytes() -> None:
     amax = sorted((lab, n) for op, lab, n in fp8_sent if op == "all_reduce")  # one fp32 amax per weight, batched
     assert amax == sorted(2 * [(f"zero fp8 amax blocks.{i}", 7 * 4) for i in range(TINY["n_layers"])])
 
-    # the planner counts the same bytes (its dp_shard group is this world)
+    # the planner counts the same bytes (its dp_shard group is this world); `lit-lm plan` reads the model's option
+    from lit_lm.plan_cli import workload_from
+
+    config = {"model": {"init_args": {"fp8": "tensorwise"}}, "data": {"init_args": {"vocab_size": 64, "seq_len": 16}}}
+    assert workload_from(config, argparse.Namespace(precision=None, global_batch=None), 2).fp8 == "tensorwise"
     for recipe, sent in (("tensorwise", fp8_sent), (None, bf16_sent)):
         est = estimate(Workload(ModelConfig(**TINY), 16, 4, "bf16-true", fp8=recipe),
                        ParallelConfig(dp_shard=2, zero_stage=3)).ranks[0].comm
@@ -328,3 +333,4 @@ def test_fp8_experts_under_ep2_match_one_process_and_a_stack_scale_fails() -> No
         except AssertionError:
             caught.append(True)
     assert caught, "a scale over the rank's stack of experts went unnoticed"
+
