@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 MODES = ("none", "full", "selective")
 
@@ -75,12 +75,16 @@ class Checkpointed:
 
     def __init__(self, forward: Callable[..., Any], mode: str) -> None:
         self.forward, self.mode = forward, mode
+        # `full` passes no context_fn: under torch.compile dynamo reads an explicit one (even the no-op default, an
+        # attribute here) as a lazy variable it cannot trace in torch 2.13, and checkpoints vanilla without it
         self._context_fn = partial(create_selective_checkpoint_contexts, _selective_policy) \
-            if mode == "selective" else noop_context_fn
+            if mode == "selective" else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation, generation: nothing is saved anyway
             return self.forward(*args, **kwargs)
+        if self._context_fn is None:
+            return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
         return checkpoint(self.forward, *args, use_reentrant=False, context_fn=self._context_fn, **kwargs)
 
 

@@ -16,8 +16,11 @@ all-to-all), and those go through `strategies.comm`'s accounting layer, which dy
 then compiled in the pieces between the collectives (`fullgraph=False`), each piece a graph, the collectives eager.
 Context parallelism's attention core (the ring: p2p in a loop, one attention tile per peer, each with its own
 offsets) runs eagerly as a whole between the block's graphs: traced, every tile's offset would be a new guard.
-The MoE experts (the model's `expert_plan()`) run eagerly too: `torch._grouped_mm` has no fake-tensor kernel on
-the CPU in torch 2.13, so dynamo cannot trace the grouped GEMM; routing and the shared expert are compiled.
+An MoE layer (the module holding the model's `expert_plan()` experts) runs eagerly as a whole: `torch._grouped_mm` has
+no fake-tensor kernel on the CPU in torch 2.13, and under expert parallelism the dispatch reads the tokens per peer on
+the host (the all-to-all's split sizes), data-dependent every step: traced, each new split was a guard and a
+recompile (ep2: 10, 5, 4, 2 graphs in steps 2-5). Only fixed shapes cross the border (the layer's input and output):
+ep2 compiles one graph more in step 2, then none.
 
 A call that passes something other than tensors (generation's KV cache, whose length changes every token) runs the
 block's eager forward: the compiled graphs serve training and validation at their fixed shapes only, so generation
@@ -109,10 +112,10 @@ def _interpreter_runs_eagerly() -> bool:
 
 
 # what compile refuses, '<combination>: <why>; <instead>' as `strategies.layout.REFUSED` reads (a module option, so
-# checked when the strategy applies its engines, not at its construction): activation checkpointing mode -> message
-REFUSED = {mode: f"model.init_args.compile with activation_checkpointing={mode}: dynamo cannot trace the checkpoint's "
-                 "context_fn (torch 2.13: 'checkpoint not implemented for ... context_fn'); use "
-                 "activation_checkpointing none with compile, or compile false" for mode in ("full", "selective")}
+# checked when the strategy applies its engines, not at its construction): activation checkpointing mode -> message.
+# Empty in torch 2.13: `full` and `selective` both trace (dynamo's checkpoint higher-order op, the selective policy
+# applied by AOTAutograd's partitioner), tests/test_compile.py
+REFUSED: dict[str, str] = {}
 
 
 def check_compile(activation_checkpointing: str) -> None:
@@ -132,10 +135,11 @@ def compile_blocks(model: nn.Module, fullgraph: bool, backend: str = BACKEND, re
         raise ConfigError(f"compile wraps a model's `blocks` (strategies.plan.BlockModel): {type(model).__name__} "
                           "has none; set model.init_args.compile false")
     fullgraph = not _interpreter_runs_eagerly() and fullgraph
-    experts = [model.get_submodule(name) for name in (model.expert_plan() if hasattr(model, "expert_plan") else {})]
-    fullgraph = fullgraph and not experts
-    eager = [m for m in blocks.modules() if isinstance(m, ContextParallelAttention)] + experts
-    for module in eager:  # the ring, the experts' grouped GEMM: eager between the block's graphs
+    moe = [model.get_submodule(name.rpartition(".")[0])  # the layers holding experts: routing, dispatch, experts
+           for name in (model.expert_plan() if hasattr(model, "expert_plan") else {})]
+    fullgraph = fullgraph and not moe
+    eager = [m for m in blocks.modules() if isinstance(m, ContextParallelAttention)] + moe
+    for module in eager:  # the ring, the MoE layers: eager between the block's graphs
         if not getattr(module.forward, "_torchdynamo_disable", False):
             module.forward = torch._dynamo.disable(module.forward)
     for block in blocks.values():
