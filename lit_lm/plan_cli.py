@@ -85,8 +85,9 @@ def workload_from(config: dict[str, Any], args: argparse.Namespace, world: int) 
 def _speed_options(config: dict[str, Any], modes: tuple[str, ...], console: Console) -> tuple[str, ...]:
     """The model's compile and fp8 options (docs/compile.md): layouts with a checkpointing mode compile refuses
     (`strategies.compile.REFUSED`, none in torch 2.13) are not planned; FP8 keeps fp32 masters and makes its
-    copies per GEMM, so the model state and activations are planned as without it, ZeRO-3's all-gathers of tensorwise weights at 1 byte per element
-    (`Workload.fp8`), and its speed-up is not modelled (the compute time is bf16's, an upper bound)."""
+    copies per GEMM, so the model state and activations are planned as without it, ZeRO-3's all-gathers of
+    tensorwise weights at 1 byte per element (`Workload.fp8`), and its speed-up is not modelled (the compute time
+    is bf16's, an upper bound)."""
     from strategies.compile import REFUSED, compile_backend
 
     args = (config.get("model") or {}).get("init_args") or {}
