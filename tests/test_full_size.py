@@ -21,6 +21,7 @@ from lit_lm.check import full_size
 from lit_lm.check.build import parse, plan_check
 from lit_lm.check.command import run_checks
 from lit_lm.check.fake_memory import HELD, LiveBytes
+from lit_lm.check.full_size_real import against_real, real_run
 from lit_lm.check.meter import Meter
 from lit_lm.cli import DEFAULT_CONFIG, LitLMCLI
 from lit_lm.config import ModelConfig
@@ -66,10 +67,19 @@ def test_llama3_8b_on_64_ranks_agrees_with_the_planner(tmp_path: Path) -> None:
 
 
 def test_full_size_matches_a_real_run_on_cpu_ranks(tmp_path: Path) -> None:
-    (tmp_path / "tiny.yaml").write_text(TINY)
-    plan = _plan(tmp_path, _strategy(4, tensor_parallel_size=2, zero_stage=1), str(tmp_path / "tiny.yaml"))
+    """tp2 x ZeRO-3 (dp2) with full activation checkpointing, d_ff 90 (45 rows per tp rank: ZeRO's first row holds
+    23 of them, the last 22): two rank roles that hold different bytes. The fake
+    ranks against (1) the same config trained by Lightning on 4 CPU gloo ranks through the parity harness: bytes
+    per (group, op) and model state exactly; (2) the same step on 4 real CPU gloo ranks (`full_size_real`): every
+    memory category (activations, transient gathers, comm buffers, peak) within 2% of the real rank's peak, model
+    state and bytes exactly, and on each real rank the counter within 25% of torch's own allocator count
+    (`full_size_real.TOLERANCE`, `ALLOCATOR_TOLERANCE`: what each bound leaves out, measured)."""
+    (tmp_path / "tiny.yaml").write_text(TINY.replace("tie_embeddings: true", "tie_embeddings: true, d_ff: 90"))
+    layout = _strategy(4, tensor_parallel_size=2, zero_stage=3, activation_checkpointing="full")
+    plan = _plan(tmp_path, layout, str(tmp_path / "tiny.yaml"))
     check = full_size.run(full_size.prepare(plan), workers=2)
-    assert [r.rank for r in check.roles] == [0, 2]  # tp rank 0, the first and the last ZeRO row
+    assert [r.rank for r in check.roles] == [0, 2], check.roles  # tp rank 0: the first and the last ZeRO row
+    assert check.checkpointing == "full"
     assert not run_checks([plan]), "the real run failed"
     meters = [next(c for c in r["callbacks"] if isinstance(c, Meter)) for r in plan.runs[0]["ranks"]]
     for role, got in zip(check.roles, check.results):
@@ -78,6 +88,12 @@ def test_full_size_matches_a_real_run_on_cpu_ranks(tmp_path: Path) -> None:
         state = real.state[-1]
         assert [got["state"][k] for k in ("parameters", "gradients", "optimizer state")] == \
             [state["params"], state["grads"], state["optimizer"]], role
+    roles = against_real(check, real_run(check))
+    assert len({tuple(r["fake"] for r in role["rows"][:3]) for role in roles}) == 2, roles  # the roles differ
+    for role in roles:
+        rows = {r["what"]: r for r in role["rows"]}
+        assert rows["activations"]["real"] and rows["buffers"]["real"], rows  # checkpointed blocks, gathered units
+        assert all(r["agree"] for r in role["rows"]), (role["role"], [r for r in role["rows"] if not r["agree"]])
 
 
 def _step(model: Transformer, live: LiveBytes, tokens: torch.Tensor) -> None:

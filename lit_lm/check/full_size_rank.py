@@ -81,39 +81,57 @@ def measure_rank(job: RankJob) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     torch.set_num_threads(1)
-    started = time.perf_counter()
     dist.init_process_group(BACKEND, store=FakeStore(), rank=job.rank, world_size=job.world)
     try:
-        strategy = build_strategy(job.strategy)
-        strategy.parallel_devices = [torch.device("meta")]
-        strategy._layout = ParallelLayout.get(strategy.parallel_dims(job.world))
-        live = LiveBytes(host_read=_balanced_routing(job, strategy))
-        with live, _on_meta():
-            module, optimizer = _build(job, strategy)
-            result = _train(job, strategy, module, optimizer, live)
-        result["seconds"] = time.perf_counter() - started
-        result["ops"] = live.ops
-        return result
+        return measure(job, "meta")
     finally:
         dist.destroy_process_group()
 
 
+def measure(job: RankJob, device: str, steps: Optional["StepWatch"] = None) -> dict[str, Any]:
+    """`job` on this process's rank of the process group: meta tensors (the fake ranks), or CPU tensors with their
+    values (a real rank of a gloo world: `full_size_real.py`); `steps` watches the steps (e.g. torch's own count of
+    the allocator's bytes)."""
+    started = time.perf_counter()
+    strategy = build_strategy(job.strategy)
+    strategy.parallel_devices = [torch.device(device)]
+    strategy._layout = ParallelLayout.get(strategy.parallel_dims(job.world))
+    live = LiveBytes(host_read=_balanced_routing(job, strategy) if device == "meta" else None, device=device)
+    with live, _on_meta():
+        module, optimizer = _build(job, strategy)
+        result = _train(job, strategy, module, optimizer, live, steps or StepWatch())
+    result["seconds"] = time.perf_counter() - started
+    result["ops"] = live.ops
+    return result
+
+
+class StepWatch:
+    """What runs around the steps (`all_steps`) and around the measured one (`measured`): nothing here."""
+
+    def all_steps(self) -> Any:
+        return ExitStack()
+
+    def measured(self) -> Any:
+        return ExitStack()
+
+
 def _build(job: RankJob, strategy: Any) -> tuple[Any, torch.optim.Optimizer]:
-    """The module as `fit` sets it up under the strategy: configure_model on the meta device, the precision's
-    dtype, the strategy's split and engines, the module's optimizer bound to the engines."""
+    """The module as `fit` sets it up under the strategy: configure_model (on the meta device for fake ranks), the
+    precision's dtype, the strategy's split and engines, the module's optimizer bound to the engines."""
     path, kwargs = job.module
     module = _import(path)(**dict(kwargs), config=ModelConfig(**job.config))
     module._trainer = _StepTrainer(strategy, job.accumulate)
     strategy._lightning_module = module
     strategy.model = module
-    with torch.device("meta"):
+    meta = strategy.root_device.type == "meta"
+    with torch.device("meta") if meta else strategy.model_sharded_context():
         module.configure_model()
     if job.precision == "bf16-true":
         module.to(torch.bfloat16)
     # every tensor lives on the meta device here: the strategy must take it as materialised (where it would give a
     # meta parameter storage and values, it finds nothing to do), and there are no values to initialise
-    with mock.patch.object(torch.Tensor, "is_meta", property(lambda t: False)), \
-            mock.patch.object(ModelSplit, "init", lambda *a, **k: True):
+    with mock.patch.object(torch.Tensor, "is_meta", property(lambda t: False)) if meta else ExitStack(), \
+            mock.patch.object(ModelSplit, "init", lambda *a, **k: True) if meta else ExitStack():
         strategy.parallelize(fitting=True)
     configured = module.configure_optimizers()
     optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
@@ -122,29 +140,36 @@ def _build(job: RankJob, strategy: Any) -> tuple[Any, torch.optim.Optimizer]:
     return module, optimizer
 
 
-def _train(job: RankJob, strategy: Any, module: Any, optimizer: torch.optim.Optimizer,
-           live: LiveBytes) -> dict[str, Any]:
+def _train(job: RankJob, strategy: Any, module: Any, optimizer: torch.optim.Optimizer, live: LiveBytes,
+           watch: StepWatch) -> dict[str, Any]:
     """`job.steps` optimizer steps of `job.accumulate` micro-batches each; the last one measured."""
-    tokens = torch.empty((job.batch_size, module.config.max_seq_len + 1), dtype=torch.long, device="meta")
+    shape, device = (job.batch_size, module.config.max_seq_len + 1), strategy.root_device
+    tokens = torch.empty(shape, dtype=torch.long, device=device) if device.type == "meta" else \
+        torch.randint(0, module.config.vocab_size, shape, generator=torch.Generator().manual_seed(dist.get_rank()))
     state: dict[str, int] = {}
-    for step in range(job.steps):
-        if step == job.steps - 1:
-            COMM_LOG.reset()
-            live.start("forward")
-        for micro in range(job.accumulate):
-            window = _Window(job, strategy, module, optimizer, live, micro, state if step == job.steps - 1 else None)
-            if micro < job.accumulate - 1:
-                window(tokens)
-                continue
-            module.optimizer_step(0, step, optimizer, partial(window, tokens))
-            strategy.after_optimizer_step(optimizer)
+    resident = 0
+    with watch.all_steps():
+        for step in range(job.steps):
+            last = step == job.steps - 1
+            if last:
+                COMM_LOG.reset()
+                live.start("forward")
+                resident = sum(live.sizes().values())
+            with watch.measured() if last else ExitStack():
+                for micro in range(job.accumulate):
+                    window = _Window(job, strategy, module, optimizer, live, micro, state if last else None)
+                    if micro < job.accumulate - 1:
+                        window(tokens)
+                        continue
+                    module.optimizer_step(0, step, optimizer, partial(window, tokens))
+                    strategy.after_optimizer_step(optimizer)
     comm: dict[str, int] = {}
     for r in COMM_LOG.records:
         if r.label not in CONTROL and r.nbytes:
             key = f"{r.group}/{r.op}"
             comm[key] = comm.get(key, 0) + r.nbytes
     return {"state": state, "peak": live.peak, "at_peak": live.at_peak_by_name(), "maxima": dict(live.maxima),
-            "comm": comm}
+            "comm": comm, "resident": resident}
 
 
 @dataclass
