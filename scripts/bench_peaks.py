@@ -229,7 +229,7 @@ def markdown(runs: list[dict[str, Any]]) -> str:
              "setup: measured / est. | fwd+bwd: measured / est. | step: measured / est. | s/step |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     malloc_name = {"glibc": "glibc default", "mmap": "MALLOC_MMAP_THRESHOLD_", "fixed": "threshold fixed",
-                   "trim": "trimmed (lit-lm)"}
+                   "trim": "trimmed (lit-lm)", "trim-setup": "trimmed, also after setup"}
     for name, row in sorted(summary(run).items(), key=lambda kv: (float(kv[0].split()[1][:-1]), kv[0])):
         preset, size, *malloc = name.split()
         est, phases = row["estimate"], row["phases"]

@@ -330,6 +330,7 @@ class BaseStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             self._watch_preemption(trainer)
         _sigterm_check_at_logging_steps(trainer)
+        self._trim_host_memory()  # what building and sharding the model freed (ZeRO-3: whole parameters)
 
     def _watch_preemption(self, trainer: Trainer) -> None:
         """SIGUSR1/SIGTERM -> a checkpoint at a step every rank agrees on, then a requeue (strategies/preemption.py)."""
