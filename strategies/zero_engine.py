@@ -14,6 +14,8 @@ parameters get a separate fp32 master shard (the paper's K = 12: master, m, v).
 Communication per rank per step (ring algorithm; reduce-scatter and all-gather each move (N-1)/N·Φ):
 stages 1 and 2 reduce-scatter the gradients and all-gather the updated parameters: 2(N-1)/N·Φ, as much as DDP's
 all-reduce. Stage 3 all-gathers each unit before its forward and again before its backward: 3(N-1)/N·Φ.
+Over a group of one rank (the experts' edp group when ep equals dp, a dense group when dp is 1) the shard is the
+whole: stages 1-2 issue no collective (the reduced gradient is the packed one, the parameters are the masters).
 
 Layout: every parameter is split along dim 0 with `torch.chunk` semantics (ceil-sized chunks; the tail chunk may be
 short or empty). A rank's shard is then exactly the local part of a `DTensor` with `Shard(0)`, so checkpoints are
@@ -103,6 +105,8 @@ class ShardedParam:
     def gather_rows(self, rows: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
         """The whole tensor from every rank's `rows` of it (this layout, padded to the chunk size on the wire):
         how an optimizer-state shard becomes what an unsharded run holds, for checkpoints."""
+        if self.world == 1:  # a group of one: the rows are the whole tensor
+            return rows
         padded = rows.new_zeros((self.chunk_rows, *rows.shape[1:]))
         padded[: rows.shape[0]] = rows
         out = rows.new_empty((self.world * self.chunk_rows, *rows.shape[1:]))
@@ -122,7 +126,7 @@ class Unit:
     pending_gather: Optional[tuple[dist.Work, Tensor]] = None
     fp8: Optional["Fp8Layout"] = None  # stage 3 under FP8 (tensorwise): its linears' weights gathered in FP8
     pending_fp8: Optional[tuple[list[dist.Work], Tensor, Optional[Tensor], list[Tensor]]] = None
-    pending_reduce: Optional[tuple[dist.Work, Tensor, Tensor]] = None
+    pending_reduce: Optional[tuple[Optional[dist.Work], Tensor, Tensor]] = None  # no Work: a group of one
     ready: set = field(default_factory=set)  # parameters whose gradient is accumulated in this backward
 
     @property
@@ -351,7 +355,8 @@ class ZeroEngine:
         # Replicas start equal whatever each rank's seed was: whole parameters (stages 1-2) over the shard group,
         # and what this rank holds over the HSDP replicas.
         held = [sp.param.data if self.stage < 3 else sp.master for unit in self.units for sp in unit.params]
-        for group in ([self.group] if self.stage < 3 else []) + [g for g in [self.replicate_group] if g is not None]:
+        for group in ([self.group] if self.stage < 3 and self.world > 1 else []) + \
+                [g for g in [self.replicate_group] if g is not None]:
             src = dist.get_global_rank(group, 0) if group is not None else 0
             for tensor in held:
                 comm.broadcast(tensor, src, group, label="zero broadcast parameters")
@@ -482,6 +487,9 @@ class ZeroEngine:
                 _copy_rows(sp.param.grad.view(sp.rows, sp.row_numel), slots, into_full=False)
             if self.stage >= 2:
                 sp.param.grad = None  # packed: the full gradient is not kept (stage 1 keeps it)
+        if self.world == 1:  # a group of one: the packed gradients are the shard, no collective (nor its bytes)
+            unit.pending_reduce = (None, send, send)
+            return
         recv = torch.empty(unit.segment_numel, dtype=send.dtype, device=send.device)
         work = comm.reduce_scatter(recv, send, self.group, async_op=True, label=f"zero reduce {unit.name}")
         unit.pending_reduce = (work, send, recv)
@@ -491,7 +499,8 @@ class ZeroEngine:
         if unit.pending_reduce is None:
             return
         work, _send, recv = unit.pending_reduce
-        work.wait()
+        if work is not None:  # None: a group of one
+            work.wait()
         unit.pending_reduce = None
         if self.replicate_group is not None:  # HSDP: the same shard of every replica, summed
             comm.all_reduce(recv, self.replicate_group, label=f"zero replicate {unit.name}")
@@ -663,7 +672,12 @@ class ZeroEngine:
 
     def refresh_params(self) -> None:
         """Stages 1 and 2: all-gather the master shards into the replicated parameters (stage 3 gathers lazily)."""
-        if self.stage < 3:  # at most two gathers in flight: each holds its unit's whole all-gather output
+        if self.stage < 3 and self.world == 1:  # a group of one: the master rows are the whole parameter
+            with torch.no_grad():
+                for sp in self.sharded_params():
+                    if sp.param.dtype != torch.float32:  # a separate master (fp32 ones are views: nothing to do)
+                        sp.param.copy_(sp.master.view(sp.param.shape))
+        elif self.stage < 3:  # at most two gathers in flight: each holds its unit's whole all-gather output
             for i, unit in enumerate(self.units):
                 if i >= 2:
                     self._complete_gather(self.units[i - 2])
