@@ -330,7 +330,7 @@ class BaseStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             self._watch_preemption(trainer)
         _sigterm_check_at_logging_steps(trainer)
-        self._trim_host_memory()  # what building and sharding the model freed (ZeRO-3: whole parameters)
+        self._trim_host_memory(setup=True)  # what building and sharding the model freed (ZeRO-3: whole parameters)
 
     def _watch_preemption(self, trainer: Trainer) -> None:
         """SIGUSR1/SIGTERM -> a checkpoint at a step every rank agrees on, then a requeue (strategies/preemption.py)."""
@@ -383,10 +383,10 @@ class BaseStrategy(ParallelStrategy):
         self._trim_host_memory()
         return output
 
-    def _trim_host_memory(self) -> None:
+    def _trim_host_memory(self, setup: bool = False) -> None:
         """On a CPU rank, hand what the phase freed back to the system (strategies/host_malloc.py)."""
         if self._host_malloc is not None:
-            self._host_malloc.trim()
+            self._host_malloc.trim(setup)
 
     def finish_grad_sync(self) -> None:
         """Hook: complete the gradient collectives started during backward."""

@@ -10,10 +10,14 @@ there stays resident through the next, in amounts that depend on the order of ev
 than in the next (docs/benchmarks/2026-12-planner-peaks-cpu.md).
 
 `LIT_LM_MALLOC` chooses (unset: `DEFAULT`):
-    trim   `malloc_trim(0)` after backward and its gradient reduction, and after the optimizer step (its all-gathers
-           included): the free heap pages of every arena go back to the system there. Within a phase glibc reuses
-           its heap as before, so what is faulted in again is each phase's heap high-water, once per step: no
-           measured cost at 52M and 217M. Fragmentation within forward and backward stays.
+    setup  (the default) `malloc_trim(0)` once, at the end of the strategy's setup: what building and sharding the
+           model freed (ZeRO-3: the whole parameters) goes back to the system; the steps run on glibc as it is.
+    trim   `malloc_trim(0)` also after backward and its gradient reduction, and after the optimizer step (its
+           all-gathers included): the free heap pages of every arena go back to the system there. Within a phase
+           glibc reuses its heap as before, so what is faulted in again is each phase's heap high-water, once per
+           step: no measured cost at 52M and 217M (steps of 1.4-6 s), but 15-20% at 4.3M (steps of ~0.27 s: the
+           Trainer's zero2 0.35 against 0.29 s, lm_ddp 0.33 against 0.27 s, 3 alternated runs each, quiet 2-core
+           Xeon, 2026-12-01), hence opt-in. Fragmentation within forward and backward stays.
     fixed  `mallopt(M_MMAP_THRESHOLD, 128 KiB)` at start: glibc's starting threshold kept, its adjustment off; every
            block from 128 KiB on is mapped and unmapped each time. Resident memory is then the live blocks at every
            moment (the estimate is 0.94-0.99 of the peak), but each large temporary is faulted in again each time:
@@ -33,8 +37,8 @@ from typing import Any, Optional
 M_MMAP_THRESHOLD = -3  # <malloc.h>
 THRESHOLD = 128 * 1024  # glibc's own starting threshold, kept fixed by `fixed`
 CHOICE = "LIT_LM_MALLOC"
-MODES = ("trim", "fixed", "glibc")
-DEFAULT = "trim"
+MODES = ("setup", "trim", "fixed", "glibc")
+DEFAULT = "setup"
 
 
 def _glibc() -> Optional[Any]:
@@ -63,7 +67,8 @@ class HostMalloc:
         """With `fixed`, fix glibc's mmap threshold for this process; True if it did."""
         return self.mode == "fixed" and self.libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD) == 1
 
-    def trim(self) -> None:
-        """With `trim`, hand the free heap pages of every arena back to the system."""
-        if self.mode == "trim":
+    def trim(self, setup: bool = False) -> None:
+        """Hand the free heap pages of every arena back to the system: with `trim` at every boundary, with `setup`
+        only at the end of the setup (`setup=True`)."""
+        if self.mode == "trim" or (setup and self.mode == "setup"):
             self.libc.malloc_trim(0)

@@ -477,7 +477,7 @@ before = rss()
 blocks = [made(4 * MiB) for _ in range(16)]  # a layer's tensors, say
 for block in blocks[::2]:  # every other one freed: holes between live blocks, none at the heap's top
     libc.free(block)
-chosen.trim()  # where a strategy calls it: after backward, after the step
+chosen.trim(setup=sys.argv[2] == "setup")  # where a strategy calls it: end of setup, after backward, after the step
 print(chosen.mode, rss() - before - 8 * 4 * MiB)  # resident beyond the 8 blocks alive
 """
 
@@ -490,17 +490,18 @@ def test_cpu_ranks_return_freed_blocks_to_the_system() -> None:
     lit-lm strategy applies on a CPU rank, returns them with `trim` and `fixed` (strategies/host_malloc.py)."""
     import strategies.host_malloc as host_malloc
 
-    def retained(mode: str) -> tuple[str, int]:
+    def retained(mode: str, at: str = "step") -> tuple[str, int]:
         env = {k: v for k, v in {**os.environ, CHOICE: mode}.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-        out = subprocess.run([sys.executable, "-c", HEAP_RETENTION, host_malloc.__file__], env=env, check=True,
+        out = subprocess.run([sys.executable, "-c", HEAP_RETENTION, host_malloc.__file__, at], env=env, check=True,
                              capture_output=True, text=True).stdout.split()
         return out[0], int(out[1])
 
-    for mode in ("trim", "fixed"):
-        applied, kept = retained(mode)
-        assert applied == mode and kept < 4 << 20, (mode, applied, kept)
-    applied, kept = retained("glibc")
-    assert applied == "glibc" and kept >= 30 << 20, kept  # the retention the other two remove, still there
+    for mode, at in (("trim", "step"), ("fixed", "step"), ("setup", "setup")):
+        applied, kept = retained(mode, at)
+        assert applied == mode and kept < 4 << 20, (mode, at, applied, kept)
+    for mode, at in (("glibc", "setup"), ("setup", "step")):  # the default trims once, after setup, not every step
+        applied, kept = retained(mode, at)
+        assert applied == mode and kept >= 30 << 20, (mode, at, kept)  # the retention the others remove, still there
 
 
 def test_host_malloc_leaves_a_chosen_allocator_setting(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -508,7 +509,7 @@ def test_host_malloc_leaves_a_chosen_allocator_setting(monkeypatch: pytest.Monke
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # glibc read the user's setting at start
     assert HostMalloc().mode == "glibc"
     monkeypatch.setenv(CHOICE, "jemalloc")
-    with pytest.raises(ValueError, match="LIT_LM_MALLOC='jemalloc': choose one of trim, fixed, glibc"):
+    with pytest.raises(ValueError, match="LIT_LM_MALLOC='jemalloc': choose one of setup, trim, fixed, glibc"):
         HostMalloc()
 
 
