@@ -474,11 +474,12 @@ def made(size):
     return block
 libc.free(made(16 * MiB))  # a mapped block freed: glibc's dynamic threshold rises to 16 MiB
 before = rss()
-blocks = [made(4 * MiB) for _ in range(16)]  # a layer's tensors, say
+size = int(sys.argv[3]) * MiB
+blocks = [made(size) for _ in range(16)]  # a layer's tensors, say
 for block in blocks[::2]:  # every other one freed: holes between live blocks, none at the heap's top
     libc.free(block)
 chosen.trim(setup=sys.argv[2] == "setup")  # where a strategy calls it: end of setup, after backward, after the step
-print(chosen.mode, rss() - before - 8 * 4 * MiB)  # resident beyond the 8 blocks alive
+print(chosen.mode, rss() - before - 8 * size)  # resident beyond the 8 blocks alive
 """
 
 
@@ -487,21 +488,24 @@ def test_cpu_ranks_return_freed_blocks_to_the_system() -> None:
     """What the estimate counts is what a CPU rank has resident only if glibc's malloc returns freed blocks: by
     default, once a mapped block is freed, blocks below its size come from the heap and stay resident when freed
     (32 MiB of freed 4 MiB blocks here; 7-26% over the estimate at 52M-217M parameters). `HostMalloc`, which every
-    lit-lm strategy applies on a CPU rank, returns them with `trim` and `fixed` (strategies/host_malloc.py)."""
+    lit-lm strategy applies on a CPU rank, returns them with `trim` and `fixed`, and with `large` (the default)
+    those from 8 MiB, which it maps (strategies/host_malloc.py)."""
     import strategies.host_malloc as host_malloc
 
-    def retained(mode: str, at: str = "step") -> tuple[str, int]:
+    def retained(mode: str, at: str = "step", mib: int = 4) -> tuple[str, int]:
         env = {k: v for k, v in {**os.environ, CHOICE: mode}.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-        out = subprocess.run([sys.executable, "-c", HEAP_RETENTION, host_malloc.__file__, at], env=env, check=True,
-                             capture_output=True, text=True).stdout.split()
+        out = subprocess.run([sys.executable, "-c", HEAP_RETENTION, host_malloc.__file__, at, str(mib)], env=env,
+                             check=True, capture_output=True, text=True).stdout.split()
         return out[0], int(out[1])
 
-    for mode, at in (("trim", "step"), ("fixed", "step"), ("setup", "setup")):
-        applied, kept = retained(mode, at)
+    for mode, at, mib in (("trim", "step", 4), ("fixed", "step", 4), ("large", "step", 8), ("setup", "setup", 4)):
+        applied, kept = retained(mode, at, mib)
         assert applied == mode and kept < 4 << 20, (mode, at, applied, kept)
-    for mode, at in (("glibc", "setup"), ("setup", "step")):  # the default trims once, after setup, not every step
-        applied, kept = retained(mode, at)
-        assert applied == mode and kept >= 30 << 20, (mode, at, kept)  # the retention the others remove, still there
+    # the retention the others remove, still there: glibc's own; `setup` trims once, after setup, not every step;
+    # `large` leaves blocks below 8 MiB to glibc's heap
+    for mode, at, mib in (("glibc", "setup", 4), ("setup", "step", 4), ("large", "step", 4)):
+        applied, kept = retained(mode, at, mib)
+        assert applied == mode and kept >= 30 << 20, (mode, at, kept)
 
 
 def test_host_malloc_leaves_a_chosen_allocator_setting(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -509,7 +513,7 @@ def test_host_malloc_leaves_a_chosen_allocator_setting(monkeypatch: pytest.Monke
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # glibc read the user's setting at start
     assert HostMalloc().mode == "glibc"
     monkeypatch.setenv(CHOICE, "jemalloc")
-    with pytest.raises(ValueError, match="LIT_LM_MALLOC='jemalloc': choose one of setup, trim, fixed, glibc"):
+    with pytest.raises(ValueError, match="LIT_LM_MALLOC='jemalloc': choose one of large, setup, trim, fixed, glibc"):
         HostMalloc()
 
 
