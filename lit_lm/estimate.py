@@ -54,7 +54,7 @@ import torch
 from lit_lm.config import ConfigError, ModelConfig
 from strategies.ac import MODES as CHECKPOINTING
 from strategies.comm import wire_factor
-from strategies.fp8 import check_fp8, fp8_linears
+from strategies.fp8 import check_fp8, fp8_experts, fp8_linears, tp_amax_numels
 from strategies.flat_step import piece_numel
 from strategies.grad_sync import GradSync, _bucketize
 from strategies.layout import ParallelConfig, Refusal
@@ -233,7 +233,7 @@ class ParamSpec:
     layer: Optional[int]
     tp_style: Optional[str]  # the plan's style for the parameter's module (column, row, vocab_*, sequence, ...)
     expert: bool
-    fp8: bool = False  # the weight of a linear FP8 swaps (`strategies.fp8.fp8_linears`)
+    fp8: bool = False  # a weight FP8 swaps: a block linear's or an expert stack's (`strategies.fp8.fp8_linears`, `fp8_experts`)
 
 
 def _config_key(cfg: ModelConfig) -> tuple:
@@ -250,6 +250,7 @@ def _inventory(key: tuple) -> tuple[ParamSpec, ...]:
     plan = model.tensor_parallel_plan()  # MoE layers: `batch`, their parameters unsplit
     experts = set(model.expert_plan())
     swapped = {f"{n}.weight" for n in fp8_linears(model)}
+    swapped |= {f"{n}.{p}" for n, m in fp8_experts(model).items() for p, _ in m.named_parameters(recurse=False)}
     out = []
     for name, p in model.named_parameters():
         module = name.rpartition(".")[0]
@@ -279,14 +280,15 @@ def _local_shape(p: ParamSpec, layout: ParallelConfig) -> tuple[int, ...]:
 # -- model state -----------------------------------------------------------------------------------------------
 def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], stage: int, group: int,
                  pbytes: int, group_name: str, accumulate: int, reduce_in_backward: bool,
-                 fp8: Optional[dict[str, list[bool]]] = None) -> None:
+                 fp8: Optional[dict[str, list[int]]] = None) -> None:
     """Params, grads, optimizer state and the data-parallel collectives of `units` ({unit: local shapes}) under
     ZeRO `stage` over `group` ranks (stage 0: `GradSync`'s bucketed all-reduce). Under accumulation stages 2-3
     reduce-scatter after every micro-step's backward into the shard (docs/zero.md), stage 1 and GradSync once at the
     window's end; ZeRO-3 gathers for every forward and backward. Without `reduce_in_backward` (a pipeline runs many
     backwards per step) stage 2 keeps the full gradient until the window's end and reduces it once, as stage 1.
-    `fp8` ({unit: one flag per shape}): ZeRO-3's FP8 weights (tensorwise), gathered as e4m3 bytes (1 per element)
-    after one all-reduce of the unit's fp32 amaxes (`strategies.zero_engine.Fp8Layout`)."""
+    `fp8` ({unit: per shape its amaxes, 0 when not in FP8}): ZeRO-3's FP8 weights (tensorwise), gathered as e4m3
+    bytes (1 per element) after one all-reduce of the unit's fp32 amaxes, one per linear, one per expert of a
+    stack (`strategies.zero_engine.Fp8Layout`)."""
     shapes = [s for unit in units.values() for s in unit]
     numel = sum(math.prod(s) for s in shapes)
     if stage == 0:
@@ -578,10 +580,11 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
         # dense gradients over the strategy's group (every rank that saw other tokens; under ZeRO within a replica,
         # HSDP all-reducing the shard over the replicas), experts over the ranks holding the same experts
         dp_group = dims.size(layout.dense_group)
-        in_fp8: dict[str, list[bool]] = {}  # ZeRO-3 gathers these in FP8
+        in_fp8: dict[str, list[int]] = {}  # ZeRO-3 gathers these in FP8: their amaxes (an expert stack's: E)
         for q in keep:
             if not (q.expert and layout.ep > 1):
-                in_fp8.setdefault(q.unit, []).append(q.fp8 and work.fp8 == "tensorwise")
+                amaxes = (q.shape[0] if q.expert else 1) if q.fp8 and work.fp8 == "tensorwise" else 0
+                in_fp8.setdefault(q.unit, []).append(amaxes)
         _model_state(rank, dense, layout.zero_stage, dp_group, pbytes, layout.dense_group, work.accumulate, p == 1,
                      in_fp8)
         if experts:  # one unit
@@ -618,9 +621,29 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
             rank.recompute_flops = (rank.flops + rank.replicated_flops) / 3
         _activation_comm(rank, r, cfg, layout, chunks, first, last, mb, t, local_batch, work.accumulate, abytes,
                          pbytes, dp_group)
+        _fp8_tp_comm(rank, work, layout, keep, mb * t, work.accumulate * m)
         ranks.append(rank)
     bubble = bubble_theory(layout.schedule, p, m, v) if p > 1 else 0.0
     return Estimate(work, layout, ranks, bubble, layout.refusal(moe=cfg.moe_experts > 0))
+
+
+def _fp8_tp_comm(rank: RankEstimate, work: Workload, layout: ParallelConfig, keep: list[ParamSpec], tokens: int,
+                 forwards: int) -> None:
+    """FP8 under tp: the scales' amax all-reduces (MAX, fp32) over tp, `forwards` forwards and backwards of
+    `tokens` positions each: per tp-split FP8 linear `strategies.fp8.tp_amax_numels` (the rule `Fp8Matmul` casts
+    by); under ZeRO-3 tensorwise the weights' amaxes are the engine's instead, once per gather of a unit, those of
+    its tp-split FP8 weights in one tensor (`ZeroEngine._fp8_amax`). Recomputed forwards are not counted (as
+    elsewhere). Expert stacks are not split over tp (MoE layers are replicated): nothing to reduce."""
+    if not work.fp8 or layout.tp == 1:
+        return
+    gathered = layout.zero_stage == 3 and work.fp8 == "tensorwise"
+    numel = 0
+    for q in keep:
+        split = {"column": 0, "row": 1}.get(q.tp_style)
+        if q.fp8 and split is not None:
+            numel += forwards * sum(tp_amax_numels(work.fp8, split, tokens, *_local_shape(q, layout), not gathered))
+            numel += 2 * work.accumulate * gathered  # its amax, gathered for each forward and each backward
+    rank.add_comm("tp", "all_reduce", numel * 4, layout.tp)
 
 
 def _moe_active_params(inventory: tuple[ParamSpec, ...], cfg: ModelConfig, layer: int) -> float:

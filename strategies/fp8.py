@@ -75,12 +75,52 @@ class Scaling:
         return E4M3 if self.rowwise else E5M2
 
 
+def reduced_over_tp(dim: Optional[int], split_dim: Optional[int]) -> bool:
+    """Whether an amax over `dim` (None: the whole tensor) of a tensor whose dim `split_dim` is split over tp (None:
+    whole on every rank) must be all-reduced over tp to be the one-process amax."""
+    return split_dim is not None and (dim is None or dim == split_dim)
+
+
+@dataclass(frozen=True)
+class Cast:
+    """One FP8 cast of `Fp8Matmul`: its operand (x (M, K), w (N, K), g (M, N), gt (N, M)), the dim it is scaled
+    along under rowwise (its GEMM's contraction dim), and its dim split over tp (None: whole on every tp rank)."""
+
+    operand: str
+    dim: int
+    split: Optional[int]
+
+
+def casts(split: Optional[int]) -> tuple[Cast, ...]:
+    """The six casts of one forward and backward of a linear whose weight is split along `split` over tp, in
+    `Fp8Matmul`'s order: out = x W^T (x, w), grad_x = g W (g, w), grad_W = g^T x (gt, x). A row-parallel input
+    holds 1/tp of the K features, a column-parallel output (and its gradient) 1/tp of the N features."""
+    x_split = 1 if split == 1 else None
+    g_split = 1 if split == 0 else None
+    return (Cast("x", 1, x_split), Cast("w", 1, split), Cast("g", 1, g_split), Cast("w", 0, split),
+            Cast("gt", 1, None if g_split is None else 0), Cast("x", 0, x_split))
+
+
+def tp_amax_numels(recipe: str, split: Optional[int], m: int, n: int, k: int, weight_cast: bool = True) -> list[int]:
+    """The numel of each fp32 amax one forward and backward of an FP8 linear (local weight (n, k), split along
+    `split` over tp; m tokens) all-reduces over tp: `amax`'s rule (`reduced_over_tp`) on each of its `casts`
+    (tensorwise: a scalar per reduced cast; rowwise: a row per non-contraction index). `weight_cast`: False when
+    the weight comes already cast (ZeRO-3's FP8 gather, whose engine reduces its amax once per gather)."""
+    shapes = {"x": (m, k), "w": (n, k), "g": (m, n), "gt": (n, m)}
+    rowwise = recipe == "rowwise"
+    out = []
+    for c in casts(split):
+        if (c.operand != "w" or weight_cast) and reduced_over_tp(c.dim if rowwise else None, c.split):
+            out.append(shapes[c.operand][1 - c.dim] if rowwise else 1)
+    return out
+
+
 def amax(t: Tensor, dim: Optional[int], split_dim: Optional[int], scaling: Scaling) -> Tensor:
     """|t|'s max over `dim` (None: the whole tensor), kept 2-D; reduced over the tp group when `split_dim` (the dim
     of `t` that is split over tp, or None) is among the dims it is taken over."""
     a = t.detach().abs().amax() if dim is None else t.detach().abs().amax(dim=dim, keepdim=True)
     a = a.float()
-    if split_dim is not None and scaling.group is not None and (dim is None or dim == split_dim):
+    if scaling.group is not None and reduced_over_tp(dim, split_dim):
         a = a.clone()
         comm.all_reduce(a, scaling.group, op=dist.ReduceOp.MAX, label="fp8 amax")
     return a
@@ -103,11 +143,10 @@ def scaled_mm(a: Tensor, b: Tensor, a_scale: Tensor, b_scale: Tensor, out_dtype:
                             scale_b=b_scale.reshape(b_scale.shape[:2] or ()), out_dtype=out_dtype)
 
 
-def _cast(t: Tensor, dtype: torch.dtype, contraction: int, split_dim: Optional[int], scaling: Scaling
-          ) -> tuple[Tensor, Tensor]:
-    """`t` as one GEMM operand: scaled along its `contraction` dim (rowwise) or as a whole (tensorwise)."""
-    dim = contraction if scaling.rowwise else None
-    return to_fp8(t, dtype, amax(t, dim, split_dim, scaling), scaling.rowwise)
+def _cast(t: Tensor, dtype: torch.dtype, cast: Cast, scaling: Scaling) -> tuple[Tensor, Tensor]:
+    """`t` as one GEMM operand: scaled along its contraction dim (rowwise) or as a whole (tensorwise)."""
+    dim = cast.dim if scaling.rowwise else None
+    return to_fp8(t, dtype, amax(t, dim, cast.split, scaling), scaling.rowwise)
 
 
 class Fp8Matmul(torch.autograd.Function):
@@ -120,28 +159,27 @@ class Fp8Matmul(torch.autograd.Function):
                 ws: Optional[Tensor] = None) -> Tensor:
         ctx.save_for_backward(x, weight, w8, ws)
         ctx.scaling = scaling
-        x_split = 1 if scaling.split == 1 else None  # a row-parallel input holds 1/tp of the K features
-        x8, xs = _cast(x, E4M3, 1, x_split, scaling)
+        cast_x, cast_w = casts(scaling.split)[:2]
+        x8, xs = _cast(x, E4M3, cast_x, scaling)
         if w8 is None:
-            w8, ws = _cast(weight, E4M3, 1, scaling.split, scaling)  # (N, K): rows scaled over K
+            w8, ws = _cast(weight, E4M3, cast_w, scaling)  # (N, K): rows scaled over K
         return scaled_mm(x8, w8.t(), xs, ws.t() if ws.ndim else ws, x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         x, weight, w8, ws = ctx.saved_tensors
         scaling = ctx.scaling
-        g_split = 1 if scaling.split == 0 else None  # a column-parallel output holds 1/tp of the N features
-        x_split = 1 if scaling.split == 1 else None
+        cast_g, cast_w, cast_gt, cast_x = casts(scaling.split)[2:]
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:  # g (M, N) @ W (N, K): contraction over N
-            g8, gs = _cast(grad, scaling.grad_dtype, 1, g_split, scaling)
+            g8, gs = _cast(grad, scaling.grad_dtype, cast_g, scaling)
             if w8 is None:
-                w8, ws = _cast(weight, E4M3, 0, scaling.split, scaling)
+                w8, ws = _cast(weight, E4M3, cast_w, scaling)
             grad_x = scaled_mm(g8, w8, gs, ws, grad.dtype)
         if ctx.needs_input_grad[1]:  # g^T (N, M) @ x (M, K): contraction over the tokens M
             gt = grad.t()
-            g8, gs = _cast(gt, scaling.grad_dtype, 1, None if g_split is None else 0, scaling)
-            x8, xs = _cast(x, E4M3, 0, x_split, scaling)
+            g8, gs = _cast(gt, scaling.grad_dtype, cast_gt, scaling)
+            x8, xs = _cast(x, E4M3, cast_x, scaling)
             grad_w = scaled_mm(g8, x8, gs, xs, weight.dtype)
         return grad_x, grad_w, None, None, None
 
@@ -154,15 +192,16 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], scaling: Scali
     return out if bias is None else out + bias
 
 
-class Fp8Forward:
-    """A linear module's forward in FP8 (`module` is the linear: its weight and bias are read at every call).
+class Fp8Gathered:
+    """Where ZeRO-3 (tensorwise) puts a weight it gathers already in FP8 (`strategies/zero_engine.py`): `weight8`
+    (the whole weight in e4m3, its storage freed and refilled as a gathered parameter's), `scale8` (its tensorwise
+    scale: a scalar, or under `per_row` one per dim-0 row: per expert of a stacked (E, out, in) weight) and
+    `filled`; the GEMMs then take them as they are, with no cast of the weight."""
 
-    Under ZeRO-3 (tensorwise) the engine gathers the weight already in FP8 (`strategies/zero_engine.py`): it fills
-    `weight8` (the whole weight in e4m3, its storage freed and refilled as a gathered parameter's) and `scale8`
-    (its tensorwise scale) and sets `filled`; the GEMMs then take them as they are, with no cast of `weight`."""
+    per_row = False
 
-    def __init__(self, module: nn.Module, scaling: Scaling) -> None:
-        self.module, self.scaling = module, scaling
+    def __init__(self, scaling: Scaling) -> None:
+        self.scaling = scaling
         self.weight8: Optional[Tensor] = None
         self.scale8: Optional[Tensor] = None
         self.filled = False
@@ -173,9 +212,45 @@ class Fp8Forward:
         columns in backward, so a rowwise weight is gathered in its own dtype and cast here)."""
         return not self.scaling.rowwise
 
+
+class Fp8Forward(Fp8Gathered):
+    """A linear module's forward in FP8 (`module` is the linear: its weight and bias are read at every call); its
+    weight gathered in FP8 by ZeRO-3 when `filled` (`Fp8Gathered`)."""
+
+    def __init__(self, module: nn.Module, scaling: Scaling) -> None:
+        super().__init__(scaling)
+        self.module = module
+
     def __call__(self, x: Tensor) -> Tensor:
         weight8 = (self.weight8, self.scale8) if self.filled else None
         return fp8_linear(x, self.module.weight, getattr(self.module, "bias", None), self.scaling, weight8)
+
+
+class Fp8Stack(Fp8Gathered):
+    """A stacked expert weight (E, out, in) that ZeRO-3 gathers in FP8: each expert cast with its own tensorwise
+    scale (`scale8` (E,)), as `Fp8Grouped` casts it unsharded. ZeRO shards along dim 0, so every expert is whole on
+    one rank: its amax is the owner's, and one all-reduce (MAX) of the (E,) amaxes, zeros where a rank holds no
+    rows, gives every rank every expert's scale."""
+
+    per_row = True
+
+    def __init__(self, scaling: Scaling, param: nn.Parameter) -> None:
+        super().__init__(scaling)
+        self.param = param
+
+
+class _Experts(torch.autograd.Function):
+    """The E experts of a stacked weight w (E, out, in) as E stand-ins of shape (out, in) that hold no data (ZeRO-3
+    freed w's storage and gathered its FP8 copy instead): each expert's `Fp8Matmul` reads only their shape and
+    dtype, and their gradients (zeros for an expert with no tokens) stack into w's."""
+
+    @staticmethod
+    def forward(ctx: Any, w: Tensor) -> tuple[Tensor, ...]:
+        return tuple(w.new_zeros(()).expand(*w.shape[1:]) for _ in range(w.shape[0]))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> Tensor:
+        return torch.stack(grads)
 
 
 class Fp8Grouped:
@@ -184,16 +259,26 @@ class Fp8Grouped:
     expert's scales (tensorwise: its own weight's amax and its segment's; rowwise: per row as the dense linears), so
     experts sharded over ep ranks need no reduction. On CPU (no scaled grouped GEMM kernel) this loop of per-expert
     `_scaled_mm`s is the exact reference; it reads the segment ends on the host. An empty segment is a 0-row
-    full-precision matmul (no amax of nothing), giving its expert a zero gradient."""
+    full-precision matmul (no amax of nothing), giving its expert a zero gradient. Under ZeRO-3 tensorwise the
+    engine gathers w in FP8 into its `Fp8Stack` (`stacks`, made by `fp8_forwards`): each expert's GEMMs take its
+    e4m3 rows and scale as they are."""
 
     def __init__(self, scaling: Scaling) -> None:
         self.scaling = scaling
+        self.stacks: dict[str, Fp8Stack] = {}  # by the parameter's name in its module
 
     def __call__(self, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+        stack = next((s for s in self.stacks.values() if s.filled and s.param is w), None)
+        experts = _Experts.apply(w) if stack is not None else w
         pieces, start = [], 0
         for e, end in enumerate(offs.tolist()):
             seg = x[start:end]
-            pieces.append(fp8_linear(seg, w[e], None, self.scaling) if end > start else seg @ w[e].t().to(x.dtype))
+            if stack is not None:
+                cast = (stack.weight8[e], stack.scale8[e])
+                pieces.append(fp8_linear(seg, experts[e], None, self.scaling, cast) if end > start
+                              else x.new_zeros(0, w.shape[1]))
+            else:
+                pieces.append(fp8_linear(seg, w[e], None, self.scaling) if end > start else seg @ w[e].t().to(x.dtype))
             start = end
         if start < x.shape[0]:
             pieces.append(x.new_zeros(x.shape[0] - start, w.shape[1]))
@@ -213,18 +298,29 @@ def fp8_experts(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def weight_to_fp8(t: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
-    """A weight (or a dim-0 shard of it) in e4m3 with the tensorwise scale of amax `a` (the whole weight's): the cast
-    `Fp8Matmul` makes of the whole weight, element for element."""
+    """A weight (or a dim-0 shard of it) in e4m3 with the tensorwise scale of amax `a` (the whole weight's; or
+    broadcast along dim 0, one per expert): the cast `Fp8Matmul` makes of the whole weight, element for element."""
     return to_fp8(t, E4M3, a, rowwise=False)
 
 
-def fp8_forwards(model: nn.Module) -> dict[nn.Parameter, Fp8Forward]:
-    """The FP8 linears of `model` whose weight ZeRO-3 gathers in FP8, by their weight (`Fp8Forward.gathers_fp8`)."""
-    out = {}
+def weight_scale(a: Tensor) -> Tensor:
+    """The scale `weight_to_fp8` gives for amax `a` (elementwise): what every rank needs of a weight it did not cast."""
+    return to_fp8(a.new_zeros(()), E4M3, a, rowwise=False)[1]
+
+
+def fp8_forwards(model: nn.Module) -> dict[nn.Parameter, Fp8Gathered]:
+    """The FP8 weights of `model` that ZeRO-3 gathers in FP8 (`Fp8Gathered.gathers_fp8`), by parameter: the
+    linears' (their `Fp8Forward`) and the experts' stacked weights (an `Fp8Stack` each, made here for the
+    parameters the module holds now)."""
+    out: dict[nn.Parameter, Fp8Gathered] = {}
     for module in model.modules():
         fwd = module.__dict__.get("forward")
         if isinstance(fwd, Fp8Forward) and fwd.gathers_fp8:
             out[module.weight] = fwd
+        grouped = module.__dict__.get("grouped")
+        if isinstance(grouped, Fp8Grouped) and not grouped.scaling.rowwise:
+            for name, p in module.named_parameters(recurse=False):
+                grouped.stacks[name] = out[p] = Fp8Stack(grouped.scaling, p)
     return out
 
 

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from strategies import comm
-from strategies.fp8 import E4M3, Fp8Forward, fp8_forwards, weight_to_fp8
+from strategies.fp8 import E4M3, Fp8Gathered, fp8_forwards, weight_scale, weight_to_fp8
 from strategies.plan import find_block_model
 from strategies.flat_step import FlatShard, FlatStep, elementwise
 
@@ -143,18 +143,19 @@ def _slots(buffer: Tensor, world: int, sp: ShardedParam, offset: Optional[int] =
 
 @dataclass(eq=False)
 class Fp8Layout:
-    """ZeRO-3 under FP8 (tensorwise; as torchao's float8 all-gather for FSDP2): a unit's FP8 linears' weights travel
-    as e4m3 bytes, each shard cast with the scale of its whole weight, in one all-gather; the unit's other
-    parameters (norms) in their dtype, in another. `offsets`: each parameter's place in its own packed segment."""
+    """ZeRO-3 under FP8 (tensorwise; as torchao's float8 all-gather for FSDP2): a unit's FP8 weights (its linears',
+    its expert stacks') travel as e4m3 bytes, each shard cast with the scale of its whole weight (of each whole
+    expert), in one all-gather; the unit's other parameters (norms, routers) in their dtype, in another. `offsets`:
+    each parameter's place in its own packed segment."""
 
-    weights: list[tuple[ShardedParam, Fp8Forward]]
+    weights: list[tuple[ShardedParam, Fp8Gathered]]
     rest: list[ShardedParam]
     offsets: dict[ShardedParam, int]
     fp8_segment: int
     rest_segment: int
 
     @classmethod
-    def of(cls, unit: Unit, forwards: dict[nn.Parameter, Fp8Forward]) -> Optional["Fp8Layout"]:
+    def of(cls, unit: Unit, forwards: dict[nn.Parameter, Fp8Gathered]) -> Optional["Fp8Layout"]:
         weights = [(sp, forwards[sp.param]) for sp in unit.params if sp.param in forwards]
         if not weights:
             return None
@@ -407,27 +408,42 @@ class ZeroEngine:
         self._fill(unit.params, recv)
 
     # -- stage 3 under FP8: weights gathered as e4m3 bytes with their scales -----------------------------------
-    def _fp8_amax(self, unit: Unit, layout: Fp8Layout) -> Tensor:
-        """Each FP8 weight's |w| max over the WHOLE weight: the shards' maxima in one all-reduce (MAX) over the ZeRO
-        group for all the unit's weights, then over tp where they are tp-split (as `fp8.amax` reduces them)."""
-        local = [sp.master.detach().abs().amax() if sp.local_numel else sp.master.new_zeros(())
-                 for sp, _ in layout.weights]
-        amax = torch.stack(local).float()
+    def _fp8_amax(self, unit: Unit, layout: Fp8Layout) -> list[Tensor]:
+        """Each FP8 weight's |w| max over the WHOLE weight (a scalar; per expert, (E,), for a stacked `Fp8Stack`,
+        whose experts are each whole on one rank: zeros where this rank holds none): the shards' maxima in one
+        all-reduce (MAX) over the ZeRO group for all the unit's weights, then the tp-split weights' over tp (as
+        `fp8.amax` reduces them)."""
+        local = []
+        for sp, fwd in layout.weights:
+            master = sp.master.detach()
+            if fwd.per_row:
+                a = master.new_zeros(sp.rows)
+                if sp.local_numel:
+                    a[sp.start: sp.end] = master.abs().flatten(1).amax(dim=1)
+            else:
+                a = (master.abs().amax() if sp.local_numel else master.new_zeros(())).reshape(1)
+            local.append(a.float())
+        amax = torch.cat(local)
         comm.all_reduce(amax, self.group, op=dist.ReduceOp.MAX, label=f"zero fp8 amax {unit.name}")
-        tp = next((fwd.scaling.group for _, fwd in layout.weights if fwd.scaling.group is not None), None)
-        if tp is not None:
-            comm.all_reduce(amax, tp, op=dist.ReduceOp.MAX, label="fp8 amax")
-        return amax
+        parts = list(amax.split([a.numel() for a in local]))
+        split = [i for i, (_, fwd) in enumerate(layout.weights) if fwd.scaling.group is not None]
+        if split:
+            tp = torch.cat([parts[i] for i in split])
+            comm.all_reduce(tp, layout.weights[split[0]][1].scaling.group, op=dist.ReduceOp.MAX, label="fp8 amax")
+            for i, part in zip(split, tp.split([parts[i].numel() for i in split])):
+                parts[i] = part
+        return [part if fwd.per_row else part.reshape(()) for part, (_, fwd) in zip(parts, layout.weights)]
 
     def _launch_fp8_gather(self, unit: Unit, layout: Fp8Layout) -> None:
         amax = self._fp8_amax(unit, layout)
         device = layout.weights[0][0].master.device
         send = torch.empty(layout.fp8_segment, dtype=torch.uint8, device=device)
         scales = []
-        for i, (sp, _) in enumerate(layout.weights):
-            w8, scale = weight_to_fp8(sp.master.detach(), amax[i])
+        for (sp, fwd), a in zip(layout.weights, amax):
+            mine = a[sp.start: sp.end].view(-1, *[1] * (sp.master.dim() - 1)) if fwd.per_row else a
+            w8, _ = weight_to_fp8(sp.master.detach(), mine)
             send[layout.offsets[sp]: layout.offsets[sp] + sp.local_numel].copy_(w8.view(-1).view(torch.uint8))
-            scales.append(scale)
+            scales.append(weight_scale(a))
         recv = torch.empty(self.world * layout.fp8_segment, dtype=torch.uint8, device=device)
         works = [comm.all_gather(recv, send, self.group, async_op=True, label=f"zero gather fp8 {unit.name}")]
         rest = None
