@@ -57,7 +57,7 @@ from lit_lm.estimate import Workload, estimate  # noqa: E402
 from lit_lm.module import LanguageModel  # noqa: E402
 from lit_lm.resident import reset_peak, status_bytes  # noqa: E402
 from machine import describe, machine  # noqa: E402
-from strategies.host_malloc import MODES  # noqa: E402
+from strategies.host_malloc import DEFAULT, MODES  # noqa: E402
 from strategies.zero_engine import model_state_bytes  # noqa: E402
 
 PRESETS = ["lm_ddp", "zero1", "zero2", "zero3", "tp"]
@@ -229,7 +229,8 @@ def markdown(runs: list[dict[str, Any]]) -> str:
              "setup: measured / est. | fwd+bwd: measured / est. | step: measured / est. | s/step |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     malloc_name = {"glibc": "glibc default", "mmap": "MALLOC_MMAP_THRESHOLD_", "fixed": "threshold fixed",
-                   "trim": "trimmed (lit-lm)", "trim-setup": "trimmed, also after setup"}
+                   "trim": "trimmed (lit-lm)", "trim-setup": "trimmed, also after setup",
+                   "setup": "trimmed after setup", "large": "mapped from 8 MiB (the default)"}
     for name, row in sorted(summary(run).items(), key=lambda kv: (float(kv[0].split()[1][:-1]), kv[0])):
         preset, size, *malloc = name.split()
         est, phases = row["estimate"], row["phases"]
@@ -259,7 +260,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--malloc", nargs="+", choices=MODES, default=["trim"], help="LIT_LM_MALLOC choices to run each with")
+    p.add_argument("--malloc", nargs="+", choices=MODES, default=[DEFAULT], help="LIT_LM_MALLOC choices to run each with")
     p.add_argument("--out", default="runs/bench_peaks.json")
     p.add_argument("--table", nargs="+", help="print saved runs (their --out JSONs) as one Markdown table, and exit")
     args = p.parse_args(argv)
