@@ -17,7 +17,9 @@ from lit_lm.estimate import flops_per_token  # noqa: F401  (one formula, shared 
 # Dense bf16 tensor-core peak FLOP/s per GPU (NVIDIA datasheets, no sparsity), matched by substring of the CUDA
 # device name, first match wins (so "H100 PCIe" is tested before "H100", "L40S" before "L4").
 PEAK_FLOPS: list[tuple[str, float]] = [
+    ("H200 NVL", 835e12),  # the NVL (PCIe) parts before their SXM names
     ("H200", 989e12),
+    ("H100 NVL", 835e12),
     ("H100 PCIe", 756e12),
     ("H100", 989e12),
     ("A100", 312e12),

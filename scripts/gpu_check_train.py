@@ -20,11 +20,12 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from callbacks.throughput import peak_flops_for
+from callbacks.throughput import peak_flops_for, synchronized_clock
 from kernels import KERNELS
 from lit_lm.config import ModelConfig
 from lit_lm.estimate import flops_per_token
 from lit_lm.module import LanguageModel
+from strategies.compile import COMPILES
 from strategies.ddp import DataParallelStrategy
 from strategies.zero import ZeroStrategy
 
@@ -55,26 +56,43 @@ class LossRecorder(L.Callback):
 
 
 class StepTimer(L.Callback):
-    """Wall time of each step, batch start to batch start (optimizer step included), with the device synchronised
-    at both ends: what a run achieves, as `callbacks.throughput.Throughput` measures it."""
+    """The steps after the first `warmup` timed as one window, batch start of step `warmup` to the end of training
+    (optimizer steps included), the device synchronised only at those two ends: no measured step waits for the
+    device, as a run's steady state does not. Also each batch start on the host clock (`step_seconds`, unsynchronised:
+    on CUDA the host may run ahead of the device, so one step's figure is indicative; the window's total is exact)
+    and what torch.compile did in each step (`strategies.compile.COMPILES`: graphs and seconds), so the compile
+    time is reported apart and a compile inside the window shows."""
 
-    def __init__(self) -> None:
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
         self.marks: list[float] = []
+        self.compiles: list[tuple[int, float]] = []  # COMPILES (count, seconds) at each mark
+        self.window: list[float] = []  # synchronised: [start, end]
 
-    def _mark(self, pl_module: L.LightningModule) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
+    def _mark(self, pl_module: L.LightningModule, synchronise: bool) -> None:
+        if synchronise:
+            self.window.append(synchronized_clock(pl_module.device))
         self.marks.append(time.perf_counter())
+        self.compiles.append((COMPILES.count, COMPILES.seconds))
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        self._mark(pl_module)
+        self._mark(pl_module, synchronise=batch_idx == self.warmup)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._mark(pl_module)
+        self._mark(pl_module, synchronise=True)
 
     def step_seconds(self) -> list[float]:
         return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+    def measured(self, batch: int, seq_len: int) -> dict[str, Any]:
+        """tokens/s over the window; the compiles (graphs, seconds) of each step; those inside the window."""
+        start, end = self.window
+        steps = len(self.marks) - 1 - self.warmup
+        per_step = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(self.compiles, self.compiles[1:])]
+        return dict(tokens_per_s=batch * seq_len * steps / (end - start), window_s=end - start, measured_steps=steps,
+                    compile_s=sum(s for _, s in per_step), compile_graphs_per_step=[g for g, _ in per_step],
+                    compiles_in_window=sum(g for g, _ in per_step[self.warmup:]))
 
 
 class SyncDebug(L.Callback):
@@ -155,7 +173,9 @@ def fit(config: ModelConfig, strategy: str, kernels: bool, precision: str, steps
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         num_sanity_val_steps=0, limit_val_batches=0)
     t0 = time.perf_counter()
-    trainer.fit(module, DataLoader(tokens, batch_size=batch))
+    # pinned: the batch's copy to the GPU is then asynchronous (from pageable memory it waits for the stream: a
+    # host sync in every step)
+    trainer.fit(module, DataLoader(tokens, batch_size=batch, pin_memory=device.type == "cuda"))
     backend = torch.distributed.get_backend() if torch.distributed.is_initialized() else None
     del trainer, module
     gc.collect()
@@ -166,9 +186,10 @@ def fit(config: ModelConfig, strategy: str, kernels: bool, precision: str, steps
 
 
 def fit_shapes(dry_run: bool) -> tuple[ModelConfig, dict[str, int]]:
-    if dry_run:
-        return (ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32),
-                dict(steps=3, batch=2, seq_len=16))
+    if dry_run:  # the wiring at the least cost: the Triton interpreter's time grows with every size (a kernels-on
+        # fit of 2 layers, batch 2, vocabulary 256 and 3 steps took 8-10 s on 2 cores; this one 1.5 s)
+        return (ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32),
+                dict(steps=2, batch=1, seq_len=16))
     return (ModelConfig(vocab_size=8192, d_model=512, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=512),
             dict(steps=20, batch=8, seq_len=512))
 
@@ -233,9 +254,9 @@ def run_sync_debug(report: Any, dry_run: bool, device: torch.device) -> str:
 
 
 def mfu_shapes(dry_run: bool) -> tuple[ModelConfig, dict[str, int]]:
-    if dry_run:
-        return (ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=16),
-                dict(steps=2, warmup=1, batch=2, seq_len=16))  # the interpreter's attention costs T^2
+    if dry_run:  # as `fit_shapes`: the least that runs every step (the interpreter's attention costs T^2)
+        return (ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, max_seq_len=16),
+                dict(steps=2, warmup=1, batch=1, seq_len=16))
     # ~1.04B parameters, Llama-style (head_dim 128, SwiGLU d_ff 5504, untied 32k vocabulary)
     return (ModelConfig(vocab_size=32000, d_model=2048, n_layers=18, n_heads=16, max_seq_len=2048),
             dict(steps=13, warmup=3, batch=4, seq_len=2048))
@@ -255,17 +276,18 @@ def run_mfu(report: Any, dry_run: bool, device: torch.device, peak_tflops: Optio
         peak, source = 1e12, "dry-run nominal 1 TFLOP/s"
     else:
         raise RuntimeError(f"no peak FLOP/s known for {name!r}: pass --peak-tflops")
-    timer = StepTimer()
+    timer = StepTimer(shape["warmup"])
     run = fit(config, "lm_ddp", True, precision, shape["steps"], shape["batch"], shape["seq_len"], device,
               callbacks=(timer,))
-    measured = timer.step_seconds()[shape["warmup"]:]
-    tokens_per_s = shape["batch"] * shape["seq_len"] * len(measured) / sum(measured)
+    window = timer.measured(shape["batch"], shape["seq_len"])
+    tokens_per_s = window["tokens_per_s"]
     n = config.num_params(include_embedding=False)
     per_token = flops_per_token(n, config.n_layers, config.d_model, shape["seq_len"])
     memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     report.update(dry_run=dry_run, device_name=name, model=vars(config), params=config.num_params(),
                   params_without_embedding=n, **shape, precision=precision, kernels=run["kernels"],
                   strategy="lm_ddp", losses=run["losses"], step_seconds=timer.step_seconds(),
+                  window_s=window["window_s"], measured_steps=window["measured_steps"],
                   tokens_per_s=tokens_per_s, flops_per_token=per_token,
                   flops_formula="6N + 12·L·d·T per token (PaLM appendix B; N without the input embedding, "
                                 "causal attention not halved, recomputation not counted)",
@@ -301,9 +323,10 @@ def speed_shapes(dry_run: bool) -> tuple[ModelConfig, dict[str, int]]:
 def run_speed(report: Any, dry_run: bool, device: torch.device, peak_tflops: Optional[float],
               precision: str) -> str:
     """The `speed` section: the ~1B model under lm_ddp and zero3 on one device, eager, per-block compile, and
-    compile + FP8 (tensorwise, rowwise): tokens/s over the steps after the warmup (the compile included in the
-    warmup) and MFU against the device's dense bf16 peak, each with its ratio to eager of the same strategy. A
-    variant that fails is recorded with its error; the others still run."""
+    compile + FP8 (tensorwise, rowwise): tokens/s over the steps after the warmup (`StepTimer`: no host sync
+    inside them; the compile falls in the warmup and is reported apart, `compile_s`, with the graphs compiled per
+    step and `compiles_in_window`, which must stay 0) and MFU against the device's dense bf16 peak, each with its
+    ratio to eager of the same strategy. A variant that fails is recorded with its error; the others still run."""
     config, shape = speed_shapes(dry_run)
     peak, source, name = peak_for(device, dry_run, peak_tflops)
     n = config.num_params(include_embedding=False)
@@ -315,16 +338,16 @@ def run_speed(report: Any, dry_run: bool, device: torch.device, peak_tflops: Opt
     for strategy in SPEED_STRATEGIES:
         for variant, compile, recipe in SPEED_VARIANTS:
             compile = "aot_eager" if compile and dry_run else compile
-            timer = StepTimer()
+            timer = StepTimer(shape["warmup"])
             row: dict[str, Any] = dict(strategy=strategy, variant=variant, compile=compile, fp8=recipe)
             try:
                 run = fit(config, strategy, False, precision, shape["steps"], shape["batch"], shape["seq_len"],
                           device, callbacks=(timer,), compile=compile, fp8=recipe)
-                measured = timer.step_seconds()[shape["warmup"]:]
-                tokens_per_s = shape["batch"] * shape["seq_len"] * len(measured) / sum(measured)
+                measured = timer.measured(shape["batch"], shape["seq_len"])
+                tokens_per_s = measured["tokens_per_s"]
                 eager = next((r for r in runs if r["strategy"] == strategy and r["variant"] == "eager"
                               and "tokens_per_s" in r), None)
-                row.update(losses=run["losses"], step_seconds=timer.step_seconds(), tokens_per_s=tokens_per_s,
+                row.update(losses=run["losses"], step_seconds=timer.step_seconds(), **measured,
                            mfu=per_token * tokens_per_s / peak,
                            vs_eager=1.0 if variant == "eager" else tokens_per_s / eager["tokens_per_s"] if eager else None,
                            peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
@@ -335,4 +358,4 @@ def run_speed(report: Any, dry_run: bool, device: torch.device, peak_tflops: Opt
             runs.append(row)
             print(f"  {strategy:>6} {variant:<24} {row.get('tokens_per_s', row.get('error'))}", flush=True)
             report.update(runs=runs)
-    return "ok" if all("tokens_per_s" in r for r in runs) else "failed"
+    return "ok" if all("tokens_per_s" in r and r["compiles_in_window"] == 0 for r in runs) else "failed"

@@ -167,6 +167,9 @@ def test_mfu_is_model_flops_over_peak(dry_run: tuple) -> None:
     assert section["mfu"] == pytest.approx(per_token * section["tokens_per_s"] / section["peak_flops"])
     assert 0 < section["mfu"] < 1 and section["dry_run"] is True
     assert len(section["step_seconds"]) == section["steps"]
+    assert section["measured_steps"] == section["steps"] - section["warmup"] > 0  # the warm-up left out
+    measured_tokens = section["batch"] * section["seq_len"] * section["measured_steps"]
+    assert section["tokens_per_s"] == pytest.approx(measured_tokens / section["window_s"])
 
 
 def test_speed_rows_eager_compile_and_fp8_under_lm_ddp_and_zero3(dry_run: tuple) -> None:
@@ -181,6 +184,16 @@ def test_speed_rows_eager_compile_and_fp8_under_lm_ddp_and_zero3(dry_run: tuple)
         assert row["mfu"] == pytest.approx(section["flops_per_token"] * row["tokens_per_s"] / section["peak_flops"])
         assert len(row["losses"]) == section["steps"] and all(x == x for x in row["losses"])
         assert row["vs_eager"] == pytest.approx(row["tokens_per_s"] / rows[(strategy, "eager")]["tokens_per_s"])
+        # the warm-up (the compile in it) is out of the timed window, its compile time reported apart
+        assert row["measured_steps"] == section["steps"] - section["warmup"] > 0
+        assert row["tokens_per_s"] == pytest.approx(
+            section["batch"] * section["seq_len"] * row["measured_steps"] / row["window_s"])
+        assert len(row["compile_graphs_per_step"]) == section["steps"] and row["compiles_in_window"] == 0
+        if not row["compile"]:
+            assert row["compile_graphs_per_step"][0] == 0 == row["compile_s"]
+    for variant in variants[1:]:  # the process's first fit of each compiled variant compiles in its first step
+        first = rows[("lm_ddp", variant)]  # (zero3's may reuse its graphs: ZeRO-3's hooks are outside the blocks)
+        assert first["compile_graphs_per_step"][0] > 0 and first["compile_s"] > 0, first
 
 
 def test_a_failing_kernel_fails_the_run(env: dict[str, str], tmp_path: Path) -> None:
