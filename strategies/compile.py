@@ -12,15 +12,16 @@ state-dict keys do not change (the compiled function replaces the instance's `fo
 `fullgraph`: True where no engine issues a collective inside a block (data parallel, ZeRO 1-3, pipeline stages): the
 block must then be one graph, and anything dynamo cannot trace fails loudly instead of running eagerly. Tensor,
 context and expert parallelism put their collectives inside the block (a region's border, the ring's p2p, the
-all-to-all), and those go through `strategies.comm`'s accounting layer, which dynamo does not trace: the block is
-then compiled in the pieces between the collectives (`fullgraph=False`), each piece a graph, the collectives eager.
+all-to-all), and those go through `strategies.comm`'s accounting layer, which dynamo is kept out of
+(`_collectives_run_eagerly`): the block is then compiled in the pieces between the collectives (`fullgraph=False`),
+each piece a graph, the collectives eager.
 Context parallelism's attention core (the ring: p2p in a loop, one attention tile per peer, each with its own
 offsets) runs eagerly as a whole between the block's graphs: traced, every tile's offset would be a new guard.
 An MoE layer (the module holding the model's `expert_plan()` experts) runs eagerly as a whole: `torch._grouped_mm` has
 no fake-tensor kernel on the CPU in torch 2.13, and under expert parallelism the dispatch reads the tokens per peer on
 the host (the all-to-all's split sizes), data-dependent every step: traced, each new split was a guard and a
-recompile (ep2: 10, 5, 4, 2 graphs in steps 2-5). Only fixed shapes cross the border (the layer's input and output):
-ep2 compiles one graph more in step 2, then none.
+recompile (ep2: 10, 5, 4, 2 graphs in steps 2-5). Only fixed shapes cross the border (the layer's input and output),
+and a dense and an MoE block compile as different code (`block_kind`): nothing compiles after the first step.
 
 A call that passes something other than tensors (generation's KV cache, whose length changes every token) runs the
 block's eager forward: the compiled graphs serve training and validation at their fixed shapes only, so generation
@@ -32,6 +33,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from itertools import chain
+from types import CodeType, FunctionType
 from typing import Any, Callable, Optional
 
 import torch
@@ -39,6 +41,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from kernels.runtime import interpreting
+from strategies import comm
 from strategies.cp import ContextParallelAttention
 from strategies.errors import ConfigError
 from strategies.fp8 import apply_fp8
@@ -80,16 +83,34 @@ on_compile_start(COMPILES.start)
 on_compile_end(COMPILES.end)
 
 
+# one code object per kind of block (`block_kind`): dynamo keeps compiled graphs per code object
+_BLOCK_CODES: dict[tuple[str, ...], CodeType] = {}
+
+
+def block_kind(block: nn.Module) -> tuple[str, ...]:
+    """The types of a block's modules: blocks of one kind share their compiled code (a model of N identical blocks
+    compiles once), blocks of different kinds (a dense and an MoE block) each have their own. Shared, a graph break
+    at the top of one kind's code (an MoE layer or the cp ring run eagerly inside it) leaves an entry whose guards
+    do not see the block's modules: the other kind matched it in step 2, ran its forward as a frame of its own and
+    compiled it again (ep2: one graph and its backward more in step 2)."""
+    return tuple(type(m).__qualname__ for m in block.modules())
+
+
 class CompiledForward:
     """A block's forward compiled with `torch.compile`; `forward` is the block's own one (bound, or activation
-    checkpointing's `Checkpointed`), run eagerly for calls with non-tensor arguments (a KV cache)."""
+    checkpointing's `Checkpointed`), run eagerly for calls with non-tensor arguments (a KV cache). `kind`: the
+    block's `block_kind` (blocks of one kind share compiled code)."""
 
-    def __init__(self, forward: Callable[..., Any], fullgraph: bool, backend: str = BACKEND) -> None:
+    def __init__(self, forward: Callable[..., Any], fullgraph: bool, backend: str = BACKEND,
+                 kind: tuple[str, ...] = ()) -> None:
         self.forward, self.fullgraph, self.backend = forward, fullgraph, backend
 
         def block_forward(*args: Any, **kwargs: Any) -> Any:
             return forward(*args, **kwargs)
 
+        code = _BLOCK_CODES.setdefault(kind, block_forward.__code__.replace(
+            co_name=f"block_forward_{len(_BLOCK_CODES)}", co_qualname=f"block_forward_{len(_BLOCK_CODES)}"))
+        block_forward = FunctionType(code, block_forward.__globals__, code.co_name, None, block_forward.__closure__)
         self.compiled = torch.compile(block_forward, fullgraph=fullgraph, backend=backend)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -109,6 +130,22 @@ def _interpreter_runs_eagerly() -> bool:
     if not getattr(GridExecutor.__call__, "_torchdynamo_disable", False):
         GridExecutor.__call__ = torch._dynamo.disable(GridExecutor.__call__)
     return True
+
+
+# the accounting layer's tensor collectives, the ones a block issues (tp's region borders, the cp ring, ep's dispatch)
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p_batch")
+
+
+def _collectives_run_eagerly() -> None:
+    """Every collective of `strategies.comm` runs eagerly, never traced: traced, dynamo followed the accounting into
+    its Python state and guarded on it (the flight recorder's history length, one more after every collective), so
+    a block whose graph holds a collective recompiled whenever that length differed (dp2 x tp2 x pp2: 8 graphs more
+    in step 2, the history not yet at its bound) until dynamo's recompile limit silently left those frames eager.
+    Disabled, a collective is a graph break: the pieces between them are the graphs, the call order is the eager one."""
+    for name in COLLECTIVES:
+        fn = getattr(comm, name)
+        if not getattr(fn, "_torchdynamo_disable", False):
+            setattr(comm, name, torch._dynamo.disable(fn))
 
 
 # what compile refuses, '<combination>: <why>; <instead>' as `strategies.layout.REFUSED` reads (a module option, so
@@ -135,6 +172,7 @@ def compile_blocks(model: nn.Module, fullgraph: bool, backend: str = BACKEND, re
         raise ConfigError(f"compile wraps a model's `blocks` (strategies.plan.BlockModel): {type(model).__name__} "
                           "has none; set model.init_args.compile false")
     fullgraph = not _interpreter_runs_eagerly() and fullgraph
+    _collectives_run_eagerly()
     moe = [model.get_submodule(name.rpartition(".")[0])  # the layers holding experts: routing, dispatch, experts
            for name in (model.expert_plan() if hasattr(model, "expert_plan") else {})]
     fullgraph = fullgraph and not moe
@@ -144,7 +182,8 @@ def compile_blocks(model: nn.Module, fullgraph: bool, backend: str = BACKEND, re
             module.forward = torch._dynamo.disable(module.forward)
     for block in blocks.values():
         if not isinstance(block.__dict__.get("forward"), CompiledForward):
-            block.forward = CompiledForward(block.__dict__.get("forward", block.forward), fullgraph, backend)
+            block.forward = CompiledForward(block.__dict__.get("forward", block.forward), fullgraph, backend,
+                                            block_kind(block))
     return len(blocks)
 
 

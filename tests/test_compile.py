@@ -4,7 +4,8 @@ parameters at the harness' fp32 tolerance, and no compile after the first step a
 
 Inductor compiles take tens of seconds on two loaded cores, so the presets share worlds and most run under the
 `aot_eager` backend (the same dynamo graphs, hooks and guards; no code generation); inductor's generated code is
-checked on one process and under lm_ddp + ZeRO-3, whose block graph is the same (its compiled code is cached).
+checked under lm_ddp and ZeRO-1, whose block graph is the same (dynamo's cache serves the second), with inductor's
+cache in the test's own folder (a fresh clone's cold cache) and one compile thread per rank.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ import io
 import re
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 from unittest.mock import patch
 
 import lightning as L
 import pytest
 import torch
+from torch._inductor import config as inductor_config
 
-from lit_lm.parity import MOE, TINY, Case, assert_parity, reference, run_parity
+from lit_lm.parity import MOE, TINY, Case, _fit_cases, assert_parity, reference
+from lit_lm.spawn import run_distributed
 from strategies.composed import ComposedStrategy
 from strategies.ac import apply_activation_checkpointing
 from strategies.compile import COMPILES, REFUSED, CompiledForward, compile_blocks
@@ -30,19 +34,26 @@ STEPS = 5
 
 
 class CompileCount(L.Callback):
-    """Compiles so far in this process after each training batch (`strategies.compile.COMPILES`)."""
+    """Compiles so far in this process after each training batch (`strategies.compile.COMPILES`), and the blocks
+    of this rank and how many of them run compiled forwards. A block that recompiles past dynamo's limit fails the
+    run (dynamo would otherwise run it eagerly and silently: a counter that stopped counting)."""
 
     def __init__(self) -> None:
         self.counts: list[int] = []
-        self.compiled_blocks = 0
+        self.blocks = self.compiled_blocks = 0
+
+    def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+        inductor_config.compile_threads = 1  # no pool of compile workers per rank: the ranks share 2 cores
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
         self.counts.append(COMPILES.count)
+        self.blocks = len(module.model.blocks)
         self.compiled_blocks = sum(isinstance(b.__dict__.get("forward"), CompiledForward)
                                    for b in module.model.blocks.values())
 
     def __getstate__(self) -> dict[str, Any]:  # what travels back from a rank (Lightning binds `log` to callbacks)
-        return {"counts": self.counts, "compiled_blocks": self.compiled_blocks}
+        return {"counts": self.counts, "blocks": self.blocks, "compiled_blocks": self.compiled_blocks}
 
 
 def compiled_case(strategy: Any, label: str, backend: Any = "aot_eager", model: dict = TINY, **kwargs: Any) -> Case:
@@ -50,21 +61,22 @@ def compiled_case(strategy: Any, label: str, backend: Any = "aot_eager", model: 
                 module=("lit_lm.module.LanguageModel", (("compile", backend),)), **kwargs)
 
 
-def assert_compiled_parity(run: dict[str, Any], warmup: int = 1) -> None:
-    """Against the eager one-process run (no checkpointing: eager checkpointing equals it bit for bit, test_ac);
-    every block compiled, nothing compiled after the first step; an MoE model after the second (ep2 measured one
-    graph more in step 2, then none: its layers run eagerly between the block's graphs, docs/compile.md), or after
-    `warmup` steps."""
-    case = run["case"]
-    eager = reference(replace(case, module=(), callbacks=()))
-    assert_parity({**run, "single": eager})
-    for rank, got in enumerate(run["ranks"]):
-        count = got["callbacks"][0]
-        assert count.compiled_blocks == len([k for k in eager["params"] if k.endswith("attn_norm.weight")]) or \
-            count.compiled_blocks > 0, f"{case.label}: rank {rank}: no block compiled"
-        warmup = max(warmup, 2 if case.model.get("moe_experts", 0) else 1)
-        assert count.counts[-1] == count.counts[warmup - 1], \
-            f"{case.label}: rank {rank} compiled after step {warmup}: counts per step {count.counts}"
+def run_compiled(cases: list[Case], world_size: int, env: Optional[dict[str, str]] = None) -> None:
+    """Every case in one world of `world_size` ranks, each against its *eager* one-process run (no checkpointing:
+    eager checkpointing equals it bit for bit, test_ac; one run per model, cached): every block of every rank
+    compiled, and nothing compiled after the first step (the counter at zero from step 2 on)."""
+    per_rank = run_distributed(_fit_cases, world_size, cases, world_size, [None] * len(cases),
+                               init_process_group=False, env=env)
+    for i, case in enumerate(cases):
+        eager = reference(replace(case, module=(), callbacks=()))
+        ranks = [r[i] for r in per_rank]
+        assert_parity({"case": case, "ranks": ranks, "single": eager})
+        for rank, got in enumerate(ranks):
+            count = got["callbacks"][0]
+            assert count.compiled_blocks == count.blocks > 0, f"{case.label}: rank {rank}: {count.compiled_blocks} " \
+                f"of {count.blocks} blocks compiled"
+            assert len(count.counts) == STEPS and count.counts[1:] == count.counts[:1] * (STEPS - 1), \
+                f"{case.label}: rank {rank} compiled after step 1: counts per step {count.counts}"
 
 
 PRESETS_2 = {
@@ -92,25 +104,20 @@ INDUCTOR_2 = {
 
 
 def test_presets_compiled_match_eager() -> None:
-    for run in run_parity(list(PRESETS_2.values()), world_size=2):
-        assert_compiled_parity(run)
+    run_compiled(list(PRESETS_2.values()), world_size=2)
 
 
 def test_hsdp_and_2d_compiled_match_eager() -> None:
-    for run in run_parity(list(PRESETS_4.values()), world_size=4):
-        assert_compiled_parity(run)
+    run_compiled(list(PRESETS_4.values()), world_size=4)
 
 
 def test_3d_compiled_matches_eager() -> None:
-    """dp2 x tp2 x pp2: measured 8 graphs more in step 2 (tp inside pipeline stages; the guard not yet traced),
-    then none in steps 3-5 (docs/compile.md): held to no compile after step 2."""
-    for run in run_parity([THREE_D], world_size=8):
-        assert_compiled_parity(run, warmup=2)
+    run_compiled([THREE_D], world_size=8)
 
 
-def test_inductor_compiled_matches_eager() -> None:
-    for run in run_parity(list(INDUCTOR_2.values()), world_size=2):
-        assert_compiled_parity(run)
+def test_inductor_compiled_matches_eager(tmp_path: Path) -> None:
+    """Inductor's generated C++ code; its cache in a folder of the test's own (a fresh clone's cold cache)."""
+    run_compiled(list(INDUCTOR_2.values()), world_size=2, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
 
 
 def test_the_option_compiles_blocks_in_place_and_generation_stays_eager() -> None:
