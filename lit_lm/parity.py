@@ -323,11 +323,11 @@ def reference(case: Case) -> dict[str, Any]:
     return _REFERENCES[case.key]
 
 
-def run_parity(cases: list[Case], world_size: int) -> list[dict[str, Any]]:
-    """Run every case on `world_size` ranks (one spawn for all) and its one-process reference here. Each result:
-    {"case", "ranks": [per-rank records], "single": the reference records}."""
+def run_parity(cases: list[Case], world_size: int, env: Optional[dict[str, str]] = None) -> list[dict[str, Any]]:
+    """Run every case on `world_size` ranks (one spawn for all, `env` added to the ranks' environment) and its
+    one-process reference here. Each result: {"case", "ranks": [per-rank records], "single": the reference records}."""
     paths = [saved_checkpoint(case.resume) for case in cases]  # before the spawn: the workers read them
-    per_rank = run_distributed(_fit_cases, world_size, cases, world_size, paths, init_process_group=False)
+    per_rank = run_distributed(_fit_cases, world_size, cases, world_size, paths, init_process_group=False, env=env)
     return [{"case": case, "ranks": [r[i] for r in per_rank], "single": reference(case)}
             for i, case in enumerate(cases)]
 

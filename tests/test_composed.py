@@ -18,7 +18,7 @@ import lightning as L
 import pytest
 import torch
 
-from dist_utils import TinyLM, token_data
+from dist_utils import REFERENCE_TILES, TinyLM, token_data
 from lit_lm.parity import CLIP_ABOVE, MOE, TINY, Case, assert_parity, run_parity
 from lit_lm.spawn import run_distributed
 from strategies import plan
@@ -129,19 +129,19 @@ def test_four_rank_compositions_match_one_process(names: list[str]) -> None:
 
 
 def test_context_parallel_on_two_ranks_matches_one_process() -> None:
-    for run in run_parity(list(CP_TWO_RANKS.values()), world_size=2):
+    for run in run_parity(list(CP_TWO_RANKS.values()), world_size=2, env=REFERENCE_TILES):
         assert_parity(run)
         for callback in run["ranks"][0]["callbacks"]:  # logged without a sync, rank 0 shows the whole loss
             assert callback.losses == pytest.approx(run["single"]["callbacks"][0].losses, rel=1e-5)
 
 
 def test_context_parallel_compositions_on_four_ranks_match_one_process() -> None:
-    for run in run_parity(list(CP_FOUR_RANKS.values()), world_size=4):
+    for run in run_parity(list(CP_FOUR_RANKS.values()), world_size=4, env=REFERENCE_TILES):
         assert_parity(run)
 
 
 def test_eight_rank_compositions_match_one_process() -> None:
-    for run in run_parity([*EIGHT_RANKS.values(), HSDP_CP], world_size=8):
+    for run in run_parity([*EIGHT_RANKS.values(), HSDP_CP], world_size=8, env=REFERENCE_TILES):
         assert_parity(run)
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_utils import TINY, run_distributed
+from dist_utils import REFERENCE_TILES, TINY, run_distributed
 from lit_lm.parity import Case, assert_parity, run_parity
 from kernels.attention import attention_reference
 from lit_lm.config import ConfigError, ModelConfig
@@ -330,7 +330,7 @@ def test_cp3_ring_matches_one_process_and_the_reversed_ring_is_reported() -> Non
     cp3 = partial(ComposedStrategy, context_parallel_size=3)
     clean, mutant = run_parity([Case(cp3, model=CP3_MODEL, steps=2, global_batch=2, label="cp3 ring"),
                                 Case(cp3, model=CP3_MODEL, steps=1, global_batch=2, mutation=ring_reversed,
-                                     label="cp3 ring, reversed")], 3)
+                                     label="cp3 ring, reversed")], 3, env=REFERENCE_TILES)
     assert_parity(clean)
     # K/V blocks attended at the wrong positions move the first loss, which the harness checks before the gradients
     with pytest.raises(AssertionError, match=r"cp3 ring, reversed: batch 0 rank \d: loss"):

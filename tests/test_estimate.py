@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader, TensorDataset
 
-from dist_utils import TINY, TinyLM, rank_share, run_distributed, token_data
+from dist_utils import REFERENCE_TILES, TINY, TinyLM, rank_share, run_distributed, token_data
 from lit_lm.check.meter import CONTROL
 from lit_lm.config import ModelConfig
 from lit_lm.estimate import GLOO_STAGING, Workload, estimate, flops_per_token, peak_in_flight
@@ -181,7 +181,7 @@ def _measure(names: list[str]) -> list[dict[str, Any]]:
 
 def test_estimate_matches_measurement_of_every_strategy() -> None:
     names = list(LAYOUTS)
-    ranks = run_distributed(_measure, WORLD, names, init_process_group=False)
+    ranks = run_distributed(_measure, WORLD, names, init_process_group=False, env=REFERENCE_TILES)
     for i, name in enumerate(names):
         layout = LAYOUTS[name]
         work = Workload(ModelConfig(**dict(MODELS.get(name, MODEL), max_seq_len=SEQ)), SEQ, GLOBAL_BATCH, "32-true")

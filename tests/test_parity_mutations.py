@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dist_utils import REFERENCE_TILES
 from lit_lm.parity import BF16_TRUE_RTOL, CLIP_ABOVE, MOE, TINY, Case, assert_parity, bf16_true_case, run_parity
 from callbacks.clip import GlobalNormClip
 from strategies import clip, comm, grad_sync, params, zero_engine
@@ -258,7 +259,7 @@ MUTANTS_4 = {  # on 4 ranks (dp2 x tp2, HSDP 2 x 2)
 def _missed(mutants: dict[str, tuple[Case, str]], world_size: int) -> tuple[list[str], dict[str, str]]:
     """Run every mutant in one launch (one step: every report names step 0 or the state after it); the mutants
     not reported as expected, and every report."""
-    runs = run_parity([replace(case, steps=1) for case, _ in mutants.values()], world_size)
+    runs = run_parity([replace(case, steps=1) for case, _ in mutants.values()], world_size, env=REFERENCE_TILES)
     missed, reports = [], {}
     for (name, (_, report)), run in zip(mutants.items(), runs):
         try:

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from dist_utils import TINY, Recorder, TinyLM, run_distributed, token_data
+from dist_utils import REFERENCE_TILES, TINY, Recorder, TinyLM, run_distributed, token_data
 from strategies.checkpoint import read_whole
 from strategies.composed import ComposedStrategy
 
@@ -112,7 +112,7 @@ def run_matrix(root: Path, pairs: list[tuple[str, str]]) -> dict[tuple[Optional[
             if job[0] is None or job[0] in saved or (None, job[0]) in group:
                 group.append(job)
         world, jobs = max(by_world.items(), key=lambda item: len(item[1]))
-        per_rank = run_distributed(_run_group, world, str(root), jobs, init_process_group=False)
+        per_rank = run_distributed(_run_group, world, str(root), jobs, init_process_group=False, env=REFERENCE_TILES)
         results.update((job, _merged([r[i] for r in per_rank])) for i, job in enumerate(jobs))
         pending = [job for job in pending if job not in jobs]
     return results
