@@ -3,19 +3,21 @@
 import csv
 import os
 import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
+import cli_server
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = "import os\n\ndef main(argv):\n    for arg in argv:\n        print(arg.upper())\n    return 0\n" * 30
 
 
-def run_cli(*args: str, cwd: Path, warnings: str = "ignore") -> subprocess.CompletedProcess:
+def run_cli(*args: str, cwd: Path, warnings: str = "ignore", fresh: bool = False) -> subprocess.CompletedProcess:
+    """`python -m lit_lm ARGS`, through this worker's preloaded fork server (tests/cli_server.py: the same process
+    and launcher, without ~8 s of imports); `fresh` starts a real interpreter (and real ranks) instead."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS=warnings)
-    return subprocess.run([sys.executable, "-m", "lit_lm", *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([cli_server.python(fresh), "-m", "lit_lm", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -70,8 +72,9 @@ def test_zero2_on_two_ranks_resumes_exactly_on_one(tmp_path):
                                   "--trainer.max_steps", "8", "--trainer.val_check_interval", "4"]
     ckpt_every = ["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.every_n_train_steps=4",
                   "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename=at_{step}"]
+    # real interpreters (`fresh`): the user's `python -m lit_lm` and Lightning's launcher starting real ranks
     full = run_cli("fit", *base, "--trainer.devices", "2", "--data.init_args.batch_size", "2", *ckpt_every,
-                   cwd=tmp_path, warnings="default")
+                   cwd=tmp_path, warnings="default", fresh=True)
     assert full.returncode == 0, full.stderr[-3000:]
     # the resolved layout, said once at start (not again for the validations inside fit)
     said = (full.stdout + full.stderr).count("lit-lm layout: 2 ranks = pp 1 × dp_replicate 1 × dp_shard 2 × cp 1 × "
@@ -80,7 +83,7 @@ def test_zero2_on_two_ranks_resumes_exactly_on_one(tmp_path):
     ckpt = tmp_path / "run/checkpoints/at_step=4.ckpt"
     assert (ckpt / "meta.pt").is_file()  # a sharded (DCP) checkpoint directory
     resumed = run_cli("fit", *base, "--trainer.devices", "1", "--data.init_args.batch_size", "4",
-                      "--ckpt_path", str(ckpt), cwd=tmp_path, warnings="default")
+                      "--ckpt_path", str(ckpt), cwd=tmp_path, warnings="default", fresh=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     # mid-epoch: the data module restores the position, so Lightning must not warn that the loader cannot
     assert "not resumable" not in resumed.stderr

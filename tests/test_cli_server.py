@@ -1,0 +1,83 @@
+"""tests/cli_server.py, the suite's preloaded `python -m lit_lm`: a run through it reads as a fresh interpreter's
+(same stdout, stderr and exit status), a signal or a timeout ends its forked child, and a variable the imports read
+that differs from the server's sends the run to a real interpreter."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import cli_server
+import pytest
+
+ERROR = ("fit", "--trainer.max_stepz", "3")  # refused before any Trainer: one line, exit 2
+
+
+def _log() -> Path:
+    return Path(cli_server.python()).parent / "requests.log"
+
+
+def _run(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([cli_server.python(), "-m", "lit_lm", *args], cwd=cwd, capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env), timeout=300)
+
+
+def _child(mark: str, timeout: float = 30) -> int:
+    """The pid of the forked child whose request line names `mark`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = re.findall(rf"^\S+ (\d+) .*{re.escape(mark)}.*: forked$", _log().read_text(), re.M)
+        if found:
+            return int(found[-1])
+        time.sleep(0.05)
+    raise AssertionError(f"no forked request for {mark}: {_log().read_text()[-2000:]}")
+
+
+def _gone(pid: int, timeout: float = 10) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":  # dead, not yet reaped by the server
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_run_through_the_server_reads_as_a_fresh_interpreters(tmp_path):
+    served = _run(*ERROR, cwd=tmp_path)
+    # HF_HOME is read when huggingface_hub is imported (through Lightning): a different one cannot be forked
+    fresh = _run(*ERROR, cwd=tmp_path, HF_HOME=str(tmp_path / "hf"))
+    lines = _log().read_text().splitlines()
+    assert lines[-2].endswith("max_stepz 3: forked") and lines[-1].endswith("max_stepz 3: real interpreter (['HF_HOME'])")
+    assert (served.returncode, served.stdout, served.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert served.returncode == 2 and served.stderr.startswith("lit-lm: error: ") and "max_stepz" in served.stderr
+
+
+def _blocked(tmp_path: Path, name: str) -> list[str]:
+    """A `fit` that waits: its config is a named pipe no one writes (read before anything else)."""
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    return [cli_server.python(), "-m", "lit_lm", "fit", "--config", str(fifo)]
+
+
+def test_a_signal_to_the_shim_ends_the_child_with_it(tmp_path):
+    shim = subprocess.Popen(_blocked(tmp_path, "signalled.yaml"), cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    child = _child("signalled.yaml")
+    shim.send_signal(signal.SIGTERM)
+    assert shim.wait(timeout=30) == -signal.SIGTERM
+    assert _gone(child)
+
+
+def test_a_timeout_kills_the_child(tmp_path):
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run(_blocked(tmp_path, "timed_out.yaml"), cwd=tmp_path, capture_output=True, timeout=3,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
+    assert _gone(_child("timed_out.yaml"))
