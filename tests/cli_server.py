@@ -224,6 +224,8 @@ class Server:
         imports set (Lightning's PYTORCH_NVML_BASED_CUDA_CHECK, inductor's cache folder) differs only where the
         caller set it otherwise (a launched rank inherits the launcher's, set by the same imports)."""
         replayed = set(RANK_KEYS) if self.replay_ranks else set()
+        if not self.shadows(_pythonpath(env)):
+            replayed.add("PYTHONPATH")  # sys.path is rebuilt from it
         differ = []
         for key in sorted(set(env) | set(self.env)):
             if key in self.set_by_imports:
@@ -233,6 +235,21 @@ class Server:
                     key in self.import_keys or key.startswith(NATIVE_PREFIXES + self.scanned)):
                 differ.append(key)
         return differ
+
+    def shadows(self, paths: list[str]) -> bool:
+        """Whether a folder of `paths` holds a top-level module the server imported from elsewhere (a fresh
+        process with that PYTHONPATH would import that one)."""
+        for folder in paths:
+            try:
+                names = os.listdir(folder)
+            except OSError:
+                continue
+            for name in names:
+                module = sys.modules.get(name.removesuffix(".py"))
+                where = getattr(module, "__file__", None) or ""
+                if module is not None and not os.path.abspath(where).startswith(os.path.join(folder, "")):
+                    return True
+        return False
 
     def run_child(self, request: dict, fds: list[int]) -> None:
         """In the forked child: become `python -m lit_lm ARGS` as started by the shim, run it, exit as it would."""

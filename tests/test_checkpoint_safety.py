@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from lit_lm.checkpoints import read_checkpoint, read_meta
 from strategies import checkpoint as ckpt
 from strategies.safe_load import UnsafeCheckpointError
+from test_cli import run_cli
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,10 +52,8 @@ def test_crafted_single_file_is_refused_by_the_cli(tmp_path: Path) -> None:
     """`lit-lm validate --ckpt_path evil.ckpt`: one line, exit 2, and os.system never runs."""
     marker, evil = tmp_path / "pwned", tmp_path / "evil.ckpt"
     torch.save({"state_dict": {}, "hyper_parameters": _hparams(marker), "global_step": 0}, evil)
-    proc = subprocess.run([sys.executable, "-m", "lit_lm", "validate", "--config", str(REPO / "configs/default.yaml"),
-                           "--trainer.default_root_dir", str(tmp_path / "run"), "--ckpt_path", str(evil)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    proc = run_cli("validate", "--config", str(REPO / "configs/default.yaml"),
+                   "--trainer.default_root_dir", str(tmp_path / "run"), "--ckpt_path", str(evil), cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("lit-lm: error:")]
     assert len(errors) == 1 and f"{evil} is refused" in errors[0] and "posix.system" in errors[0], proc.stderr[-3000:]

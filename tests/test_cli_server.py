@@ -81,3 +81,15 @@ def test_a_timeout_kills_the_child(tmp_path):
         subprocess.run(_blocked(tmp_path, "timed_out.yaml"), cwd=tmp_path, capture_output=True, timeout=3,
                        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore"))
     assert _gone(_child("timed_out.yaml"))
+
+
+def test_a_launched_rank_knows_its_rank_from_the_start(tmp_path):
+    """Lightning reads the rank variables once, at import (`rank_zero_only.rank`): a rank the launcher started
+    through the server gets them replayed, so a config error is printed by rank 0 only, as by fresh processes."""
+    from test_cli import tiny_args
+
+    bad = [*tiny_args(tmp_path), "--model.init_args.config.n_heads", "5"]
+    rank1 = _run("fit", *bad, cwd=tmp_path, LOCAL_RANK="1")
+    assert _log().read_text().splitlines()[-1].endswith("n_heads 5: forked")
+    assert rank1.returncode == 2 and "lit-lm: error" not in rank1.stderr, rank1.stderr[-3000:]
+    assert "n_heads" in _run("fit", *bad, cwd=tmp_path).stderr

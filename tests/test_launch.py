@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import cli_server
 import lightning as L
 import pytest
 
@@ -72,7 +73,7 @@ REFERENCE_STEPS = 10  # one reference run for every torchrun test here and in te
 
 
 def _one_node(tmp_path: Path, args: list[str], run_dir: Path, devices: int) -> dict[int, float]:
-    proc = subprocess.run([sys.executable, "-m", "lit_lm", "fit", *args, "--trainer.devices", str(devices),
+    proc = subprocess.run([cli_server.python(), "-m", "lit_lm", "fit", *args, "--trainer.devices", str(devices),
                            "--trainer.default_root_dir", str(run_dir)], cwd=tmp_path, env=_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,7 +1,6 @@
 """LanguageModel: schedule, weight-decay groups, vocabulary check, checkpoint hyper-parameters."""
 
 import math
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -161,14 +160,12 @@ def test_derived_config_fields_follow_the_yaml_not_the_default_instance(tmp_path
     """jsonargparse takes the signature default's fields as the defaults: with d_ff derived from the default
     d_model (704 for 256) there, `fit` built another model from configs/default.yaml (d_model 192: 2.80M
     parameters) than `plan` and ModelConfig(d_model=192) (d_ff 512: 2.36M). The derived fields stay None there."""
-    import subprocess
-    import sys
-
     import yaml
+    from test_cli import REPO, run_cli
 
-    repo = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-m", "lit_lm", "fit", "--config", str(repo / "configs/default.yaml"),
-                          "--print_config"], cwd=tmp_path, capture_output=True, text=True, check=True).stdout
+    printed = run_cli("fit", "--config", str(REPO / "configs/default.yaml"), "--print_config", cwd=tmp_path)
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    out = printed.stdout
     fields = yaml.safe_load(out)["model"]["init_args"]["config"]
     assert fields["d_ff"] is None and fields["moe_d_ff"] is None
     built = LanguageModel(ModelConfig(**fields)).config
