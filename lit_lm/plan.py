@@ -150,6 +150,10 @@ def fitting(work: Workload, layout: ParallelConfig, budget: float) -> Optional[E
     first = _estimate(work, layout, options[0])  # no accumulation: ZeRO-2/3 keep only gradient shards
     if first is not None and first.peak_bytes <= budget:
         return first
+    if len(options) > 1:  # the most accumulation holds the least: when even it overflows, nothing fits (so ends
+        last = _estimate(work, layout, options[-1])  # most layouts of a model too large for the cluster, --answer's)
+        if last is not None and last.peak_bytes > budget:
+            return None
     lo, hi, found = 1, len(options) - 1, None
     while lo <= hi:  # past that, memory falls as accumulation grows: the least that fits, by bisection
         mid = (lo + hi) // 2

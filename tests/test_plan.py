@@ -12,7 +12,7 @@ import yaml
 
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.estimate import Workload, estimate
-from lit_lm.plan import Cluster, Ranked, layouts, plan, strategy_yaml
+from lit_lm.plan import USABLE_MEMORY, Cluster, Ranked, _divisors, _estimate, fitting, layouts, plan, strategy_yaml
 from lit_lm.plan_cli import quantity
 from strategies.composed import ComposedStrategy
 from strategies.layout import ParallelConfig
@@ -95,6 +95,26 @@ def test_the_3d_rule_comes_out_of_the_estimates() -> None:
     assert needs.refused is not None
     with pytest.raises(ConfigError, match="context_parallel_size > 1 with pipeline_parallel_size > 1: "):
         strategy_yaml(Ranked(needs, 1.0, {}), cluster)
+
+
+def test_fitting_takes_the_least_accumulation_that_fits() -> None:
+    """Layouts of a 7B model on one node (every third: 25): `fitting` returns the estimate of the least accumulation
+    whose peak fits (a scan of every one), None when none fits (it stops at the largest accumulation, which holds
+    the least, instead of bisecting below it)."""
+    work = Workload(ModelConfig(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336, vocab_size=32000,
+                                max_seq_len=4096), 4096, 32, "bf16-mixed")
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_memory=80e9)
+    budget = cluster.gpu_memory * USABLE_MEMORY
+    seen = set()
+    for layout in itertools.islice(layouts(work, cluster), 0, None, 3):
+        local = work.global_batch // layout.dp
+        scan = [_estimate(work, layout, a) for a in _divisors(local) if layout.pp == 1 or local // a >= layout.pp]
+        least = next((e for e in scan if e is not None and e.peak_bytes <= budget), None)
+        got = fitting(work, layout, budget)
+        assert (got and (got.workload.accumulate, got.peak_bytes)) == (least and (least.workload.accumulate,
+                                                                                   least.peak_bytes)), layout
+        seen.add("none" if least is None else "one" if least.workload.accumulate == 1 else "more")
+    assert seen == {"none", "one", "more"}  # layouts that never fit, fit at once, and fit only with accumulation
 
 
 FEATURES = {"tp": dict(tp=2, sequence_parallel=True), "tp_no_sp": dict(tp=2, sequence_parallel=False), "pp": dict(pp=2), "cp": dict(cp=2),
