@@ -387,13 +387,23 @@ def _start():
     log = open(os.path.join(folder, "server.log"), "w")
     proc = subprocess.Popen([sys.executable, __file__, sock, shim], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=folder)
-    atexit.register(proc.stdin.close)
+    log.close()  # the server holds its own
+    atexit.register(_stop, proc)
     deadline = time.monotonic() + 600
     while not os.path.exists(sock):
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"the lit-lm test server did not start: {open(log.name).read()[-3000:]}")
         time.sleep(0.05)
     return proc, shim
+
+
+def _stop(proc) -> None:
+    proc.stdin.close()  # the server's cue to exit
+    try:
+        proc.wait(timeout=10)
+    except Exception:
+        proc.kill()
+        proc.wait()
 
 
 if __name__ == "__main__":
