@@ -19,6 +19,7 @@ import pytest
 from rich.console import Console
 
 import test_parity_mutations as mutants
+from dist_utils import REFERENCE_TILES
 from lit_lm.check.build import parse, plan_check
 from lit_lm.check.command import report, run_checks
 from lit_lm.check.report import render
@@ -45,7 +46,7 @@ def _checked(argvs: list[list[str]], steps: int = 2, mutations: list = (), optim
     optimizers = list(optimizers) or [("sgd", "module")] * len(argvs)
     plans = [plan_check(parse(a, LitLMCLI, DEFAULTS), a, steps=steps, mutation=m, optimizers=o)
              for a, m, o in zip(argvs, mutations, optimizers)]
-    errors = run_checks(plans)
+    errors = run_checks(plans, env=REFERENCE_TILES)  # cp's tiles by the PyTorch reference, as `lit-lm check` on CPU
     return [report(p, 1e-5, errors.get(i, "")) for i, p in enumerate(plans)]
 
 

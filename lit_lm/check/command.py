@@ -43,8 +43,9 @@ def options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, rest
 
 
-def run_checks(plans: list[CheckPlan]) -> dict[int, str]:
-    """Every plan's cases, one spawned world per world size (shared by the plans of that size); fills `plan.runs`.
+def run_checks(plans: list[CheckPlan], env: Optional[dict[str, str]] = None) -> dict[int, str]:
+    """Every plan's cases, one spawned world per world size (shared by the plans of that size, `env` added to its
+    ranks' environment); fills `plan.runs`.
     Returns {plan index: why its world did not run} for worlds whose ranks raised (a world of several plans then runs
     each alone, so one failing config does not hide the others; a world of one plan is not run again: its error
     is the plan's, and a rank that timed out would make the user wait as long again)."""
@@ -52,22 +53,22 @@ def run_checks(plans: list[CheckPlan]) -> dict[int, str]:
     for world in sorted({p.world for p in plans}):
         members = [i for i, p in enumerate(plans) if p.world == world]
         try:
-            _run(plans, members, world)
+            _run(plans, members, world, env)
         except Exception as err:  # noqa: BLE001 - a rank's exception, reported per plan below
             if len(members) == 1:
                 errors[members[0]] = _last_line(err)
                 continue
             for i in members:
                 try:
-                    _run(plans, [i], world)
+                    _run(plans, [i], world, env)
                 except Exception as err:  # noqa: BLE001
                     errors[i] = _last_line(err)
     return errors
 
 
-def _run(plans: list[CheckPlan], members: list[int], world: int) -> None:
+def _run(plans: list[CheckPlan], members: list[int], world: int, env: Optional[dict[str, str]]) -> None:
     cases = [c for i in members for c in plans[i].cases]
-    runs = run_parity(cases, world)
+    runs = run_parity(cases, world, env=env)
     for i in members:
         n = len(plans[i].cases)
         plans[i].runs, runs = runs[:n], runs[n:]
