@@ -16,7 +16,8 @@ than in the next (docs/benchmarks/2026-12-planner-peaks-cpu.md).
            the big blocks never sit in the heap; smaller ones (all of a ~4M-parameter model's tensors, the optimizer
            step's 256 KiB pieces, activations at a small batch) come from the heap as glibc does by default, so a
            small model's step is glibc's own. ZeRO-3 at 217M on 2 gloo ranks: peak 2.65-2.73 GiB against 2.89-3.14
-           GiB with `setup` (the estimate 2.45 GiB: 0.92 of the peak instead of 0.78-0.85);
+           GiB with `setup` (the estimate 2.45 GiB: 0.92 of the peak instead of 0.78-0.85), at ~5% more time per
+           step there (11.4 against 10.9 s, within the spread: ~1 GB of big blocks faulted in per step);
            docs/benchmarks/2026-12-planner-peaks-cpu.md.
     setup  `malloc_trim(0)` once, at the end of the strategy's setup: what building and sharding the
            model freed (ZeRO-3: the whole parameters) goes back to the system; the steps run on glibc as it is.
