@@ -21,6 +21,7 @@ import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 import torch
@@ -60,7 +61,7 @@ def test_a_rank_failure_is_the_verdict_exit_2_after_one_world(monkeypatch: pytes
                                                               capsys: pytest.CaptureFixture) -> None:
     worlds = []
 
-    def failing_world(cases: list, world: int) -> list:
+    def failing_world(cases: list, world: int, env: Optional[dict] = None) -> list:
         worlds.append(world)
         raise RuntimeError(f"process 1 terminated with the following error:\nTraceback ...\n{GLOO_ERROR}")
 
