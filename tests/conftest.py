@@ -17,14 +17,22 @@ import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from lit_lm import spawn  # noqa: E402  (after TRITON_INTERPRET is set)
+import torch  # noqa: E402  (after TRITON_INTERPRET is set)
+
+from lit_lm import spawn  # noqa: E402
 
 spawn.PRELOAD.append("forkserver_preload")  # the suite's rank imports, loaded once per worker (tests/forkserver_preload.py)
 
+# One intra-op thread in each test worker, as in every rank it starts (lit_lm/spawn.py) and every CLI run
+# (OMP_NUM_THREADS=1): `make test` runs two workers on two cores, beside their ranks; torch's default (a thread per
+# core) would put two threads of each in-process test on cores the other worker's ranks use.
+torch.set_num_threads(1)
+
 SLOWEST_FIRST = [
-    "test_compile.py::test_presets_compiled_match_eager",
     "test_fp8.py::test_a_short_fp8_run_ends_near_bf16",
     "test_gpu_check.py::test_every_section_passes_and_names_the_machine",
+    "test_compile.py::test_inductor_compiled_matches_eager",
+    "test_compile.py::test_presets_compiled_match_eager",
     "test_launch.py::test_torchrun_sh_restarts_and_resumes_from_last",
     "test_resilience.py::test_preemption_saves_at_a_common_step_and_the_requeued_job_finishes_the_run",
     "test_resume_matrix.py::test_resume_matrix",
