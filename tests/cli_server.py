@@ -1,14 +1,16 @@
-"""A test-only fork server for `python -m lit_lm`: the suite's CLI runs start in a fraction of a second instead of
-the ~8 s a fresh interpreter spends importing torch, Lightning and jsonargparse.
+"""A test-only fork server for `python -m lit_lm` and `python SCRIPT.py`: the suite's CLI and script runs start in
+a fraction of a second instead of the ~8 s a fresh interpreter spends importing torch, Lightning and jsonargparse.
 
     done = subprocess.run([cli_server.python(), "-m", "lit_lm", "fit", ...], capture_output=True, ...)
+    done = subprocess.run([cli_server.python(), "scripts/ckpt.py", "inspect", ...], capture_output=True, ...)
 
 `python()` is the path of a small executable (a "shim", written per test worker) that behaves as the real
 interpreter: `shim -m lit_lm ARGS` connects to this worker's server, passes it its stdin/stdout/stderr (the file
 descriptors themselves), working directory, environment and arguments, and the server forks a child of itself (it
-imported `lit_lm.cli` once) that runs `python -m lit_lm ARGS` exactly as runpy would in a fresh process. The shim
-forwards the signals it gets to that child and exits as the child did (its status, or the same signal). Anything
-else (`shim script.py`, `shim -c ...`) execs the real interpreter. So `subprocess.run`'s capture, timeout (it kills
+imported `lit_lm.cli` once) that runs `python -m lit_lm ARGS` exactly as runpy would in a fresh process (`shim
+SCRIPT.py ARGS`: the script as `python SCRIPT.py ARGS` runs it, its folder first on sys.path). The shim forwards the
+signals it gets to that child and exits as the child did (its status, or the same signal); the child takes the
+shim's umask. Anything else (`shim -c ...`, interpreter options) execs the real interpreter. So `subprocess.run`'s capture, timeout (it kills
 the shim; the server then kills the child) and return codes stay the real ones.
 
 The child runs with `sys.executable` set to the shim, so Lightning's subprocess launcher (`sys.executable -m lit_lm
@@ -46,16 +48,24 @@ HEADER = struct.Struct("!Q")
 # --- the shim (runs in a bare `python -S`: standard library only, nothing heavy) -------------------------------
 
 
+def served(argv: list[str]) -> bool:
+    """`-m lit_lm ...` (the user's form; Lightning's launcher's) or `SCRIPT.py ...`."""
+    return argv[:2] in (["-m", "lit_lm"], ["-m", "lit_lm.__main__"]) or (
+        bool(argv) and not argv[0].startswith("-") and argv[0].endswith(".py"))
+
+
 def shim_main(sock_path: str, real_python: str) -> None:
     argv = sys.argv[1:]
-    if argv[:2] not in (["-m", "lit_lm"], ["-m", "lit_lm.__main__"]):  # the user's form; Lightning's launcher's
+    if not served(argv):
         os.execv(real_python, [real_python, *argv])
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(sock_path)
     except OSError:  # the server is gone: a real interpreter does the same work, slowly
         os.execv(real_python, [real_python, *argv])
-    payload = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+    umask = os.umask(0)
+    os.umask(umask)
+    payload = json.dumps({"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": umask}).encode()
     socket.send_fds(conn, [HEADER.pack(len(payload))], [0, 1, 2])
     conn.sendall(payload)
     reader = conn.makefile("r")
@@ -252,7 +262,8 @@ class Server:
         return False
 
     def run_child(self, request: dict, fds: list[int]) -> None:
-        """In the forked child: become `python -m lit_lm ARGS` as started by the shim, run it, exit as it would."""
+        """In the forked child: become `python -m lit_lm ARGS` (or `python SCRIPT.py ARGS`) as started by the shim,
+        run it, exit as it would."""
         for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGCHLD"):
             sig = getattr(signal, name)
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
@@ -261,6 +272,7 @@ class Server:
             os.close(fd)
         argv, env, cwd = request["argv"], request["env"], request["cwd"]
         os.chdir(cwd)
+        os.umask(request["umask"])
         why = self.broken or self.differing(env)
         print(f"{time.strftime('%X')} {os.getpid()} rank {env.get('LOCAL_RANK', '-')}: {' '.join(argv)}: "
               f"{f'real interpreter ({why})' if why else 'forked'}", file=self.log, flush=True)
@@ -271,13 +283,15 @@ class Server:
         os.environ.update(env, **self.set_by_imports)
         if self.replay_ranks:
             _replay_ranks()
-        sys.path[:] = [cwd, *_pythonpath(env), *self.base_path]
-        sys.argv = ["-m", *argv[2:]]
+        script = None if argv[0] == "-m" else os.path.abspath(argv[0])
+        first = cwd if script is None else os.path.dirname(os.path.realpath(script))  # as the interpreter sets it
+        sys.path[:] = [first, *_pythonpath(env), *self.base_path]
+        sys.argv = ["-m", *argv[2:]] if script is None else list(argv)
         sys.orig_argv = [sys.executable, *argv]
         sys.executable = self.shim
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
-        _run_as_main(argv[1])
+        _run_as_main(argv[1], script)
 
 
 def _pythonpath(env: dict[str, str]) -> list[str]:
@@ -305,18 +319,28 @@ def _replay_ranks() -> None:
         fn.rank = value
 
 
-def _run_as_main(module: str) -> None:
-    """runpy as `python -m` uses it, in a fresh `__main__`, then the interpreter's exit: threads joined, atexit
-    handlers run, streams flushed; the exit status as the interpreter computes it."""
+def _run_as_main(module: str, script: str | None = None) -> None:
+    """runpy as `python -m MODULE` uses it, in a fresh `__main__` (or `python SCRIPT`: its code run in that
+    `__main__`, its absolute path as `__file__`, sys.argv as given), then the interpreter's exit: threads joined,
+    atexit handlers run, streams flushed; the exit status as the interpreter computes it."""
     import atexit
+    import builtins
     import runpy
     import threading
     import types
+    from importlib.machinery import SourceFileLoader
 
-    sys.modules["__main__"] = types.ModuleType("__main__")
+    main = sys.modules["__main__"] = types.ModuleType("__main__")
     code, interrupted = 0, False
     try:
-        runpy._run_module_as_main(module, alter_argv=True)
+        if script is None:
+            runpy._run_module_as_main(module, alter_argv=True)
+        else:
+            main.__dict__.update(__file__=script, __builtins__=builtins, __cached__=None,
+                                 __loader__=SourceFileLoader("__main__", script))
+            with open(script, "rb") as f:
+                source = f.read()
+            exec(compile(source, script, "exec"), main.__dict__)
     except SystemExit as e:
         code = _exit_code(e.code)
     except KeyboardInterrupt:
@@ -362,7 +386,7 @@ _server = None  # (process, shim path) of this test process
 
 
 def python(fresh: bool = False) -> str:
-    """The interpreter to start `-m lit_lm` with: this test process's shim (the server is started, and waited for,
+    """The interpreter to start `-m lit_lm` or a script with: this test process's shim (the server is started, and waited for,
     on the first call), or the real one when `fresh` or LIT_LM_TEST_FRESH=1."""
     if fresh or os.environ.get("LIT_LM_TEST_FRESH", "") not in ("", "0"):
         return sys.executable

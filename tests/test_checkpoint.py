@@ -3,8 +3,6 @@ resumed under a lit-lm strategy from a one-process single file starts from its e
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -13,6 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 import strategies.registry  # noqa: F401  (registers lm_ddp)
 from dist_utils import TinyLM, fit_tiny, run_distributed
+from test_cli import run_script
 from lit_lm.parity import MOE, Case, assert_parity, run_parity
 from strategies.zero import ZeroStrategy
 from strategies.checkpoint import is_sharded_checkpoint
@@ -51,8 +50,7 @@ def test_resume_on_2_and_1_ranks_and_from_a_converted_file(tmp_path: Path) -> No
 
     # the converter, through its CLI: a plain Lightning checkpoint
     single = tmp_path / "single.ckpt"
-    subprocess.run([sys.executable, "scripts/ckpt.py", "convert", str(ckpt), str(single)], check=True,
-                   cwd=Path(__file__).parents[1])
+    run_script("scripts/ckpt.py", "convert", ckpt, single, cwd=Path(__file__).parents[1], check=True)
     module = TinyLM.load_from_checkpoint(single)
     saved = torch.load(single, weights_only=False)["state_dict"]
     assert module.hparams.lr == TinyLM().hparams.lr

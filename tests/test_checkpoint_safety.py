@@ -8,8 +8,6 @@ import io
 import json
 import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from lit_lm.checkpoints import read_checkpoint, read_meta
 from strategies import checkpoint as ckpt
 from strategies.safe_load import UnsafeCheckpointError
-from test_cli import run_cli
+from test_cli import run_cli, run_script
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -78,8 +76,7 @@ def test_crafted_directory_is_refused_everywhere(tmp_path: Path) -> None:
     (evil_metadata / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
     with pytest.raises(UnsafeCheckpointError, match=r"\.metadata is refused.*posix\.system"):
         read_checkpoint(evil_metadata)
-    report = subprocess.run([sys.executable, "scripts/ckpt.py", "inspect", str(evil_metadata)], cwd=REPO,
-                            capture_output=True, text=True)
+    report = run_script("scripts/ckpt.py", "inspect", evil_metadata, cwd=REPO)
     assert report.returncode == 2 and "is refused" in report.stderr and "Traceback" not in report.stderr
     assert not marker.exists()
 

@@ -8,7 +8,6 @@ One tiny run (vocab 300, seq_len 16: not the default config's 4096 and 128) serv
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from lit_lm.checkpoints import DATA_SETTINGS, data_from_checkpoint, read_checkpo
 from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
 from lit_lm.module import LanguageModel
-from test_cli import REPO, run_cli, tiny_args
+from test_cli import REPO, run_cli, run_script, tiny_args
 
 sys.path.insert(0, str(REPO / "scripts"))
 from offline import batches, build_model, val_loss  # noqa: E402
@@ -38,10 +37,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def script(name: str, *args: str, cwd: Path, umask: int | None = None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, str(REPO / "scripts" / name), *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300,
-                          preexec_fn=None if umask is None else (lambda: os.umask(umask)))
+    return run_script(f"scripts/{name}", *args, cwd=cwd, umask=umask)
 
 
 def one_error_line(done: subprocess.CompletedProcess) -> str:

@@ -21,6 +21,15 @@ def run_cli(*args: str, cwd: Path, warnings: str = "ignore", fresh: bool = False
                           text=True, timeout=300)
 
 
+def run_script(script: str, *args: object, cwd: Path, umask: int | None = None, check: bool = False,
+               fresh: bool = False) -> subprocess.CompletedProcess:
+    """`python scripts/SCRIPT ARGS` (a path relative to the repo), through the same fork server as `run_cli`."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run([cli_server.python(fresh), str(REPO / script), *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300, check=check,
+                          preexec_fn=None if umask is None else (lambda: os.umask(umask)))
+
+
 def tiny_args(tmp_path: Path) -> list[str]:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(CORPUS)

@@ -93,3 +93,30 @@ def test_a_launched_rank_knows_its_rank_from_the_start(tmp_path):
     assert _log().read_text().splitlines()[-1].endswith("n_heads 5: forked")
     assert rank1.returncode == 2 and "lit-lm: error" not in rank1.stderr, rank1.stderr[-3000:]
     assert "n_heads" in _run("fit", *bad, cwd=tmp_path).stderr
+
+
+SCRIPT = """import json, os, sys
+umask = os.umask(0)
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "file": __file__, "name": __name__, "cwd": os.getcwd(),
+                  "umask": umask, "spec": __spec__}))
+sys.exit(3)
+"""
+
+
+def test_a_script_run_through_the_server_reads_as_a_fresh_interpreters(tmp_path):
+    """`shim SCRIPT.py ARGS` (scripts/*.py in the tests): the script's argv, folder first on sys.path, __file__,
+    __main__, cwd, the caller's umask and exit status, as a real interpreter gives them."""
+    import sys
+
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "tool.py").write_text(SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+    def run(python: str) -> subprocess.CompletedProcess:
+        return subprocess.run([python, "tools/tool.py", "a b", "--c"], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300, preexec_fn=lambda: os.umask(0o027))
+
+    served, fresh = run(cli_server.python()), run(sys.executable)
+    assert _log().read_text().splitlines()[-1].endswith("tools/tool.py a b --c: forked")
+    assert (served.returncode, served.stdout, served.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert served.returncode == 3 and '"umask": 23' in served.stdout and f'"path0": "{tmp_path}/tools"' in served.stdout

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import strategies.registry  # noqa: F401  (registers lm_ddp, zero2)
 from callbacks.nan_guard import NanGuard, NonFiniteError
 from dist_utils import fit_tiny, free_port, run_distributed
+from test_cli import run_script
 from strategies import checkpoint as ckpt
 from strategies.ddp import DataParallelStrategy
 
@@ -95,11 +96,9 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path: Path) -> No
 
     # scripts/ckpt.py: inspect (metadata only) and convert (one plain file)
     last, out = ckpt_dir / "last.ckpt", tmp_path / "export.ckpt"
-    report = subprocess.run([sys.executable, "scripts/ckpt.py", "inspect", str(last)], cwd=TESTS.parent,
-                            capture_output=True, text=True, check=True).stdout
+    report = run_script("scripts/ckpt.py", "inspect", last, cwd=TESTS.parent, check=True).stdout
     assert '"step": 4' in report and '"strategy": "DataParallelStrategy"' in report and "model.model." in report
-    subprocess.run([sys.executable, "scripts/ckpt.py", "convert", str(last), str(out)], cwd=TESTS.parent, check=True,
-                   capture_output=True)
+    run_script("scripts/ckpt.py", "convert", last, out, cwd=TESTS.parent, check=True)
     assert torch.load(out, weights_only=False)["global_step"] == 4
 
 

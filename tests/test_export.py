@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ from lit_lm.checkpoints import model_state_dict, read_checkpoint, tokenizer_from
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.hf_export import check_exportable, export_hf
 from lit_lm.model import Transformer
-from test_cli import REPO, run_cli, tiny_args
+from test_cli import run_cli, run_script, tiny_args
 
 transformers = pytest.importorskip("transformers")  # a dev dependency (pyproject.toml)
 
@@ -23,8 +21,7 @@ def test_export_loads_in_transformers_with_the_same_logits_and_ids(tmp_path, tie
                   "--model.init_args.config.tie_embeddings", tied, cwd=tmp_path)
     assert fit.returncode == 0, fit.stderr[-3000:]
     last, out = tmp_path / "run/checkpoints/last.ckpt", tmp_path / "hf"
-    export = subprocess.run([sys.executable, str(REPO / "scripts/ckpt.py"), "export-hf", str(last), str(out)],
-                            capture_output=True, text=True)
+    export = run_script("scripts/ckpt.py", "export-hf", last, out, cwd=tmp_path)
     assert export.returncode == 0, export.stderr[-3000:]
 
     checkpoint = read_checkpoint(last)
@@ -63,8 +60,7 @@ def test_import_then_export_is_identical_tensor_for_tensor(tmp_path, family):
     source, out = tmp_path / "in", tmp_path / "out"
     save_hf(source, FAMILIES[family]())
     if family.startswith("qwen2"):  # through the script, as a user runs it
-        export = subprocess.run([sys.executable, str(REPO / "scripts/ckpt.py"), "export-hf", str(source), str(out)],
-                                capture_output=True, text=True)
+        export = run_script("scripts/ckpt.py", "export-hf", source, out, cwd=tmp_path)
         assert export.returncode == 0, export.stderr[-3000:]
     else:
         export_hf(read_checkpoint(source), out)

@@ -243,10 +243,7 @@ def test_generate_from_hf_folder_matches_transformers_greedy(tmp_path):
 def test_fit_from_hf_folder_then_validate_and_inspect_it(tmp_path):
     """The recipe's commands on a tiny model: fit from an HF folder with its tokenizer (the yaml's model shape
     replaced, said in one line), `validate --ckpt_path <HF folder>`, `scripts/ckpt.py inspect <HF folder>`."""
-    import subprocess
-    import sys
-
-    from test_cli import CORPUS, REPO, run_cli, tiny_args
+    from test_cli import CORPUS, run_cli, run_script, tiny_args
 
     folder, _ = hf_folder_with_tokenizer(tmp_path / "hf", CORPUS)
     hf_args = ["--model.init_args.init_from", str(folder), "--data.init_args.tokenizer_dir", str(folder)]
@@ -258,8 +255,7 @@ def test_fit_from_hf_folder_then_validate_and_inspect_it(tmp_path):
                        "--ckpt_path", str(folder), cwd=tmp_path)
     assert validate.returncode == 0, validate.stderr[-3000:]
     assert "is a Hugging Face model: its weights start the run" in validate.stdout + validate.stderr
-    inspect = subprocess.run([sys.executable, str(REPO / "scripts/ckpt.py"), "inspect", str(folder)],
-                             capture_output=True, text=True)
+    inspect = run_script("scripts/ckpt.py", "inspect", folder, cwd=tmp_path)
     assert inspect.returncode == 0, inspect.stderr[-3000:]
     assert "a Hugging Face model folder" in inspect.stdout and "model.layers.1.mlp.down_proj.weight" in inspect.stdout
 

@@ -17,7 +17,7 @@ from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
 from lit_lm.module import LanguageModel
 from strategies.checkpoint import is_sharded_checkpoint
-from test_cli import REPO, read_metrics, run_cli, tiny_args
+from test_cli import REPO, read_metrics, run_cli, run_script, tiny_args
 
 
 def every_2_steps(tmp_path: Path) -> list[str]:
@@ -64,8 +64,7 @@ def test_single_file_resumes_under_zero2_then_loads_anywhere(tmp_path):
     assert len(rows) == 4 * 2 and all(r["prompt"] and r["completion"] for r in rows)  # 2 val batches of 4
 
     converted = tmp_path / "model.ckpt"
-    done = subprocess.run([sys.executable, str(REPO / "scripts/ckpt.py"), "convert", str(last), str(converted)],
-                          capture_output=True, text=True)
+    done = run_script("scripts/ckpt.py", "convert", last, converted, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     module = LanguageModel.load_from_checkpoint(converted, strict=True)
     whole = read_checkpoint(last)
