@@ -382,21 +382,26 @@ def _kill(pid: int) -> None:
 
 # --- the test side ------------------------------------------------------------------------------------------------
 
-_server = None  # (process, shim path) of this test process
+# import-time variables a test sets for some runs only: one server per value seen (TRITON_INTERPRET=0, the PyTorch
+# reference tiles under cp as `fit` runs on CPU: tests/dist_utils.py REFERENCE_TILES; the suite's default is 1)
+SERVER_KEYS = ("TRITON_INTERPRET",)
+_servers: dict = {}  # their values -> (process, shim path) of this test process's server
 
 
-def python(fresh: bool = False) -> str:
-    """The interpreter to start `-m lit_lm` or a script with: this test process's shim (the server is started, and waited for,
-    on the first call), or the real one when `fresh` or LIT_LM_TEST_FRESH=1."""
+def python(fresh: bool = False, env: dict[str, str] | None = None) -> str:
+    """The interpreter to start `-m lit_lm` or a script with, in `env` (default: this process's): the shim of this
+    test process's server for env's SERVER_KEYS (started, and waited for, on the first call), or the real one when
+    `fresh` or LIT_LM_TEST_FRESH=1."""
     if fresh or os.environ.get("LIT_LM_TEST_FRESH", "") not in ("", "0"):
         return sys.executable
-    global _server
-    if _server is None or _server[0].poll() is not None:
-        _server = _start()
-    return _server[1]
+    values = tuple((os.environ if env is None else env).get(key) for key in SERVER_KEYS)
+    server = _servers.get(values)
+    if server is None or server[0].poll() is not None:
+        server = _servers[values] = _start(dict(zip(SERVER_KEYS, values)))
+    return server[1]
 
 
-def _start():
+def _start(values: dict[str, str | None]):
     import atexit
     import subprocess
     import tempfile
@@ -408,6 +413,11 @@ def _start():
                 f"from cli_server import shim_main\nshim_main({sock!r}, {sys.executable!r})\n")
     os.chmod(shim, 0o755)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")  # the suite's run_cli environment
+    for key, value in values.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
     log = open(os.path.join(folder, "server.log"), "w")
     proc = subprocess.Popen([sys.executable, __file__, sock, shim], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=folder)

@@ -13,19 +13,21 @@ REPO = Path(__file__).resolve().parent.parent
 CORPUS = "import os\n\ndef main(argv):\n    for arg in argv:\n        print(arg.upper())\n    return 0\n" * 30
 
 
-def run_cli(*args: str, cwd: Path, warnings: str = "ignore", fresh: bool = False) -> subprocess.CompletedProcess:
+def run_cli(*args: str, cwd: Path, warnings: str = "ignore", fresh: bool = False,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -m lit_lm ARGS`, through this worker's preloaded fork server (tests/cli_server.py: the same process
-    and launcher, without ~8 s of imports); `fresh` starts a real interpreter (and real ranks) instead."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS=warnings)
-    return subprocess.run([cli_server.python(fresh), "-m", "lit_lm", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+    and launcher, without ~8 s of imports); `fresh` starts a real interpreter (and real ranks) instead; `env`: added
+    to this process's environment."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS=warnings, **(env or {}))
+    return subprocess.run([cli_server.python(fresh, env), "-m", "lit_lm", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
 
 
 def run_script(script: str, *args: object, cwd: Path, umask: int | None = None, check: bool = False,
                fresh: bool = False) -> subprocess.CompletedProcess:
     """`python scripts/SCRIPT ARGS` (a path relative to the repo), through the same fork server as `run_cli`."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.run([cli_server.python(fresh), str(REPO / script), *map(str, args)], cwd=cwd, env=env,
+    return subprocess.run([cli_server.python(fresh, env), str(REPO / script), *map(str, args)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300, check=check,
                           preexec_fn=None if umask is None else (lambda: os.umask(umask)))
 
@@ -118,8 +120,9 @@ def _losses(run_dir: Path) -> dict[str, list[float]]:
     return {key: [float(r[key]) for r in rows if r.get(key)] for key in ("train_loss", "val_loss")}
 
 
-def _fit_losses(tmp_path: Path, base: list[str], name: str, *extra: str) -> dict[str, list[float]]:
-    done = run_cli("fit", *base, "--trainer.default_root_dir", str(tmp_path / name), *extra, cwd=tmp_path)
+def _fit_losses(tmp_path: Path, base: list[str], name: str, *extra: str,
+                env: dict[str, str] | None = None) -> dict[str, list[float]]:
+    done = run_cli("fit", *base, "--trainer.default_root_dir", str(tmp_path / name), *extra, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return _losses(tmp_path / name)
 
@@ -152,10 +155,14 @@ def test_pp_yaml_trains_like_one_process(tmp_path):
 def test_cp_yaml_trains_and_validates_like_one_process(tmp_path):
     """configs/strategies/cp.yaml (2 ranks, each given the same rows and feeding the model its zigzag share):
     the logged train and val losses, means over the whole sequences, equal one process's (the ring method; the
-    parity tests in test_composed.py cover allgather)."""
+    parity tests in test_composed.py cover allgather). Both runs attend with the PyTorch reference tiles, as `fit`
+    does on CPU (REFERENCE_TILES: not the FlashAttention kernel in Triton's interpreter, which the suite turns on for
+    the kernel tests; the kernel's tiles under cp are test_cp's attention test's)."""
+    from dist_utils import REFERENCE_TILES
+
     base = tiny_args(tmp_path) + ["--trainer.max_steps", "4", "--trainer.val_check_interval", "2"]
 
-    fit = partial(_fit_losses, tmp_path, base)
+    fit = partial(_fit_losses, tmp_path, base, env=REFERENCE_TILES)
 
     single = fit("single")
     assert len(single["train_loss"]) == 4 and len(single["val_loss"]) == 2
