@@ -34,6 +34,7 @@ exits when its test process closes its stdin (the test worker ended).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -49,7 +50,10 @@ HEADER = struct.Struct("!Q")
 
 
 def served(argv: list[str]) -> bool:
-    """`-m lit_lm ...` (the user's form; Lightning's launcher's) or `SCRIPT.py ...`."""
+    """`-m lit_lm ...` (the user's form; Lightning's launcher's; torchrun's workers: `-u -m lit_lm ...`) or
+    `SCRIPT.py ...`."""
+    if argv[:1] == ["-u"]:
+        argv = argv[1:]
     return argv[:2] in (["-m", "lit_lm"], ["-m", "lit_lm.__main__"]) or (
         bool(argv) and not argv[0].startswith("-") and argv[0].endswith(".py"))
 
@@ -92,6 +96,12 @@ def shim_main(sock_path: str, real_python: str) -> None:
 # out of the recorder's sight: a difference here runs the request in a real interpreter
 NATIVE_PREFIXES = ("OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "LD_", "MALLOC_", "GLIBC_", "PYTHON", "TORCH",
                    "PYTORCH_", "CUDA", "NCCL_", "GLOO_", "TRITON_", "LC_", "LANG")
+# ... but read by Python code only (whose reads at import the recorder sees): the interpreter torchrun.sh and
+# torchrun start (PYTHON, PYTHON_EXEC), the variables torchrun.sh and torchrun's agent give its workers
+# (TORCHELASTIC_*; TORCH_DISABLE_SHARE_RDZV_TCP_STORE, read by the rendezvous; TORCH_NCCL_ASYNC_ERROR_HANDLING, read
+# when a NCCL group is built)
+PYTHON_READ = ("PYTHON", "PYTHON_EXEC", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+PYTHON_READ_PREFIXES = ("TORCHELASTIC_",)
 # libraries that scan the whole environment at import for their own prefix (read by key, they'd mark every variable)
 SCANNED_PREFIXES = {"fsspec/config.py": "FSSPEC_", "tqdm/utils.py": "TQDM_"}
 # read at import only to set `rank_zero_only.rank` (lightning.fabric.utilities.rank_zero, torchmetrics): replayed
@@ -242,7 +252,9 @@ class Server:
                 if key in env and env[key] != self.set_by_imports[key]:
                     differ.append(key)
             elif env.get(key) != self.env.get(key) and key not in replayed and (
-                    key in self.import_keys or key.startswith(NATIVE_PREFIXES + self.scanned)):
+                    key in self.import_keys or key.startswith(self.scanned) or (
+                        key.startswith(NATIVE_PREFIXES) and key not in PYTHON_READ
+                        and not key.startswith(PYTHON_READ_PREFIXES))):
                 differ.append(key)
         return differ
 
@@ -283,11 +295,17 @@ class Server:
         os.environ.update(env, **self.set_by_imports)
         if self.replay_ranks:
             _replay_ranks()
+        sys.orig_argv = [sys.executable, *argv]
+        if argv[0] == "-u":  # stdout and stderr unbuffered, as the flag makes them
+            argv = argv[1:]
+            for name, fd in (("stdout", 1), ("stderr", 2)):
+                old = getattr(sys, name)
+                setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=old.encoding,
+                                                    errors=old.errors, write_through=True))
         script = None if argv[0] == "-m" else os.path.abspath(argv[0])
         first = cwd if script is None else os.path.dirname(os.path.realpath(script))  # as the interpreter sets it
         sys.path[:] = [first, *_pythonpath(env), *self.base_path]
         sys.argv = ["-m", *argv[2:]] if script is None else list(argv)
-        sys.orig_argv = [sys.executable, *argv]
         sys.executable = self.shim
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()

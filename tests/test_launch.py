@@ -40,8 +40,12 @@ class DieOnce(L.Callback):
 
 
 def _env() -> dict[str, str]:
+    """The CLI's environment, tests/ on its path; torchrun's agent starts its workers (`PYTHON_EXEC -u -m lit_lm
+    ...`) through this worker's CLI server (tests/cli_server.py: forked, not ~8 s of imports each; the agent is a
+    real `python -m torch.distributed.run`)."""
     path = os.pathsep.join(p for p in (str(TESTS), str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=path)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=path)
+    return dict(env, PYTHON_EXEC=cli_server.python(env=env))
 
 
 def _free_port() -> int:
