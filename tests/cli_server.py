@@ -10,7 +10,9 @@ descriptors themselves), working directory, environment and arguments, and the s
 imported `lit_lm.cli` once) that runs `python -m lit_lm ARGS` exactly as runpy would in a fresh process (`shim
 SCRIPT.py ARGS`: the script as `python SCRIPT.py ARGS` runs it, its folder first on sys.path). The shim forwards the
 signals it gets to that child and exits as the child did (its status, or the same signal); the child takes the
-shim's umask. Anything else (`shim -c ...`, interpreter options) execs the real interpreter. So `subprocess.run`'s capture, timeout (it kills
+shim's umask. `shim -c CODE ARGS` runs the code so too (the tests' hand-launched ranks); `-u` (torchrun's workers)
+makes the child's stdout and stderr unbuffered. Anything else (other interpreter options) execs the real
+interpreter. So `subprocess.run`'s capture, timeout (it kills
 the shim; the server then kills the child) and return codes stay the real ones.
 
 The child runs with `sys.executable` set to the shim, so Lightning's subprocess launcher (`sys.executable -m lit_lm
@@ -50,11 +52,11 @@ HEADER = struct.Struct("!Q")
 
 
 def served(argv: list[str]) -> bool:
-    """`-m lit_lm ...` (the user's form; Lightning's launcher's; torchrun's workers: `-u -m lit_lm ...`) or
-    `SCRIPT.py ...`."""
+    """`-m lit_lm ...` (the user's form; Lightning's launcher's; torchrun's workers: `-u -m lit_lm ...`),
+    `SCRIPT.py ...` or `-c CODE ...`."""
     if argv[:1] == ["-u"]:
         argv = argv[1:]
-    return argv[:2] in (["-m", "lit_lm"], ["-m", "lit_lm.__main__"]) or (
+    return argv[:2] in (["-m", "lit_lm"], ["-m", "lit_lm.__main__"]) or (argv[:1] == ["-c"] and len(argv) > 1) or (
         bool(argv) and not argv[0].startswith("-") and argv[0].endswith(".py"))
 
 
@@ -302,14 +304,17 @@ class Server:
                 old = getattr(sys, name)
                 setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=old.encoding,
                                                     errors=old.errors, write_through=True))
-        script = None if argv[0] == "-m" else os.path.abspath(argv[0])
-        first = cwd if script is None else os.path.dirname(os.path.realpath(script))  # as the interpreter sets it
+        # sys.path[0] and sys.argv as the interpreter sets them: -m: the cwd, ["-m", ARGS]; -c: "", ["-c", ARGS];
+        # a script: its (real) folder, [SCRIPT, ARGS]
+        if argv[0] in ("-m", "-c"):
+            first, sys.argv = cwd if argv[0] == "-m" else "", [argv[0], *argv[2:]]
+        else:
+            first, sys.argv = os.path.dirname(os.path.realpath(argv[0])), list(argv)
         sys.path[:] = [first, *_pythonpath(env), *self.base_path]
-        sys.argv = ["-m", *argv[2:]] if script is None else list(argv)
         sys.executable = self.shim
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
-        _run_as_main(argv[1], script)
+        _run_as_main(*argv[:2])
 
 
 def _pythonpath(env: dict[str, str]) -> list[str]:
@@ -337,23 +342,27 @@ def _replay_ranks() -> None:
         fn.rank = value
 
 
-def _run_as_main(module: str, script: str | None = None) -> None:
-    """runpy as `python -m MODULE` uses it, in a fresh `__main__` (or `python SCRIPT`: its code run in that
-    `__main__`, its absolute path as `__file__`, sys.argv as given), then the interpreter's exit: threads joined,
-    atexit handlers run, streams flushed; the exit status as the interpreter computes it."""
+def _run_as_main(first: str, second: str | None = None) -> None:
+    """`-m MODULE`: runpy as `python -m` uses it, in a fresh `__main__`; `-c CODE`: the code run in that `__main__`
+    (as "<string>"); `SCRIPT`: its code run there, its absolute path as `__file__`. Then the interpreter's exit:
+    threads joined, atexit handlers run, streams flushed; the exit status as the interpreter computes it."""
     import atexit
     import builtins
     import runpy
     import threading
     import types
-    from importlib.machinery import SourceFileLoader
+    from importlib.machinery import BuiltinImporter, SourceFileLoader
 
     main = sys.modules["__main__"] = types.ModuleType("__main__")
     code, interrupted = 0, False
     try:
-        if script is None:
-            runpy._run_module_as_main(module, alter_argv=True)
+        if first == "-m":
+            runpy._run_module_as_main(second, alter_argv=True)
+        elif first == "-c":
+            main.__dict__.update(__builtins__=builtins, __loader__=BuiltinImporter)
+            exec(compile(second, "<string>", "exec"), main.__dict__)
         else:
+            script = os.path.abspath(first)
             main.__dict__.update(__file__=script, __builtins__=builtins, __cached__=None,
                                  __loader__=SourceFileLoader("__main__", script))
             with open(script, "rb") as f:

@@ -120,3 +120,17 @@ def test_a_script_run_through_the_server_reads_as_a_fresh_interpreters(tmp_path)
     assert _log().read_text().splitlines()[-1].endswith("tools/tool.py a b --c: forked")
     assert (served.returncode, served.stdout, served.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
     assert served.returncode == 3 and '"umask": 23' in served.stdout and f'"path0": "{tmp_path}/tools"' in served.stdout
+
+
+def test_python_c_through_the_server_reads_as_a_fresh_interpreters(tmp_path):
+    """`shim -c CODE ARGS` (test_crash's hand-launched ranks): argv, sys.path[0] (""), __name__, an uncaught
+    exception's traceback and exit status 1, as a real interpreter gives them."""
+    import sys
+
+    code = "import json, sys; print(json.dumps([sys.argv, sys.path[0], __name__, __spec__])); sys.stdout.flush(); 1/0"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    served, fresh = (subprocess.run([python, "-c", code, "a b", "--c"], cwd=tmp_path, env=env, capture_output=True,
+                                    text=True, timeout=300) for python in (cli_server.python(), sys.executable))
+    assert _log().read_text().splitlines()[-1].endswith(" a b --c: forked")
+    assert (served.returncode, served.stdout) == (fresh.returncode, fresh.stdout) == (1, '[["-c", "a b", "--c"], "", "__main__", null]\n')
+    assert served.stderr.endswith(fresh.stderr.split("\n", 1)[1]) and "ZeroDivisionError" in served.stderr

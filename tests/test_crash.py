@@ -7,11 +7,11 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import cli_server
 import lightning as L
 import pytest
 import torch
@@ -29,13 +29,15 @@ TESTS = Path(__file__).resolve().parent
 
 def _launch(fn: str, world: int, *args: Any) -> list[subprocess.Popen]:
     """`fn(*args)` of this module (or `module.fn` of another test module) on `world` separate processes, wired as
-    a launcher (torchrun) would."""
+    a launcher (torchrun) would; `python -c` through this worker's CLI server (tests/cli_server.py: forked, not ~8 s
+    of imports each; a SIGKILL to one kills its child)."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world),
                NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     module, _, name = fn.rpartition(".")
     code = f"import {module or 'test_crash'} as m; m.{name}(*{args!r})"
-    return [subprocess.Popen([sys.executable, "-c", code], cwd=TESTS, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
+    return [subprocess.Popen([cli_server.python(env=env), "-c", code], cwd=TESTS, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+            for r in range(world)]
 
 
 def _saver(ckpt_dir: str) -> ModelCheckpoint:
