@@ -14,7 +14,7 @@ from kernels.attention import CausalAttention
 from kernels.cross_entropy import LMLoss
 from kernels.rmsnorm import RMSNorm
 from kernels.rope import RotaryEmbedding
-from kernels.runtime import check_backend
+from kernels.runtime import check_backend, register_ops
 from kernels.swiglu import SwiGLU
 
 # kernel name -> (class name in lit_lm.model, drop-in replacement). Named, not imported: kernels/ never imports
@@ -42,6 +42,7 @@ def apply(model: nn.Module, names: list[str], backend: str = "auto") -> nn.Modul
     if unknown:
         raise ValueError(f"unknown kernel name(s) {unknown}: valid names are {', '.join(KERNELS)}")
     check_backend(backend)
+    register_ops()  # before a compile traces the blocks (kernels.runtime.Op)
     swaps = {f"{MODEL_MODULE}.{KERNELS[name][0]}": KERNELS[name][1] for name in names}
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):

@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.runtime import cdiv, check_backend, check_grid, dot_precision, jit, next_power_of_2, use_triton
+from kernels.runtime import cdiv, check_backend, check_grid, dot_precision, jit, launch, next_power_of_2, op, \
+    use_triton
 
 tl: Any = None  # triton.language, bound by `kernels.runtime.jit` at the first launch
 
@@ -250,18 +251,20 @@ def _last_dim_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+@op("attention_fwd")
 def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int, q_offset: int) -> tuple[Tensor, Tensor]:
     """(o, lse in base 2) for q (B, Hq, M, D), k/v (B, Hkv, N, D), last dims contiguous."""
     b, n_heads, seq_q, head_dim = q.shape
     cfg = _launch_config(head_dim, q.dtype, q.is_cuda)
     o = torch.empty_like(q)  # empty_like keeps q's strides: a (B, T, H, D) layout stays one
     lse = torch.empty(b, n_heads, seq_q, dtype=torch.float32, device=q.device)
-    _attn_fwd[_grid(seq_q, cfg["BLOCK_M"], b * n_heads)](
-        q, k, v, o, lse, *_strides(q, k, v, o), n_heads, n_heads // k.shape[1], seq_q, k.shape[2], q_offset,
-        head_dim, window, head_dim ** -0.5 * LOG2E, CAUSAL=causal, **cfg)
+    launch(_attn_fwd, _grid(seq_q, cfg["BLOCK_M"], b * n_heads), q, k, v, o, lse, *_strides(q, k, v, o), n_heads,
+           n_heads // k.shape[1], seq_q, k.shape[2], q_offset, head_dim, window, head_dim ** -0.5 * LOG2E,
+           CAUSAL=causal, **cfg)
     return o, lse
 
 
+@op("attention_bwd")
 def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, causal: bool, window: int,
               q_offset: int) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) from the base-2 lse and delta = rowsum(dO * O); `do` has q's strides."""
@@ -271,11 +274,22 @@ def _backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: T
     scale = head_dim ** -0.5
     args = (*_strides(q, k, v), n_heads, n_heads // k.shape[1], seq_q, k.shape[2], q_offset, head_dim, window,
             scale * LOG2E, scale)
-    _attn_bwd_dkdv[_grid(k.shape[2], cfg["BLOCK_N"], b * k.shape[1])](
-        q, k, v, do, lse, delta, dk, dv, *args, CAUSAL=causal, **cfg)
-    _attn_bwd_dq[_grid(seq_q, cfg["BLOCK_M"], b * n_heads)](
-        q, k, v, do, lse, delta, dq, *args, CAUSAL=causal, **cfg)
+    launch(_attn_bwd_dkdv, _grid(k.shape[2], cfg["BLOCK_N"], b * k.shape[1]),
+           q, k, v, do, lse, delta, dk, dv, *args, CAUSAL=causal, **cfg)
+    launch(_attn_bwd_dq, _grid(seq_q, cfg["BLOCK_M"], b * n_heads),
+           q, k, v, do, lse, delta, dq, *args, CAUSAL=causal, **cfg)
     return dq, dk, dv
+
+
+@op("attention_bwd_delta")
+def _delta(o: Tensor, do: Tensor) -> Tensor:
+    """rowsum(dO * O) (B, H, T) fp32, `do` with o's strides."""
+    b, n_heads, seq_len, head_dim = o.shape
+    cfg = _launch_config(head_dim, o.dtype, o.is_cuda)
+    delta = torch.empty(b, n_heads, seq_len, dtype=torch.float32, device=o.device)
+    launch(_attn_bwd_delta, _grid(seq_len, cfg["BLOCK_M"], b * n_heads), o, do, delta, *_strides(o, do), n_heads,
+           seq_len, head_dim, BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"])
+    return delta
 
 
 class FlashAttentionFunction(torch.autograd.Function):
@@ -290,14 +304,8 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:
         q, k, v, o, lse = ctx.saved_tensors
-        b, n_heads, seq_len, head_dim = q.shape
-        cfg = _launch_config(head_dim, q.dtype, q.is_cuda)
         do = torch.empty_like(q).copy_(do)  # same strides as q, so the kernels share q's
-        delta = torch.empty_like(lse)
-        _attn_bwd_delta[_grid(seq_len, cfg["BLOCK_M"], b * n_heads)](
-            o, do, delta, *_strides(o, do), n_heads, seq_len, head_dim,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"])
-        return (*_backward(q, k, v, do, lse, delta, ctx.causal, ctx.window, 0), None, None)
+        return (*_backward(q, k, v, do, lse, _delta(o, do), ctx.causal, ctx.window, 0), None, None)
 
 
 def flash_attention_lse(q: Tensor, k: Tensor, v: Tensor, q_offset: int = 0, window: Optional[int] = None

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from kernels.runtime import cdiv, check_backend, jit, next_power_of_2, num_programs, use_triton
+from kernels.runtime import cdiv, check_backend, jit, launch, next_power_of_2, num_programs, op, use_triton
 
 tl: Any = None  # triton.language, bound by `kernels.runtime.jit` at the first launch
 
@@ -121,30 +121,42 @@ def _rmsnorm_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, n_rows,
                 tl.store(dw_row + start + cols, dw + dy * x_hat, mask=mask)
 
 
+@op("rmsnorm_fwd")
+def _forward(x2: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(y, rstd) of x2 (rows, cols), contiguous."""
+    n_rows, n_cols = x2.shape
+    y = torch.empty_like(x2)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
+    launch(_rmsnorm_fwd, (n_rows,), x2, weight, y, rstd, n_cols, eps, **_launch_config(n_cols, FORWARD_MAX_BLOCK))
+    return y, rstd
+
+
+@op("rmsnorm_bwd")
+def _backward(dy2: Tensor, x2: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """(dx, dw) of the forward's x2 given dy2 (rows, cols), contiguous."""
+    n_rows, n_cols = x2.shape
+    dx = torch.empty_like(x2)
+    programs = min(num_programs(x2), n_rows)
+    rows_per_program = cdiv(n_rows, programs)
+    dw_partial = torch.zeros(programs, n_cols, dtype=torch.float32, device=x2.device)
+    launch(_rmsnorm_bwd, (programs,), dy2, x2, weight, rstd, dx, dw_partial, n_rows, n_cols, rows_per_program,
+           **_launch_config(n_cols, BACKWARD_MAX_BLOCK))
+    return dx, dw_partial.sum(0).to(weight.dtype)
+
+
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).contiguous()
-        n_rows, n_cols = x2.shape
-        y = torch.empty_like(x2)
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        _rmsnorm_fwd[(n_rows,)](x2, weight, y, rstd, n_cols, eps, **_launch_config(n_cols, FORWARD_MAX_BLOCK))
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        y, rstd = _forward(x2, weight, eps)
         ctx.save_for_backward(x2, weight, rstd)
-        return y.view(shape)
+        return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy: Tensor) -> tuple[Tensor, Tensor, None]:
         x2, weight, rstd = ctx.saved_tensors
-        n_rows, n_cols = x2.shape
-        dy2 = dy.reshape(-1, n_cols).contiguous()
-        dx = torch.empty_like(x2)
-        programs = min(num_programs(x2), n_rows)
-        rows_per_program = cdiv(n_rows, programs)
-        dw_partial = torch.zeros(programs, n_cols, dtype=torch.float32, device=x2.device)
-        _rmsnorm_bwd[(programs,)](dy2, x2, weight, rstd, dx, dw_partial, n_rows, n_cols, rows_per_program,
-                                  **_launch_config(n_cols, BACKWARD_MAX_BLOCK))
-        return dx.view(dy.shape), dw_partial.sum(0).to(weight.dtype), None
+        dx, dw = _backward(dy.reshape(-1, x2.shape[1]).contiguous(), x2, weight, rstd)
+        return dx.view(dy.shape), dw, None
 
 
 def rmsnorm(x: Tensor, weight: Tensor, eps: float = 1e-5) -> Tensor:

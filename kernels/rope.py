@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from kernels.runtime import check_backend, jit, next_power_of_2, use_triton
+from kernels.runtime import check_backend, jit, launch, next_power_of_2, op, use_triton
 
 tl: Any = None  # triton.language, bound by `kernels.runtime.jit` at the first launch
 
@@ -44,12 +44,13 @@ def _rope(x_ptr, cos_ptr, sin_ptr, y_ptr, seq_len, n_heads, half,
     tl.store(y_ptr + offs + half, (x1 * sin + x2 * cos).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@op("rope")
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
     x = x.contiguous()
     b, t, h, d = x.shape
     y = torch.empty_like(x)
-    _rope[(b * t,)](x, cos, sin, y, t, h, d // 2, INVERSE=inverse,
-                    BLOCK_H=next_power_of_2(h), BLOCK_D=next_power_of_2(d // 2))
+    launch(_rope, (b * t,), x, cos, sin, y, t, h, d // 2, INVERSE=inverse,
+           BLOCK_H=next_power_of_2(h), BLOCK_D=next_power_of_2(d // 2))
     return y
 
 
@@ -89,7 +90,10 @@ class RotaryEmbedding(nn.Module):
         return rope
 
     def cos_sin(self, seq_len: int, device: torch.device, offset: int = 0) -> tuple[Tensor, Tensor]:
-        """fp32 (T, D/2) tables for positions offset..offset+T-1, built in fp64 and cached per device."""
+        """fp32 (T, D/2) tables for positions offset..offset+T-1, built in fp64 and cached per device (in a compiled
+        graph: computed there, as `lit_lm.model.RotaryEmbedding` does; a lookup that fills the cache recompiles)."""
+        if torch.compiler.is_compiling():
+            return self.tables(torch.arange(offset, offset + seq_len), device)
         key = (seq_len, offset, device)
         if key not in self._cache:
             self._cache[key] = self.cos_sin_at(torch.arange(offset, offset + seq_len), device)
@@ -98,12 +102,17 @@ class RotaryEmbedding(nn.Module):
     def cos_sin_at(self, positions: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
         """The tables for arbitrary token positions (T,) (a context-parallel rank's chunks), as `cos_sin`; the
         last ones kept against the positions tensor itself, as `lit_lm.model.RotaryEmbedding.cos_sin_at` does."""
+        if torch.compiler.is_compiling():
+            return self.tables(positions, device)
         if self._at is not None and self._at[0] is positions and self._at[1] == device:
             return self._at[2]
-        angles = torch.outer(positions.to("cpu", torch.float64), self.inv_freq)
-        tables = angles.cos().float().to(device), angles.sin().float().to(device)
+        tables = self.tables(positions, device)
         self._at = (positions, device, tables)
         return tables
+
+    def tables(self, positions: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+        angles = torch.outer(positions.to("cpu", torch.float64), self.inv_freq)
+        return angles.cos().float().to(device), angles.sin().float().to(device)
 
     def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         cos, sin = self.cos_sin(q.shape[1], q.device) if positions is None else self.cos_sin_at(positions, q.device)

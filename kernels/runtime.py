@@ -10,6 +10,7 @@ Kernel bodies may use only arguments, literals and `tl` (Triton rejects non-cons
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import sys
 from typing import Any, Callable
@@ -40,6 +41,65 @@ class jit:
 
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
         return self.compiled[grid]
+
+
+def launch(kernel: jit, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+    """`kernel[grid](*args, **kwargs)` inside an `op`'s function: through `torch.library.wrap_triton`, so that
+    AOTAutograd records the launch for inductor when the op is a `triton_op`; nothing on fake tensors (the op's
+    shapes traced under the interpreter, where `op` registers the function as its own fake)."""
+    if any(isinstance(a, torch._subclasses.FakeTensor) for a in args):
+        return
+    torch.library.wrap_triton(kernel.compiled)[grid](*args, **kwargs)
+
+
+NAMESPACE = "lit_lm"
+
+
+class Op:
+    """A launcher (tensors and numbers in, new tensors out, its kernels started with `launch`) as the operator
+    `lit_lm::<name>`, so that `torch.compile` sees one opaque call with fixed-shape tensors instead of tracing
+    Triton's launch code (under the interpreter dynamo followed it into Triton's frames and guarded on each kernel's
+    argument count and block sizes: 47 graphs for one block, and more in step 2):
+    - Triton compiled (a GPU): `torch.library.triton_op`, as torch documents for user-defined kernels: AOTAutograd
+      decomposes it into its `wrap_triton` launches, which inductor runs from its generated code;
+    - under the interpreter (TRITON_INTERPRET=1, the kernels on CPU), or without Triton: `torch.library.custom_op`,
+      opaque to inductor too (an interpreted launch is numpy), with the launcher as its fake (`launch` skips fake
+      tensors, so the fake allocates the outputs and nothing else).
+    Registered at the first call, or by `register_ops` (`kernels.apply`: before any compile traces a block), not at
+    import: `triton_op` imports Triton, which decides interpreter-or-compiler then (see the module docstring)."""
+
+    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
+        self.name, self.fn = name, fn
+        self.registered: Any = None
+        functools.update_wrapper(self, fn)
+        OPS.append(self)
+
+    def register(self) -> Any:
+        if self.registered is None:
+            qualname = f"{NAMESPACE}::{self.name}"
+            if interpreting() or importlib.util.find_spec("triton") is None:
+                self.registered = torch.library.custom_op(qualname, self.fn, mutates_args=())
+                self.registered.register_fake(self.fn)
+            else:
+                self.registered = torch.library.triton_op(qualname, self.fn, mutates_args=())
+        return self.registered
+
+    def __call__(self, *args: Any) -> Any:
+        return (self.registered or self.register())(*args)
+
+
+OPS: list[Op] = []
+
+
+def op(name: str) -> Callable[[Callable[..., Any]], Op]:
+    """`@op("rmsnorm_fwd")` over a launcher: `Op(name, launcher)`."""
+    return functools.partial(Op, name)
+
+
+def register_ops() -> None:
+    """Registers every kernel file's `Op` (each once)."""
+    for each in OPS:
+        each.register()
 
 
 def check_backend(backend: str) -> str:

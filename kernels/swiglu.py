@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.runtime import cdiv, check_backend, jit, use_triton
+from kernels.runtime import cdiv, check_backend, jit, launch, op, use_triton
 
 tl: Any = None  # triton.language, bound by `kernels.runtime.jit` at the first launch
 
@@ -46,22 +46,33 @@ def _swiglu_bwd(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):
     tl.store(dg_ptr + offs, (dh * u * sig * (1.0 + g * (1.0 - sig))).to(dg_ptr.dtype.element_ty), mask=mask)
 
 
+@op("swiglu_fwd")
+def _forward(gate: Tensor, up: Tensor) -> Tensor:
+    gate, up = gate.contiguous(), up.contiguous()
+    h = torch.empty_like(gate)
+    launch(_swiglu_fwd, (cdiv(h.numel(), BLOCK),), gate, up, h, h.numel(), BLOCK=BLOCK)
+    return h
+
+
+@op("swiglu_bwd")
+def _backward(dh: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    dh = dh.contiguous()
+    dg, du = torch.empty_like(gate), torch.empty_like(up)
+    launch(_swiglu_bwd, (cdiv(dh.numel(), BLOCK),), dh, gate, up, dg, du, dh.numel(), BLOCK=BLOCK)
+    return dg, du
+
+
 class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
         gate, up = gate.contiguous(), up.contiguous()
-        h = torch.empty_like(gate)
-        _swiglu_fwd[(cdiv(h.numel(), BLOCK),)](gate, up, h, h.numel(), BLOCK=BLOCK)
         ctx.save_for_backward(gate, up)
-        return h
+        return _forward(gate, up)
 
     @staticmethod
     def backward(ctx, dh: Tensor) -> tuple[Tensor, Tensor]:
         gate, up = ctx.saved_tensors
-        dh = dh.contiguous()
-        dg, du = torch.empty_like(gate), torch.empty_like(up)
-        _swiglu_bwd[(cdiv(dh.numel(), BLOCK),)](dh, gate, up, dg, du, dh.numel(), BLOCK=BLOCK)
-        return dg, du
+        return _backward(dh, gate, up)
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:

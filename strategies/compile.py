@@ -23,6 +23,10 @@ the host (the all-to-all's split sizes), data-dependent every step: traced, each
 recompile (ep2: 10, 5, 4, 2 graphs in steps 2-5). Only fixed shapes cross the border (the layer's input and output),
 and a dense and an MoE block compile as different code (`block_kind`): nothing compiles after the first step.
 
+The Triton kernels of `kernels.apply` are `torch.library` operators (`kernels.runtime.Op`): one opaque call each in
+the block's graph (a `triton_op` inductor launches on a GPU, a `custom_op` under the interpreter), so `fullgraph`
+holds with them and nothing is guarded on their launch arguments.
+
 A call that passes something other than tensors (generation's KV cache, whose length changes every token) runs the
 block's eager forward: the compiled graphs serve training and validation at their fixed shapes only, so generation
 never triggers a compile. Gradient mode is a guard: the first validation compiles its own graph, once.
@@ -40,7 +44,6 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from kernels.runtime import interpreting
 from strategies import comm
 from strategies.cp import ContextParallelAttention
 from strategies.errors import ConfigError
@@ -119,19 +122,6 @@ class CompiledForward:
         return self.forward(*args, **kwargs)
 
 
-def _interpreter_runs_eagerly() -> bool:
-    """Under the Triton interpreter (TRITON_INTERPRET=1: the kernels on CPU, as the suite runs them) a launch is
-    numpy that dynamo cannot trace: it runs eagerly between graphs (a graph break, so no full graph). On CUDA, Triton
-    kernels are traced as user-defined kernels and this does nothing."""
-    if not interpreting():
-        return False
-    from triton.runtime.interpreter import GridExecutor
-
-    if not getattr(GridExecutor.__call__, "_torchdynamo_disable", False):
-        GridExecutor.__call__ = torch._dynamo.disable(GridExecutor.__call__)
-    return True
-
-
 # the accounting layer's tensor collectives, the ones a block issues (tp's region borders, the cp ring, ep's dispatch)
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "p2p_batch")
 
@@ -171,7 +161,6 @@ def compile_blocks(model: nn.Module, fullgraph: bool, backend: str = BACKEND, re
     if not isinstance(blocks, nn.ModuleDict):
         raise ConfigError(f"compile wraps a model's `blocks` (strategies.plan.BlockModel): {type(model).__name__} "
                           "has none; set model.init_args.compile false")
-    fullgraph = not _interpreter_runs_eagerly() and fullgraph
     _collectives_run_eagerly()
     moe = [model.get_submodule(name.rpartition(".")[0])  # the layers holding experts: routing, dispatch, experts
            for name in (model.expert_plan() if hasattr(model, "expert_plan") else {})]

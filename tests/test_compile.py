@@ -27,6 +27,7 @@ from lit_lm.parity import MOE, TINY, Case, _fit_cases, assert_parity, reference
 from lit_lm.spawn import run_distributed
 from strategies.composed import ComposedStrategy
 from strategies.ac import apply_activation_checkpointing
+from kernels.runtime import interpreting
 from strategies.compile import COMPILES, REFUSED, CompiledForward, compile_blocks
 
 ONE_LAYER = dict(TINY, n_layers=1)
@@ -41,6 +42,8 @@ class CompileCount(L.Callback):
     def __init__(self) -> None:
         self.counts: list[int] = []
         self.blocks = self.compiled_blocks = 0
+        self.kernels: list[str] = []  # the `kernels/` modules in the blocks, and whether they ran Triton
+        self.triton = False
 
     def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
         torch._dynamo.config.fail_on_recompile_limit_hit = True
@@ -51,14 +54,20 @@ class CompileCount(L.Callback):
         self.blocks = len(module.model.blocks)
         self.compiled_blocks = sum(isinstance(b.__dict__.get("forward"), CompiledForward)
                                    for b in module.model.blocks.values())
+        self.kernels = sorted({type(m).__name__ for m in module.model.blocks.modules()
+                               if type(m).__module__.startswith("kernels.")})
+        self.triton = interpreting()
 
     def __getstate__(self) -> dict[str, Any]:  # what travels back from a rank (Lightning binds `log` to callbacks)
-        return {"counts": self.counts, "blocks": self.blocks, "compiled_blocks": self.compiled_blocks}
+        return {"counts": self.counts, "blocks": self.blocks, "compiled_blocks": self.compiled_blocks,
+                "kernels": self.kernels, "triton": self.triton}
 
 
-def compiled_case(strategy: Any, label: str, backend: Any = "aot_eager", model: dict = TINY, **kwargs: Any) -> Case:
-    return Case(strategy, model=dict(model), steps=STEPS, label=label, callbacks=(CompileCount(),),
-                module=("lit_lm.module.LanguageModel", (("compile", backend),)), **kwargs)
+def compiled_case(strategy: Any, label: str, backend: Any = "aot_eager", model: dict = TINY,
+                  kernels: tuple[str, ...] = (), steps: int = STEPS, **kwargs: Any) -> Case:
+    options = (("compile", backend),) + ((("kernels", list(kernels)),) if kernels else ())
+    return Case(strategy, model=dict(model), steps=steps, label=label, callbacks=(CompileCount(),),
+                module=("lit_lm.module.LanguageModel", options), **kwargs)
 
 
 # the ranks run the CPU path a user's CPU run takes (no Triton interpreter): fullgraph=True holds for the data-parallel,
@@ -68,7 +77,7 @@ def compiled_case(strategy: Any, label: str, backend: Any = "aot_eager", model: 
 CPU_PATH = {"TRITON_INTERPRET": "0"}
 
 
-def run_compiled(cases: list[Case], world_size: int, env: Optional[dict[str, str]] = None) -> None:
+def run_compiled(cases: list[Case], world_size: int, env: Optional[dict[str, str]] = None) -> list[CompileCount]:
     """Every case in one world of `world_size` ranks, each against its *eager* one-process run (no checkpointing:
     eager checkpointing equals it bit for bit, test_ac; one run per model, cached): every block of every rank
     compiled, and nothing compiled after the first step (the counter at zero from step 2 on)."""
@@ -82,8 +91,9 @@ def run_compiled(cases: list[Case], world_size: int, env: Optional[dict[str, str
             count = got["callbacks"][0]
             assert count.compiled_blocks == count.blocks > 0, f"{case.label}: rank {rank}: {count.compiled_blocks} " \
                 f"of {count.blocks} blocks compiled"
-            assert len(count.counts) == STEPS and count.counts[1:] == count.counts[:1] * (STEPS - 1), \
+            assert len(count.counts) == case.steps and count.counts[1:] == count.counts[:1] * (case.steps - 1), \
                 f"{case.label}: rank {rank} compiled after step 1: counts per step {count.counts}"
+    return [r[i]["callbacks"][0] for r in per_rank for i in range(len(cases))]
 
 
 PRESETS_2 = {
@@ -109,6 +119,19 @@ INDUCTOR_2 = {
     "zero1": compiled_case(partial(ComposedStrategy, zero_stage=1), "zero1 inductor", backend=True, model=ONE_LAYER),
 }
 
+# every kernel `kernels.apply` swaps into a block (cross_entropy is the head's, outside the compiled blocks), run by
+# Triton's interpreter on the ranks: each launcher is a `torch.library` op (`kernels.runtime.op`), one opaque call in
+# the block's graph. Before, dynamo traced Triton's launch code and guarded on each kernel's argument count and block
+# sizes: 47 graphs in step 1 and one more in step 2 (one layer, one process; TORCH_LOGS=recompiles).
+BLOCK_KERNELS = ("rmsnorm", "swiglu", "rope", "attention")
+# One sequence per rank, 3 steps (the counter unchanged in steps 2 and 3): the interpreter runs each kernel's
+# programs one by one in numpy (rope and rmsnorm launch one per token row), ~1 s per step per rank at 4 sequences.
+# Measured alone under heavy.lock: 20 s (9 s of it the world, compile and steps without the interpreter); pp2 1f1b
+# with the kernels passed too and cost 12 s more, so it is not in the suite.
+WITH_KERNELS = compiled_case(partial(ComposedStrategy, zero_stage=3, activation_checkpointing="full"),
+                             "zero3 + full checkpointing + Triton kernels", kernels=BLOCK_KERNELS, global_batch=2,
+                             steps=3)
+
 
 def test_presets_compiled_match_eager() -> None:
     run_compiled(list(PRESETS_2.values()), world_size=2)
@@ -120,6 +143,14 @@ def test_hsdp_and_2d_compiled_match_eager() -> None:
 
 def test_3d_compiled_matches_eager() -> None:
     run_compiled([THREE_D], world_size=8)
+
+
+def test_compiled_with_triton_kernels_matches_eager() -> None:
+    """Compile + the Triton kernels (interpreted) + checkpointing against the eager PyTorch model: every block one
+    graph (`fullgraph=True` holds with the kernels' ops), nothing compiled after step 1."""
+    for count in run_compiled([WITH_KERNELS], world_size=2, env={"TRITON_INTERPRET": "1"}):
+        assert count.triton and count.kernels == ["CausalAttention", "RMSNorm", "RotaryEmbedding", "SwiGLU"], \
+            (count.triton, count.kernels)
 
 
 def test_inductor_compiled_matches_eager(tmp_path: Path) -> None:
