@@ -87,7 +87,8 @@ def shim_main(sock_path: str, real_python: str) -> None:
     status = json.loads(ended)["status"]
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two take no handler
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     sys.exit(os.waitstatus_to_exitcode(status))
 

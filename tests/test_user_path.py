@@ -4,11 +4,12 @@ resume `last` after a kill, generate text from any checkpoint."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
+import cli_server
 import pytest
 import torch
 
@@ -99,8 +100,10 @@ main(sys.argv[1:])
 def test_kill_during_the_first_save_resumes_the_step_before(tmp_path):
     run = tmp_path / "run"
     base = every_2_steps(tmp_path)
-    killed = subprocess.run([sys.executable, "-c", KILL_IN_LAST_SAVE, "fit", *base, "--trainer.max_steps", "4"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")  # run_cli's, so its server forks it
+    killed = subprocess.run([cli_server.python(env=env), "-c", KILL_IN_LAST_SAVE, "fit", *base,
+                             "--trainer.max_steps", "4"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=300)
     assert killed.returncode == -9, killed.stderr[-3000:]
     left = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert left[0].startswith("last.ckpt.tmp-") and left[1:] == ["step=00002.ckpt"]
