@@ -124,9 +124,14 @@ def jobs(check: FullSize) -> list[RankJob]:
 
 
 def run(check: FullSize, workers: int = 2) -> FullSize:
-    """Every role in its own process (`workers` at a time): a fake process group lives once per process."""
+    """Every role in its own process (`workers` at a time): a fake process group lives once per process. The
+    processes are forked from the fork server `lit_lm.spawn` starts for its worlds (torch and Lightning imported
+    once, each process otherwise fresh), not spawned (those imports paid again per role)."""
+    from lit_lm.spawn import PRELOAD
+
     todo = jobs(check)
-    context = multiprocessing.get_context("spawn")
+    multiprocessing.set_forkserver_preload(PRELOAD)  # read when the server starts (the first call)
+    context = multiprocessing.get_context("forkserver")
     with ProcessPoolExecutor(max_workers=max(1, min(workers, len(todo))), mp_context=context,
                              max_tasks_per_child=1) as pool:
         check.results = list(pool.map(measure_rank, todo))
