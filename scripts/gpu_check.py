@@ -5,7 +5,7 @@
 
 Sections (docs/gpu/README.md says what each JSON holds): kernels, kernel_speed, fits, sync_debug, mfu, speed (eager,
 compile and compile + FP8 tokens/s and MFU of the ~1B model under lm_ddp and zero3, docs/compile.md). Each runs in
-a process of its own under its own time budget, so a crash, a hang or a CUDA error in one is recorded in its JSON
+a process of its own under its own time budget and all within TOTAL_BUDGET, so a crash, a hang or a CUDA error in one is recorded in its JSON
 (status "error" or "timeout", with the message) and the others still run; the exit code is 1 when any section
 failed. A section writes its JSON as results come, so one cut short by its budget keeps what it measured.
 Only torch, triton, lightning and numpy are needed: no `datasets`, no `jsonargparse` (models are built in Python).
@@ -27,10 +27,15 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-# Seconds per section on one H200, together under 8 minutes (the interpreter's dry-run is well inside them too).
-# Parity compiles ~50 Triton variants (~1.5 s each) into Triton's on-disk cache, which the later sections reuse.
-BUDGETS = {"kernels": 150, "kernel_speed": 120, "fits": 90, "sync_debug": 30, "mfu": 80,
-           "speed": 420}  # speed: 8 fits of the ~1B model, 6 of them compiling it (estimated, not yet measured)
+# Seconds per section on one H200 (estimates: no GPU has run this yet). A session's device allowance is 15 minutes
+# with the machine's start (a few minutes) in it and 10 minutes at most per command, so the sections together get
+# TOTAL_BUDGET, 7 minutes, and the script stops there whatever each section's own budget says: a section that
+# would start with less than MIN_SECTION left is recorded "timeout" without running. Parity compiles ~50 Triton
+# variants (~1.5 s each) into Triton's on-disk cache, which the later sections reuse; speed runs its most wanted
+# rows first (`gpu_check_train.SPEED_VARIANTS`), so a budget cut loses rowwise FP8, not eager.
+BUDGETS = {"kernels": 90, "kernel_speed": 35, "fits": 45, "sync_debug": 20, "mfu": 40, "speed": 190}
+TOTAL_BUDGET = 420
+MIN_SECTION = 5
 DRY_RUN_BUDGET = 300  # per section on a CPU: a guard against hangs only, so a busy CPU cannot fail the tests
 # the kernels the goals name first: a section cut short by its budget loses the teaching kernels, not these
 KERNEL_NAMES = ["rmsnorm", "swiglu", "attention", "cross_entropy", "rope", "softmax", "gelu", "matmul"]
@@ -86,6 +91,14 @@ def budget(args: argparse.Namespace, section: str) -> float:
     return float(given[section]) if section in given else DRY_RUN_BUDGET if args.dry_run else BUDGETS[section]
 
 
+def total_budget(args: argparse.Namespace) -> float:
+    """All the sections' time together: TOTAL_BUDGET on a GPU (`--total-budget` to change it); a dry-run's is its
+    sections' own budgets added up (a guard against hangs, as theirs)."""
+    if args.total_budget is not None:
+        return args.total_budget
+    return sum(budget(args, s) for s in args.sections) if args.dry_run else TOTAL_BUDGET
+
+
 def run_section(args: argparse.Namespace) -> int:
     """In the section's own process: run it, record its status (or the exception) in its JSON."""
     import torch
@@ -123,6 +136,7 @@ def run_section(args: argparse.Namespace) -> int:
 
 
 def child_env(dry_run: bool) -> dict[str, str]:
+    """The sections' environment (the fork server's, which they inherit)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "scripts"), *filter(None, [env.get("PYTHONPATH")])])
     if dry_run:
@@ -133,27 +147,62 @@ def child_env(dry_run: bool) -> dict[str, str]:
     return env
 
 
+def section_process(argv: list[str]) -> None:
+    """A section's process: in a session of its own, so that the parent stops it with all it started (inductor's
+    compile workers) by its process group."""
+    os.setsid()
+    sys.exit(main(argv))
+
+
+def sections_context(dry_run: bool) -> Any:
+    """Where the sections' processes come from: a fork server that imported torch and lightning once (6 s per
+    section on a CPU otherwise) and nothing of CUDA, so each section forked from it still initialises CUDA itself;
+    started with the sections' environment (`child_env`: TRITON_INTERPRET set before anything imports triton)."""
+    import multiprocessing
+
+    env = child_env(dry_run)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:0] = [p for p in env["PYTHONPATH"].split(os.pathsep) if p not in sys.path]
+    os.chdir(ROOT)  # where the sections ran before: the repository root
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "lightning"])
+    return context
+
+
 def run_all(args: argparse.Namespace, forwarded: list[str]) -> int:
     """Each section in a child process with its time budget; the section's JSON completed here if the child
     crashed or ran out of time; summary.json lists every section's status."""
+    context = sections_context(args.dry_run)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {}
+    deadline = time.perf_counter() + total_budget(args)
     for section in args.sections:
         path, limit = out / f"{section}.json", budget(args, section)
         path.unlink(missing_ok=True)
+        left = deadline - time.perf_counter()
+        if left < min(limit, MIN_SECTION):
+            Report(path, section=section, dry_run=args.dry_run, budget_s=limit, status="timeout", elapsed_s=0.0,
+                   error=f"not run: {max(left, 0):.0f} s left of the total budget of {total_budget(args)} s")
+            summary[section] = dict(status="timeout", elapsed_s=0.0, error=json.loads(path.read_text())["error"])
+            print(f"== {section}: not run, the total budget is spent", flush=True)
+            continue
+        limit = min(limit, round(left, 1))
         print(f"== {section} (budget {limit} s)", flush=True)
         t0 = time.perf_counter()
-        child = subprocess.Popen([sys.executable, __file__, "--section", section, *forwarded], cwd=ROOT,
-                                 env=child_env(args.dry_run), start_new_session=True)
+        child = context.Process(target=section_process, args=(["--section", section, *forwarded],))
+        child.start()
         try:
-            rc = child.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            rc = None
+            child.join(timeout=limit)
+            rc = None if child.is_alive() else child.exitcode
         finally:  # over budget, or this process interrupted: the section and anything it started (compile workers)
-            if child.poll() is None:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
+            if child.is_alive():
+                try:
+                    os.killpg(child.pid, signal.SIGKILL)
+                except ProcessLookupError:  # not yet its own group
+                    child.kill()
+                child.join()
         data = json.loads(path.read_text()) if path.exists() else dict(section=section, dry_run=args.dry_run,
                                                                           budget_s=limit)
         if rc is None:
@@ -188,6 +237,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="make this section hang (shows its budget stops it and the next section runs)")
     parser.add_argument("--budget", action="append", metavar="SECTION=SECONDS",
                         help="another time budget for a section (repeatable; default: the table above)")
+    parser.add_argument("--total-budget", type=float, metavar="SECONDS",
+                        help=f"all sections together (default {TOTAL_BUDGET} s on a GPU); what is left stops a "
+                             "section early and skips the ones after")
     parser.add_argument("--section", choices=list(BUDGETS), help=argparse.SUPPRESS)  # internal: one section
     args = parser.parse_args(argv)
     for item in args.budget or []:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one command a GPU run uses: every check of scripts/gpu_check.py, each section under its own time budget
-# (under 8 minutes in all on one H200), every result as JSON under docs/gpu/ (docs/gpu/README.md).
+# (7 minutes in all at most, gpu_check.TOTAL_BUDGET, for a 15-minute device session), every result as JSON under docs/gpu/ (docs/gpu/README.md).
 #
 #   bash scripts/gpu_check.sh                         # GPU: writes docs/gpu/<section>.json and summary.json
 #   bash scripts/gpu_check.sh --dry-run --out DIR     # the same steps on the CPU (Triton interpreter, tiny shapes)

@@ -322,7 +322,7 @@ def run_speed(report: Any, kernels: list[str], dry_run: bool, device: torch.devi
     """The `kernel_speed` section: copy bandwidth, then each kernel's first (realistic) shape in bf16 on a GPU
     (fp32 in the dry-run, where the interpreter cannot multiply bf16 tiles); results are written as they come, so
     a section cut short by its time budget keeps what it measured."""
-    warmup, iters = (1, 2) if dry_run else (5, 20)
+    warmup, iters = (1, 2) if dry_run else (3, 10)  # CUDA events: 10 launches average out the noise
     dtype = torch.float32 if dry_run else torch.bfloat16
     copy = copy_bandwidth(device, dry_run, warmup, iters)
     print(f"  copy: {copy['gbps']:.1f} GB/s", flush=True)

@@ -219,6 +219,28 @@ def test_a_section_over_its_budget_is_stopped_and_the_next_one_runs(env: dict[st
     assert data["kernels"]["status"] == "ok" and data["summary"]["failed"] == ["sync_debug"]
 
 
+def test_the_total_budget_stops_the_run_and_skips_what_is_left(env: dict[str, str], tmp_path: Path) -> None:
+    result = run(env, "--dry-run", "--out", str(tmp_path), "--sections", "sync_debug", "kernels", "--kernels", "gelu",
+                 "--inject-hang", "sync_debug", "--total-budget", "6")
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    data = load(tmp_path)  # the hang stopped when the total ran out, the next section not started
+    assert data["sync_debug"]["status"] == "timeout" and "killed after its budget of 6.0 s" in data["sync_debug"]["error"]
+    assert data["kernels"]["status"] == "timeout" and "not run" in data["kernels"]["error"]
+    assert data["summary"]["failed"] == ["sync_debug", "kernels"]
+
+
+def test_the_budgets_fit_a_device_session() -> None:
+    """15 minutes of device time per session, the machine's start (a few minutes) in them, 10 at most per command:
+    the sections' budgets add up to the total, and the total leaves margin under 8 minutes."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    assert sum(gpu_check.BUDGETS.values()) <= gpu_check.TOTAL_BUDGET <= 450
+    assert set(gpu_check.BUDGETS) == set(SECTIONS)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="here the GPU run would start")
 def test_without_a_gpu_the_real_run_refuses_and_writes_nothing(env: dict[str, str], tmp_path: Path) -> None:
     result = run(env, "--out", str(tmp_path / "gpu"))
