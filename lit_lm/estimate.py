@@ -377,15 +377,16 @@ def _transients(rank: RankEstimate, work: Workload, layout: ParallelConfig, engi
       both (batch, positions, vocabulary shard) in fp32, while every saved activation still lives;
     - backward: under ZeRO stages 2-3 the head's whole gradients, from its backward to the root unit's reduce
       (the root unit, embedding and head, reduces last);
-    - backward_end: ZeRO's reduce-scatter buffers, a unit's whole-size send and its shard-size receive, at most
-      two units in flight (`_launch_next_reduce` waits for unit i - 2), next to the unit's whole gradients being
-      packed (stages 2-3) and, under ZeRO-3, the receive buffer of the unit gathered for the next backward;
+    - backward_end: ZeRO's reduce-scatter buffers, a unit's whole-size send (the receive is this rank's part of
+      it: in place), at most two units in flight (`_launch_next_reduce` waits for unit i - 2), next to the unit's
+      whole gradients being packed (stages 2-3) and, under ZeRO-3, the receive buffer of the unit gathered for the
+      next backward;
     - step: torch's default AdamW on the CPU (the for-loop) allocates `sqrt(v)` and the denominator at the size
       of the tensor it steps (`_engine_steps`), while the previous tensor's denominator is still bound; on an
       accelerator foreach's `sqrt(v)` is the size of all it steps
       (one param group: `LanguageModel`'s second group, norms and embeddings, only splits it further);
-    - after_step: ZeRO-1/2 all-gather the updated rows unit by unit, at most two in flight: a unit's send (a
-      shard) and receive (the whole unit);
+    - after_step: ZeRO-1/2 all-gather the updated rows unit by unit, at most two in flight: a unit's receive (the
+      whole unit; the send is this rank's part of it: in place);
     - on the CPU, gloo's all-gather first gathers into a flat output of its own and copies it out: one more whole
       unit while ZeRO-1/2's after-step gathers run, and while ZeRO-3 gathers in forward and backward (NCCL gathers
       in place). A library's workspace, but one this program's choice of collective makes: counted."""
@@ -416,12 +417,11 @@ def _transients(rank: RankEstimate, work: Workload, layout: ParallelConfig, engi
         if stage >= 2 and head:  # the head's whole gradients wait for the embedding's: the root unit reduces last
             rank.add_transient("backward", "the head's whole gradients", head * pbytes)
         # the reduce order (the blocks from the last, then the rest); launching unit i waits for unit i - 2 first:
-        # unit i - 1's send and receive, unit i's send, and under stages 2-3 unit i's whole gradients (and the
-        # head's, until the root unit's turn) at once
+        # unit i - 1's send, unit i's send, and under stages 2-3 unit i's whole gradients (and the head's, until
+        # the root unit's turn) at once; each receive is its rank's part of the send (in place)
         order = [u for u in units if u != "root"][::-1] + [u for u in units if u == "root"]
-        # the receive is made once the unit is packed (stages 2-3 have dropped its whole gradients by then)
-        at = [(group + 1) * seg[order[i - 1]] * (i > 0) + group * seg[u]
-              + max(seg[u], (stage >= 2) * (whole[u] + head * (u != "root"))) for i, u in enumerate(order)]
+        at = [group * seg[order[i - 1]] * (i > 0) + group * seg[u]
+              + (stage >= 2) * (whole[u] + head * (u != "root")) for i, u in enumerate(order)]
         rank.add_transient("backward_end", "reduce-scatters in flight (two units)", max(at) * pbytes)
         if stage == 3:  # meanwhile the unit whose backward comes next is being gathered: its receive buffer
             prefetch = [group * seg[order[i + 1]] if i + 1 < len(order) else 0 for i in range(len(order))]
@@ -430,8 +430,8 @@ def _transients(rank: RankEstimate, work: Workload, layout: ParallelConfig, engi
         staging = work.device == "cpu"  # gloo (the CPU backend) gathers into a flat copy of the output first
         if stage < 3:  # the units in order (the root first); launching unit i waits for unit i - 2 first
             pairs = [(seg[a], seg[b]) for a, b in zip(units, list(units)[1:])] or [(s, 0) for s in segments]
-            worst = max(pairs, key=lambda ab: (group + 1) * sum(ab) + staging * group * max(ab))
-            rank.add_transient("after_step", "all-gathers in flight (two units)", (group + 1) * sum(worst) * pbytes)
+            worst = max(pairs, key=lambda ab: group * sum(ab) + staging * group * max(ab))
+            rank.add_transient("after_step", "all-gathers in flight (two units)", group * sum(worst) * pbytes)
             if staging:
                 rank.add_transient("after_step", GLOO_STAGING, group * max(worst) * pbytes)
         elif staging:

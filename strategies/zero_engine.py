@@ -367,10 +367,10 @@ class ZeroEngine:
                      label: str) -> tuple[dist.Work, Tensor]:
         """Launch the all-gather of `params`' master rows, packed rank-major at `offsets` in `segment` elements."""
         dtype, device = params[0].param.dtype, params[0].master.device
-        send = torch.empty(segment, dtype=dtype, device=device)
+        recv = torch.empty(self.world * segment, dtype=dtype, device=device)
+        send = recv.view(self.world, segment)[self.rank]  # in place (as FSDP2's): this rank's part of the output
         for sp in params:
             send[offsets[sp]: offsets[sp] + sp.local_numel].copy_(sp.master.view(-1))
-        recv = torch.empty(self.world * segment, dtype=dtype, device=device)
         return comm.all_gather(recv, send, self.group, async_op=True, label=label), recv
 
     def _fill(self, params: list[ShardedParam], recv: Tensor, offsets: Optional[dict[ShardedParam, int]] = None
@@ -506,7 +506,7 @@ class ZeroEngine:
         if self.world == 1:  # a group of one: the packed gradients are the shard, no collective (nor its bytes)
             unit.pending_reduce = (None, send, send)
             return
-        recv = torch.empty(unit.segment_numel, dtype=send.dtype, device=send.device)
+        recv = send.view(self.world, -1)[self.rank]  # in place: this rank's part of the input (kept until complete)
         work = comm.reduce_scatter(recv, send, self.group, async_op=True, label=f"zero reduce {unit.name}")
         unit.pending_reduce = (work, send, recv)
 

@@ -189,9 +189,11 @@ def tp_replicated_counted_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def zero_global_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ZeRO takes the global rank for its rank in its group (the two agree only where the group is the world)."""
-    real = dist.get_rank
-    monkeypatch.setattr(zero_engine, "dist", SimpleNamespace(**{**vars(dist), "get_rank": lambda group=None: real()}))
+    """ZeRO takes the global rank for its rank in its group (the two agree only where the group is the world), wrapped
+    into the group's range (an out-of-range rank fails at once, indexing the in-place collectives' buffers)."""
+    real, size = dist.get_rank, dist.get_world_size
+    monkeypatch.setattr(zero_engine, "dist", SimpleNamespace(**{**vars(dist),
+                                                                "get_rank": lambda group=None: real() % size(group)}))
 
 
 def _doubled(parameter: str) -> str:
