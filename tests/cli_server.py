@@ -288,7 +288,10 @@ class Server:
         argv, env, cwd = request["argv"], request["env"], request["cwd"]
         os.chdir(cwd)
         os.umask(request["umask"])
-        why = self.broken or self.differing(env)
+        run = argv[1:] if argv[0] == "-u" else argv
+        # the folder the interpreter puts first on sys.path: -m and -c: the cwd; a script: its (real) folder
+        folder = cwd if run[0] in ("-m", "-c") else os.path.dirname(os.path.realpath(run[0]))
+        why = self.broken or self.differing(env) or (self.shadows([folder]) and f"{folder} shadows an import")
         print(f"{time.strftime('%X')} {os.getpid()} rank {env.get('LOCAL_RANK', '-')}: {' '.join(argv)}: "
               f"{f'real interpreter ({why})' if why else 'forked'}", file=self.log, flush=True)
         self.log.close()
@@ -306,11 +309,9 @@ class Server:
                 setattr(sys, name, io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=old.encoding,
                                                     errors=old.errors, write_through=True))
         # sys.path[0] and sys.argv as the interpreter sets them: -m: the cwd, ["-m", ARGS]; -c: "", ["-c", ARGS];
-        # a script: its (real) folder, [SCRIPT, ARGS]
-        if argv[0] in ("-m", "-c"):
-            first, sys.argv = cwd if argv[0] == "-m" else "", [argv[0], *argv[2:]]
-        else:
-            first, sys.argv = os.path.dirname(os.path.realpath(argv[0])), list(argv)
+        # a script: its folder, [SCRIPT, ARGS]
+        first = "" if argv[0] == "-c" else folder
+        sys.argv = [argv[0], *argv[2:]] if argv[0] in ("-m", "-c") else list(argv)
         sys.path[:] = [first, *_pythonpath(env), *self.base_path]
         sys.executable = self.shim
         if "numpy" in sys.modules:

@@ -134,3 +134,15 @@ def test_python_c_through_the_server_reads_as_a_fresh_interpreters(tmp_path):
     assert _log().read_text().splitlines()[-1].endswith(" a b --c: forked")
     assert (served.returncode, served.stdout) == (fresh.returncode, fresh.stdout) == (1, '[["-c", "a b", "--c"], "", "__main__", null]\n')
     assert served.stderr.endswith(fresh.stderr.split("\n", 1)[1]) and "ZeroDivisionError" in served.stderr
+
+
+def test_a_folder_that_shadows_an_imported_module_runs_a_real_interpreter(tmp_path):
+    """A script's folder (or the cwd of -m and -c) first on sys.path: a module there named as one the server
+    imported from elsewhere (yaml, through jsonargparse) is the one a fresh interpreter imports."""
+    (tmp_path / "yaml.py").write_text("WHERE = 'beside the script'\n")
+    (tmp_path / "tool.py").write_text("import yaml\nprint(getattr(yaml, 'WHERE', 'site-packages'))\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    done = subprocess.run([cli_server.python(), str(tmp_path / "tool.py")], cwd=tmp_path.parent, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stdout) == (0, "beside the script\n"), done.stderr[-3000:]
+    assert _log().read_text().splitlines()[-1].endswith(f"real interpreter ({tmp_path} shadows an import)")
