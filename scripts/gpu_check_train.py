@@ -191,7 +191,7 @@ def fit_shapes(dry_run: bool) -> tuple[ModelConfig, dict[str, int]]:
         return (ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=32),
                 dict(steps=2, batch=1, seq_len=16))
     return (ModelConfig(vocab_size=8192, d_model=512, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=512),
-            dict(steps=10, batch=8, seq_len=512))  # 8 fits in the section's 45 s: setup dominates, not steps
+            dict(steps=10, batch=8, seq_len=512))  # 9 fits in the section's 70 s: setup and compile, not steps
 
 
 def _max_rel_diff(a: list[float], b: list[float]) -> float:
@@ -200,7 +200,8 @@ def _max_rel_diff(a: list[float], b: list[float]) -> float:
 
 def run_fits(report: Any, dry_run: bool, device: torch.device) -> str:
     """The `fits` section: lm_ddp, zero1-3, kernels off and on; every strategy's losses must equal lm_ddp's at
-    each step, and kernels on must track kernels off."""
+    each step, and kernels on must track kernels off; then lm_ddp with the kernels under torch.compile must track
+    them eager."""
     config, shape = fit_shapes(dry_run)
     precision = "32-true" if dry_run else "bf16-mixed"
     tol, ktol = STRATEGY_TOL[precision], KERNEL_TOL[precision]
@@ -217,11 +218,20 @@ def run_fits(report: Any, dry_run: bool, device: torch.device) -> str:
             print(f"  {name:>7} kernels {'on ' if kernels else 'off'}: "
                   f"{run.get('losses') or run.get('error')}", flush=True)
             report.update(runs=runs)
+    # the Triton kernels under torch.compile (`kernels.runtime.Op`: triton_op, launched from inductor's code on a GPU)
+    compiled = "aot_eager" if dry_run else True
+    try:
+        runs.append(fit(config, "lm_ddp", True, precision, device=device, compile=compiled, **shape))
+    except Exception as err:
+        runs.append(dict(strategy="lm_ddp", kernels=list(KERNELS), precision=precision, compile=compiled,
+                         error=f"{type(err).__name__}: {err}"[:500], traceback=traceback.format_exc()[-3000:]))
+    print(f"   lm_ddp kernels on, compiled: {runs[-1].get('losses') or runs[-1].get('error')}", flush=True)
+    report.update(runs=runs)
     checks = []
     for kernels in (False, True):
         base = next(r for r in runs if r["strategy"] == "lm_ddp" and bool(r["kernels"]) == kernels)
         for run in runs:
-            if bool(run["kernels"]) != kernels or run is base:
+            if bool(run["kernels"]) != kernels or run is base or run.get("compile"):
                 continue
             diff = _max_rel_diff(run.get("losses", []), base.get("losses", []))
             checks.append(dict(compare=f"{run['strategy']} vs lm_ddp", kernels=kernels, max_rel_diff=diff,
@@ -230,6 +240,11 @@ def run_fits(report: Any, dry_run: bool, device: torch.device) -> str:
         off, on = (next(r for r in runs if r["strategy"] == name and bool(r["kernels"]) == k) for k in (False, True))
         diff = _max_rel_diff(on.get("losses", []), off.get("losses", []))
         checks.append(dict(compare=f"{name}: kernels on vs off", max_rel_diff=diff, rtol=ktol, passed=diff <= ktol))
+    eager, compiled_run = (next(r for r in runs if r["strategy"] == "lm_ddp" and r["kernels"] and
+                                bool(r.get("compile")) == c) for c in (False, True))
+    diff = _max_rel_diff(compiled_run.get("losses", []), eager.get("losses", []))
+    checks.append(dict(compare="lm_ddp kernels on: compiled vs eager", max_rel_diff=diff, rtol=ktol,
+                       passed=diff <= ktol))
     finite = all(r.get("losses") and all(x == x and abs(x) < float("inf") for x in r["losses"]) for r in runs)
     report.update(runs=runs, checks=checks, all_finite=finite)
     return "ok" if finite and all(c["passed"] for c in checks) else "failed"

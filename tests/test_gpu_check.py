@@ -123,13 +123,16 @@ def test_kernel_speed_rows(dry_run: tuple) -> None:
 def test_fits_lose_the_same_under_every_strategy(dry_run: tuple) -> None:
     fits = dry_run[1]["fits"]
     runs = fits["runs"]
-    assert len(runs) == 8 and {r["process_group_backend"] for r in runs} == {"gloo"}
+    assert len(runs) == 9 and {r["process_group_backend"] for r in runs} == {"gloo"}
     for kernels in (False, True):
-        by_name = {r["strategy"]: r["losses"] for r in runs if bool(r["kernels"]) == kernels}
+        by_name = {r["strategy"]: r["losses"] for r in runs if bool(r["kernels"]) == kernels and not r["compile"]}
         assert set(by_name) == {"lm_ddp", "zero1", "zero2", "zero3"}
         for losses in by_name.values():
             assert len(losses) == fits["steps"] and losses == pytest.approx(by_name["lm_ddp"], rel=1e-5)
-    assert len(fits["checks"]) == 10 and all(c["passed"] for c in fits["checks"])
+    compiled = runs[-1]  # the kernels (interpreted) under compile: the same losses as eager
+    assert compiled["compile"] == "aot_eager" and compiled["kernels"] and compiled["strategy"] == "lm_ddp"
+    assert compiled["losses"] == pytest.approx(by_name["lm_ddp"], rel=1e-5)
+    assert len(fits["checks"]) == 11 and all(c["passed"] for c in fits["checks"])
 
 
 def test_sync_debug_is_skipped_on_cpu_after_running_the_fit(dry_run: tuple) -> None:
