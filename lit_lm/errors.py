@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from lit_lm.config import ConfigError
+from strategies import comm, host_malloc
 
 DEBUG_ENV = "LIT_LM_DEBUG"
 EXIT_CODE = 2
@@ -55,8 +56,17 @@ def stop_other_ranks(trainer: Optional[Trainer]) -> None:
         launcher.kill(signal.SIGTERM)
 
 
+def check_environment() -> None:
+    """lit-lm's environment switches, which the ranks read later: a bad value stops the run here, in one line."""
+    for name, modes in ((host_malloc.CHOICE, host_malloc.MODES), (comm.GLOO_CHOICE, comm.GLOO_MODES)):
+        value = os.environ.get(name)
+        if value and value not in modes:
+            raise ConfigError(f"{name}={value!r} is not one of {', '.join(modes)} (environment); unset it or pick one")
+
+
 def check_trainer_config(trainer: Any) -> None:
-    """Trainer values Lightning would accept silently or report in its own terms."""
+    """Trainer values Lightning would accept silently or report in its own terms (and the environment's switches)."""
+    check_environment()
     if str(trainer.precision) in FP16:
         raise ConfigError(f"fp16 precision {trainer.precision!r} is not supported (trainer.precision): its loss "
                           "scaler skips steps from one rank's gradients only; use bf16-mixed, bf16-true or 32-true")

@@ -113,6 +113,7 @@ class Done:
 
 
 GLOO_CHOICE = "LIT_LM_GLOO_COLLECTIVES"
+GLOO_MODES = ("native", "emulated")
 
 
 def _emulated(group: Optional[dist.ProcessGroup]) -> bool:
@@ -125,7 +126,7 @@ def _emulated(group: Optional[dist.ProcessGroup]) -> bool:
     because NCCL's reduce-scatter and all-gather are the path GPU users run and the tests exercise; unset or
     `native`: the collectives as written."""
     mode = os.environ.get(GLOO_CHOICE) or "native"
-    if mode not in ("native", "emulated"):
+    if mode not in GLOO_MODES:
         raise ValueError(f"{GLOO_CHOICE}={mode!r}: choose native or emulated (strategies/comm.py)")
     return mode == "emulated" and dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from lit_lm.config import ConfigError
+from lit_lm.errors import check_environment, check_trainer_config
 from test_cli import REPO, run_cli, tiny_args
 
 
@@ -113,6 +116,15 @@ def test_bad_input_is_one_line(tmp_path, case):
     errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0].startswith(f"lit-lm: error: {message}"), done.stderr[-3000:]
     assert "Traceback" not in done.stderr
+
+
+def test_a_bad_environment_switch_is_one_config_error(monkeypatch):
+    for name in ("LIT_LM_MALLOC", "LIT_LM_GLOO_COLLECTIVES"):
+        monkeypatch.setenv(name, "bogus")
+        with pytest.raises(ConfigError, match=rf"^{name}='bogus' is not one of \w+, \w+"):
+            check_trainer_config(SimpleNamespace(precision="32-true", strategy="auto"))
+        monkeypatch.delenv(name)
+    check_environment()  # unset: the defaults
 
 
 def test_debug_shows_the_traceback(tmp_path):
