@@ -126,27 +126,26 @@ def _emulated(group: Optional[dist.ProcessGroup]) -> bool:
     because NCCL's reduce-scatter and all-gather are the path GPU users run and the tests exercise; unset or
     `native`: the collectives as written."""
     mode = os.environ.get(GLOO_CHOICE) or "native"
-    if mode not in GLOO_MODES:
-        raise ValueError(f"{GLOO_CHOICE}={mode!r}: choose native or emulated (strategies/comm.py)")
+    if mode not in GLOO_MODES:  # the CLI refuses it before any rank starts (lit_lm/errors.py)
+        raise ValueError(f"{GLOO_CHOICE}={mode!r}: choose one of {', '.join(GLOO_MODES)} (strategies/comm.py)")
     return mode == "emulated" and dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
 
 
 class _Then:
     """The handle of a collective followed by local work (`then`) once it completes."""
 
-    def __init__(self, work: Any, then: Optional[Callable[[], Any]] = None) -> None:
+    def __init__(self, work: Any, then: Callable[[], Any]) -> None:
         self.work, self.then = work, then
 
     def wait(self) -> bool:
         if self.work is not None:
             self.work.wait()
             self.work = None
-            if self.then is not None:
-                self.then()
+            self.then()
         return True
 
 
-def _handle(work: _Then, async_op: bool) -> Optional[_Then]:
+def _handle(work: Any, async_op: bool) -> Optional[Any]:
     """As torch.distributed: the handle when `async_op`, else completed here and None."""
     if async_op:
         return work
@@ -171,9 +170,8 @@ def reduce_scatter(output: Tensor, input: Tensor, group: Optional[dist.ProcessGr
         COMM_LOG.add("all_reduce", group, input.numel(), input.element_size(), label)
         mine = input.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
         work = dist.all_reduce(input, op=op, group=group, async_op=True)
-        if output.data_ptr() == mine.data_ptr():  # in place: the result is where it belongs
-            return _handle(_Then(work), async_op)
-        return _handle(_Then(work, lambda: output.view(-1).copy_(mine)), async_op)
+        in_place = output.data_ptr() == mine.data_ptr()  # the result is already where it belongs
+        return _handle(work if in_place else _Then(work, lambda: output.view(-1).copy_(mine)), async_op)
     COMM_LOG.add("reduce_scatter", group, input.numel(), input.element_size(), label)
     return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
 
@@ -193,7 +191,7 @@ def all_gather(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup]
             COMM_LOG.add("broadcast", group, chunks[i].numel(), output.element_size(), label)
             works.append(dist.broadcast(chunks[i], src=i if group is None else dist.get_global_rank(group, i),
                                         group=group, async_op=True))
-        return _handle(_Then(_Batch(works)), async_op)
+        return _handle(_Batch(works), async_op)
     COMM_LOG.add("all_gather", group, output.numel(), output.element_size(), label)
     return _all_gather_single(output, input, group=group, async_op=async_op)
 
