@@ -123,6 +123,7 @@ class RankEstimate:
     grads: int = 0
     optimizer: int = 0
     buffers: int = 0  # communication buffers: ZeRO-3 gathered units, pipeline outputs held (DDP buckets are the grads)
+    slots: int = 0  # ZeRO-1/2's two comm slots (`strategies.zero_engine.CommSlots`), held from the first backward on
     activations: int = 0
     flops: float = 0.0  # model FLOPs (what MFU counts)
     replicated_flops: float = 0.0  # what the tp peers compute again (MoE layers are replicated over tp)
@@ -146,8 +147,9 @@ class RankEstimate:
     def moment_peaks(self) -> dict[str, int]:
         """Bytes held at each moment of `MOMENTS`: what persists there plus that moment's named transients."""
         held = {"build": self.params, "engines": self.params + self.grads,
-                "backward": self.model_state + self.buffers + self.activations,
-                "backward_end": self.model_state, "step": self.model_state, "after_step": self.model_state}
+                "backward": self.model_state + self.slots + self.buffers + self.activations,
+                "backward_end": self.model_state + self.slots, "step": self.model_state + self.slots,
+                "after_step": self.model_state + self.slots}
         return {m: held[m] + sum(self.transients.get(m, {}).values()) for m in MOMENTS}
 
     def phase_peaks(self) -> dict[str, int]:
@@ -160,7 +162,7 @@ class RankEstimate:
     def categories(self) -> dict[str, int]:
         """Every named figure of this rank in bytes; a transient as `moment/name`."""
         out = {"params": self.params, "grads": self.grads, "optimizer": self.optimizer, "buffers": self.buffers,
-               "activations": self.activations}
+               "slots": self.slots, "activations": self.activations}
         for moment, terms in self.transients.items():
             out.update({f"{moment}/{k}": v for k, v in terms.items()})
         return out
@@ -380,13 +382,13 @@ def _transients(rank: RankEstimate, work: Workload, layout: ParallelConfig, engi
     - backward_end: ZeRO's reduce-scatter buffers, a unit's whole-size send (the receive is this rank's part of
       it: in place), at most two units in flight (`_launch_next_reduce` waits for unit i - 2), next to the unit's
       whole gradients being packed (stages 2-3) and, under ZeRO-3, the receive buffer of the unit gathered for the
-      next backward;
+      next backward; ZeRO-1/2 send through two slots kept from step to step (`slots`, not a transient: unit i of
+      the reduce order and of the gather order takes slot i % 2, which grows to the largest unit that takes it);
     - step: torch's default AdamW on the CPU (the for-loop) allocates `sqrt(v)` and the denominator at the size
       of the tensor it steps (`_engine_steps`), while the previous tensor's denominator is still bound; on an
       accelerator foreach's `sqrt(v)` is the size of all it steps
       (one param group: `LanguageModel`'s second group, norms and embeddings, only splits it further);
-    - after_step: ZeRO-1/2 all-gather the updated rows unit by unit, at most two in flight: a unit's receive (the
-      whole unit; the send is this rank's part of it: in place);
+    - after_step: ZeRO-1/2 all-gather the updated rows unit by unit, at most two in flight, into the two slots;
     - on the CPU, gloo's all-gather first gathers into a flat output of its own and copies it out: one more whole
       unit while ZeRO-1/2's after-step gathers run, and while ZeRO-3 gathers in forward and backward (NCCL gathers
       in place). A library's workspace, but one this program's choice of collective makes: counted."""
@@ -422,20 +424,20 @@ def _transients(rank: RankEstimate, work: Workload, layout: ParallelConfig, engi
         order = [u for u in units if u != "root"][::-1] + [u for u in units if u == "root"]
         at = [group * seg[order[i - 1]] * (i > 0) + group * seg[u]
               + (stage >= 2) * (whole[u] + head * (u != "root")) for i, u in enumerate(order)]
-        rank.add_transient("backward_end", "reduce-scatters in flight (two units)", max(at) * pbytes)
+        if stage < 3:  # the sends are the two slots (`CommSlots`); what is left is the unit's gradients being packed
+            gather = list(units)  # the refresh walks the units in their order (the root first)
+            rank.slots += sum(group * max([seg[u] for u in (*order[k::2], *gather[k::2])], default=0)
+                              for k in (0, 1)) * pbytes
+            at = [(stage >= 2) * (whole[u] + head * (u != "root")) for u in order]
+        rank.add_transient("backward_end", "reduce-scatters in flight (two units)" if stage == 3 else
+                           "a unit's whole gradients, being packed", max(at) * pbytes)
         if stage == 3:  # meanwhile the unit whose backward comes next is being gathered: its receive buffer
             prefetch = [group * seg[order[i + 1]] if i + 1 < len(order) else 0 for i in range(len(order))]
             rank.add_transient("backward_end", "the next unit's all-gather receive buffer",
                                max(a + b for a, b in zip(at, prefetch)) * pbytes - max(at) * pbytes)
-        staging = work.device == "cpu"  # gloo (the CPU backend) gathers into a flat copy of the output first
-        if stage < 3:  # the units in order (the root first); launching unit i waits for unit i - 2 first
-            pairs = [(seg[a], seg[b]) for a, b in zip(units, list(units)[1:])] or [(s, 0) for s in segments]
-            worst = max(pairs, key=lambda ab: group * sum(ab) + staging * group * max(ab))
-            rank.add_transient("after_step", "all-gathers in flight (two units)", group * sum(worst) * pbytes)
-            if staging:
-                rank.add_transient("after_step", GLOO_STAGING, group * max(worst) * pbytes)
-        elif staging:
-            rank.add_transient("backward", GLOO_STAGING, group * max(segments) * pbytes)
+        if work.device == "cpu":  # gloo (the CPU backend) gathers into a flat copy of the output first: ZeRO-1/2
+            rank.add_transient("after_step" if stage < 3 else "backward", GLOO_STAGING,  # after the step, ZeRO-3
+                               group * max(segments) * pbytes)  # in forward and backward
     sbytes = 4 if stage else pbytes  # ZeRO steps fp32 master rows
     if stepped:
         # the for-loop: tensor i's two while tensor i - 1's denominator is still bound (freed when replaced)

@@ -181,6 +181,31 @@ def _copy_rows(full: Tensor, slots: Tensor, into_full: bool) -> None:
         (f if into_full else s).copy_(s if into_full else f)
 
 
+class CommSlots:
+    """Stages 1-2: the two buffers the units' reduce-scatters and all-gathers go through, kept from step to step.
+
+    Both walk the units in a fixed order with at most two in flight (unit i waits for unit i - 2), so the unit at
+    position i of its walk takes slot i % 2 (the unit at i - 2 is done with it). A slot grows to the largest unit
+    that takes it, then stays: buffers the size of a unit (the root unit, embedding and head, is the largest) made
+    fresh every step are mapped and faulted in again at every step on the CPU (glibc maps blocks above its mmap
+    threshold), which cost stage 2 about a third of its step at 217M parameters (issue 36). Stage 3 keeps fresh
+    buffers: its gathers and reduces interleave, and two whole units held all the time would cost what it saves."""
+
+    def __init__(self) -> None:
+        self._slots: list[Optional[Tensor]] = [None, None]
+
+    def take(self, position: int, numel: int, dtype: torch.dtype, device: Optional[torch.device]) -> Tensor:
+        """Slot `position % 2` as `numel` elements of `dtype` (uninitialised)."""
+        i, nbytes = position % 2, numel * dtype.itemsize
+        slot = self._slots[i]
+        if slot is None or slot.numel() < nbytes or slot.device != torch.device(device or "cpu"):
+            slot = self._slots[i] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return slot[:nbytes].view(dtype)
+
+    def nbytes(self) -> int:
+        return sum(s.numel() for s in self._slots if s is not None)
+
+
 def _free_storage(t: Tensor) -> None:
     t.untyped_storage().resize_(0)
 
@@ -252,6 +277,7 @@ class ZeroEngine:
         self.units = [self.root, *self.blocks]
         self._reduce_order = [*reversed(self.blocks), self.root]  # roughly the order backward finishes them
         self._next_reduce = 0  # stages 2-3: the first unit of `_reduce_order` not launched in this backward
+        self.slots = CommSlots()  # stages 1-2: the reduce-scatters' and all-gathers' buffers
         self._in_backward = False
         self._materialize(module)
         if self.stage == 3:  # FP8 linears (tensorwise) are gathered in FP8
@@ -364,10 +390,12 @@ class ZeroEngine:
 
     # -- parameters: all-gather -------------------------------------------------------------------------------
     def _gather_rows(self, params: list[ShardedParam], offsets: dict[ShardedParam, int], segment: int,
-                     label: str) -> tuple[dist.Work, Tensor]:
-        """Launch the all-gather of `params`' master rows, packed rank-major at `offsets` in `segment` elements."""
+                     label: str, position: Optional[int] = None) -> tuple[dist.Work, Tensor]:
+        """Launch the all-gather of `params`' master rows, packed rank-major at `offsets` in `segment` elements (into
+        the comm slot of `position` in the walk, stages 1-2; None: a fresh buffer)."""
         dtype, device = params[0].param.dtype, params[0].master.device
-        recv = torch.empty(self.world * segment, dtype=dtype, device=device)
+        recv = (torch.empty(self.world * segment, dtype=dtype, device=device) if position is None
+                else self.slots.take(position, self.world * segment, dtype, device))
         send = recv.view(self.world, segment)[self.rank]  # in place (as FSDP2's): this rank's part of the output
         for sp in params:
             send[offsets[sp]: offsets[sp] + sp.local_numel].copy_(sp.master.view(-1))
@@ -384,16 +412,16 @@ class ZeroEngine:
                        into_full=True)
 
     @torch.no_grad()
-    def _launch_gather(self, unit: Unit, full: bool = False) -> None:
+    def _launch_gather(self, unit: Unit, full: bool = False, position: Optional[int] = None) -> None:
         """Launch `unit`'s all-gather; an FP8 unit's weights in FP8 unless `full` (whole parameters, for
-        `consolidate`)."""
+        `consolidate`); at `position` of the refresh's walk (stages 1-2: `CommSlots`)."""
         if unit.pending_gather is not None or unit.pending_fp8 is not None or not unit.params:
             return
         if unit.fp8 is not None and not full:
             self._launch_fp8_gather(unit, unit.fp8)
             return
         unit.pending_gather = self._gather_rows(unit.params, {sp: sp.offset for sp in unit.params},
-                                                unit.segment_numel, f"zero gather {unit.name}")
+                                                unit.segment_numel, f"zero gather {unit.name}", position)
 
     @torch.no_grad()
     def _complete_gather(self, unit: Unit, full: bool = False) -> None:
@@ -490,11 +518,14 @@ class ZeroEngine:
 
     # -- gradients: reduce-scatter ----------------------------------------------------------------------------
     @torch.no_grad()
-    def _launch_reduce(self, unit: Unit) -> None:
+    def _launch_reduce(self, unit: Unit, position: int) -> None:
+        """Pack `unit`'s gradients rank-major and launch their reduce-scatter, `position`-th of this walk."""
         if not unit.params:
             return
         first = unit.params[0].param
-        send = torch.empty(self.world * unit.segment_numel, dtype=first.dtype, device=first.device)
+        numel = self.world * unit.segment_numel
+        send = (self.slots.take(position, numel, first.dtype, first.device) if self.stage < 3
+                else torch.empty(numel, dtype=first.dtype, device=first.device))
         for sp in unit.params:
             slots = _slots(send, self.world, sp)
             if sp.param.grad is None:  # unused in this step: contributes zeros
@@ -543,7 +574,10 @@ class ZeroEngine:
                     more[0].append(sp.grad_view)
                     more[1].append(shard)
                 continue
-            shard = shard if shard.dtype == sp.master.dtype else shard.to(sp.master.dtype)
+            if shard.dtype != sp.master.dtype:
+                shard = shard.to(sp.master.dtype)
+            elif self.stage < 3 and shard._base is recv._base:  # a view of a comm slot (the next units reuse it)
+                shard = shard.clone()
             if sp.master.grad is None or self.stage == 1:
                 sp.master.grad = shard
             else:  # stages 2-3 under accumulation: this micro-step's part of the window's gradient
@@ -589,8 +623,8 @@ class ZeroEngine:
         if self._next_reduce >= 2:
             self._complete_reduce(self._reduce_order[self._next_reduce - 2])
         unit = self._reduce_order[self._next_reduce]
+        self._launch_reduce(unit, self._next_reduce)
         self._next_reduce += 1
-        self._launch_reduce(unit)
         self.reshard(unit)
 
     def _end_backward(self) -> None:
@@ -677,7 +711,7 @@ class ZeroEngine:
             for i, unit in enumerate(self._reduce_order):  # at most two in flight, as in the backward
                 if i >= 2:
                     self._complete_reduce(self._reduce_order[i - 2])
-                self._launch_reduce(unit)
+                self._launch_reduce(unit, i)
             for unit in self._reduce_order[-2:]:
                 self._complete_reduce(unit)
         self._reduced = False
@@ -697,7 +731,7 @@ class ZeroEngine:
             for i, unit in enumerate(self.units):
                 if i >= 2:
                     self._complete_gather(self.units[i - 2])
-                self._launch_gather(unit)
+                self._launch_gather(unit, position=i)
             for unit in self.units[-2:]:
                 self._complete_gather(unit)
 

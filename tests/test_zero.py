@@ -238,9 +238,9 @@ class ToyBlocks(nn.Module):
         return self.out(x).square().mean()
 
 
-def _toy_step(model: ToyBlocks, x: torch.Tensor, engine: ZeroEngine | None, gather: bool = True
-              ) -> dict[str, torch.Tensor]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+def _toy_step(model: ToyBlocks, x: torch.Tensor, engine: ZeroEngine | None, gather: bool = True,
+              opt: type = torch.optim.SGD) -> dict[str, torch.Tensor]:
+    optimizer = opt(model.parameters(), lr=0.1)
     if engine is not None:
         engine.shard_optimizer(optimizer)
     for _ in range(2):
@@ -281,12 +281,41 @@ def test_zero3_on_3_ranks_with_uneven_and_empty_shards() -> None:
     run, toy = run_distributed(_three_rank_worker, 3, init_process_group=False)[0]
     _assert_parity(run, fit(global_batch=6, lr=1e-3, **CLIP_ACCUM), "zero3 x3")
 
+    single = _toy_step(_toy_model(), torch.randn(6, 5, generator=torch.Generator().manual_seed(1)), None)
+    for name, value in single.items():
+        torch.testing.assert_close(toy[name], value, rtol=1e-5, atol=1e-6)
+
+
+class PerTensorSGD(torch.optim.SGD):
+    """SGD's maths, but not an exact elementwise type: the flat step leaves it alone, so each master shard's gradient
+    is the reduced shard itself (`ZeroEngine._complete_reduce`), which must not stay a view of a comm slot."""
+
+
+def _toy_model() -> ToyBlocks:
     model = ToyBlocks()
     for name, p in model.named_parameters():
         model.init_parameter(name, p)
-    single = _toy_step(model, torch.randn(6, 5, generator=torch.Generator().manual_seed(1)), None)
-    for name, value in single.items():
-        torch.testing.assert_close(toy[name], value, rtol=1e-5, atol=1e-6)
+    return model
+
+
+def _per_tensor_worker() -> dict[int, dict[str, torch.Tensor]]:
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(1)).chunk(dist.get_world_size())[dist.get_rank()]
+    out = {}
+    for stage in (1, 2):
+        model = _toy_model()
+        out[stage] = _toy_step(model, x, ZeroEngine(model, stage=stage), opt=PerTensorSGD)
+    return out
+
+
+def test_zero12_per_tensor_optimizer_gradients_outlive_the_comm_slots() -> None:
+    """Stages 1-2 reduce through two slots the next units reuse (`CommSlots`); a per-tensor optimizer's gradient
+    shards are copied out of them: two steps on 2 ranks equal one process (a view left in the slot is overwritten by
+    the units reduced after it, and the update goes wrong)."""
+    ranks = run_distributed(_per_tensor_worker, 2)
+    single = _toy_step(_toy_model(), torch.randn(6, 5, generator=torch.Generator().manual_seed(1)), None)
+    for stage in (1, 2):
+        for name, value in single.items():
+            torch.testing.assert_close(ranks[0][stage][name], value, rtol=1e-5, atol=1e-6, msg=f"zero{stage} {name}")
 
 
 # -- the ZeRO group a strict subgroup of the world: two dp groups of 2 in a world of 4 (dp2 x tp2's dp groups) -----
