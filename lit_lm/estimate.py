@@ -231,7 +231,8 @@ class Estimate:
 class ParamSpec:
     name: str
     shape: tuple[int, ...]
-    unit: str  # "root" or "blocks.<i>": what ZeRO gathers and reduces together
+    unit: str  # "root", "blocks.<i>" or "tail" (after the blocks: ZeRO-1/2's own unit, ZeRO-3's root): what ZeRO
+    # gathers and reduces together
     layer: Optional[int]
     tp_style: Optional[str]  # the plan's style for the parameter's module (column, row, vocab_*, sequence, ...)
     expert: bool
@@ -253,11 +254,13 @@ def _inventory(key: tuple) -> tuple[ParamSpec, ...]:
     experts = set(model.expert_plan())
     swapped = {f"{n}.weight" for n in fp8_linears(model)}
     swapped |= {f"{n}.{p}" for n, m in fp8_experts(model).items() for p, _ in m.named_parameters(recurse=False)}
-    out = []
+    out, seen_blocks = [], False
     for name, p in model.named_parameters():
         module = name.rpartition(".")[0]
         layer = int(name.split(".")[1]) if name.startswith("blocks.") else None
-        out.append(ParamSpec(name, tuple(p.shape), "root" if layer is None else f"blocks.{layer}", layer,
+        seen_blocks |= layer is not None
+        unit = f"blocks.{layer}" if layer is not None else "tail" if seen_blocks else "root"
+        out.append(ParamSpec(name, tuple(p.shape), unit, layer,
                              plan[module].style if module in plan else None, module in experts, name in swapped))
     return tuple(out)
 
@@ -421,7 +424,7 @@ def _transients(rank: RankEstimate, work: Workload, layout: ParallelConfig, engi
         # the reduce order (the blocks from the last, then the rest); launching unit i waits for unit i - 2 first:
         # unit i - 1's send, unit i's send, and under stages 2-3 unit i's whole gradients (and the head's, until
         # the root unit's turn) at once; each receive is its rank's part of the send (in place)
-        order = [u for u in units if u != "root"][::-1] + [u for u in units if u == "root"]
+        order = [u for u in units if u != "root"][::-1] + [u for u in units if u == "root"]  # the tail first
         at = [group * seg[order[i - 1]] * (i > 0) + group * seg[u]
               + (stage >= 2) * (whole[u] + head * (u != "root")) for i, u in enumerate(order)]
         if stage < 3:  # the sends are the two slots (`CommSlots`); what is left is the unit's gradients being packed
@@ -574,6 +577,8 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
         if last and p > 1 and cfg.tie_embeddings:  # the head's own copy of the tied embedding
             keep += [dataclasses.replace(q, name="lm_head.weight", tp_style="vocab_head") for q in inventory
                      if q.name == "tok_embeddings.weight"]
+        if layout.zero_stage not in (1, 2):  # the tail is a unit of its own under ZeRO-1/2 only
+            keep = [dataclasses.replace(q, unit="root") if q.unit == "tail" else q for q in keep]
         dense: dict[str, list[tuple[int, ...]]] = {}
         experts: dict[str, list[tuple[int, ...]]] = {}
         for q in keep:
@@ -597,7 +602,7 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
             engines.append(([_local_shape(q, layout) for q in keep if q.expert], experts, dims.size("edp")))
         logits = mb * t * _chunk(cfg.padded_vocab_size, layout.tp) if last else 0
         head = sum(math.prod(_local_shape(q, layout)) for q in keep if last and q.unit == "root"
-                   and not q.name.startswith("tok_embeddings"))  # the final norm and the head
+                   and q.name != "tok_embeddings.weight")  # the final norm and the head (ZeRO-1/2: in the tail)
         _transients(rank, work, layout, engines, sum(math.prod(q.shape) for q in keep),
                     layout.zero_stage == 3 or p > 1, logits, head)
         if layout.dp_replicate > 1:

@@ -20,11 +20,12 @@ whole: stages 1-2 issue no collective (the reduced gradient is the packed one, t
 Layout: every parameter is split along dim 0 with `torch.chunk` semantics (ceil-sized chunks; the tail chunk may be
 short or empty). A rank's shard is then exactly the local part of a `DTensor` with `Shard(0)`, so checkpoints are
 keyed by global name and global shape and reshard to any world size. For communication the parameters of a *unit*
-(one of the model's `blocks`, or the rest of the model) are packed rank-major into one buffer,
+(one of the model's `blocks`, or the rest of the model: under stages 1-2 split into the root, registered before
+the blocks, and the tail, after them) are packed rank-major into one buffer,
 `[rank 0: chunk 0 of p1 | chunk 0 of p2 ...][rank 1: ...]`, each chunk padded to the ceil size, so a unit costs one
 collective. Stages 2 and 3 launch a unit's reduce-scatter as soon as its last gradient is accumulated (overlapping
-the rest of the backward), in one fixed order on every rank (the reverse of the forward: the blocks from the last,
-then the rest), as GradSync does: a unit waits for the ones before it, and a unit whose parameter got no gradient on
+the rest of the backward), in one fixed order on every rank (the reverse of the forward: the tail, the blocks from
+the last, then the root), as GradSync does: a unit waits for the ones before it, and a unit whose parameter got no gradient on
 this rank (unused there) is launched with zeros at the end of the backward, so every rank issues the same
 collectives in the same order. Under gradient accumulation they reduce-scatter after *every* backward and add the
 result into the gradient shard (as DeepSpeed's ZeRO-2 does): the gradients never exist in full beyond one unit
@@ -186,7 +187,7 @@ class CommSlots:
 
     Both walk the units in a fixed order with at most two in flight (unit i waits for unit i - 2), so the unit at
     position i of its walk takes slot i % 2 (the unit at i - 2 is done with it). A slot grows to the largest unit
-    that takes it, then stays: buffers the size of a unit (the root unit, embedding and head, is the largest) made
+    that takes it, then stays: buffers the size of a unit (at 217M the root unit, the embedding, is the largest) made
     fresh every step are mapped and faulted in again at every step on the CPU (glibc maps blocks above its mmap
     threshold), which cost stage 2 about a third of its step at 217M parameters (issue 36). Stage 3 keeps fresh
     buffers: its gathers and reduces interleave, and two whole units held all the time would cost what it saves."""
@@ -267,15 +268,15 @@ class ZeroEngine:
         # fills a meta parameter from its name relative to the block model (default: the model's own init; a
         # composed strategy passes one that knows which slice of the global parameter this rank holds)
         self._init = init if init is not None else getattr(self._model, "init_parameter", None)
-        self.root, self.blocks = self._build_units(module)
+        self.root, self.blocks, tail = self._build_units(module)
         # stage 3: fills only rows [start, end) of a meta parameter's local tensor, when the model can (its values
         # read from files: `init_parameter_part`); False: the whole tensor is filled, then sliced. Given an `init`
         # (which knows the placement), only the `init_rows` given with it.
         part = getattr(self._model, "init_parameter_part", None)
         self._init_rows = init_rows if init_rows is not None or init is not None or part is None else \
             (lambda name, tensor, rows: part(name, tensor, (slice(*rows),)))
-        self.units = [self.root, *self.blocks]
-        self._reduce_order = [*reversed(self.blocks), self.root]  # roughly the order backward finishes them
+        self.units = [self.root, *self.blocks, *tail]
+        self._reduce_order = [*tail, *reversed(self.blocks), self.root]  # roughly the order backward finishes them
         self._next_reduce = 0  # stages 2-3: the first unit of `_reduce_order` not launched in this backward
         self.slots = CommSlots()  # stages 1-2: the reduce-scatters' and all-gathers' buffers
         self._in_backward = False
@@ -301,7 +302,12 @@ class ZeroEngine:
         self._hooks.clear()
 
     # -- construction ---------------------------------------------------------------------------------------
-    def _build_units(self, module: nn.Module) -> tuple[Unit, list[Unit]]:
+    def _build_units(self, module: nn.Module) -> tuple[Unit, list[Unit], list[Unit]]:
+        """The root unit, the blocks' and (stages 1-2) the tail: the rest of the model registered after the blocks
+        (the final norm and the head), whose gradients come first in the backward. Reduced on its own, first, it
+        overlaps the blocks' backward instead of waiting for the embedding's gradient at the very end (and its
+        whole gradients are not held until then). Stage 3 gathers the root unit around the whole model's forward:
+        one unit there."""
         params = dict(module.named_parameters())  # tied parameters appear once
         for fqn, b in module.named_buffers():
             if b.is_meta:
@@ -313,8 +319,11 @@ class ZeroEngine:
             for key, block in self._model.blocks.items():
                 head = f"{dot}blocks.{key}."
                 blocks.append(self._unit(f"blocks.{key}", [n for n in params if n.startswith(head)], params, block))
+        at = {n: i for i, n in enumerate(params)}
         taken = {sp.fqn for u in blocks for sp in u.params}
-        rest = [n for n in params if n not in taken]
+        after = max((at[n] for n in taken), default=len(at)) if self.stage < 3 else len(at)
+        tail = [n for n in params if n not in taken and at[n] > after]
+        rest = [n for n in params if n not in taken and at[n] < after]
         if self.stage == 3:
             if self._model is None:
                 raise ValueError("ZeRO-3 gathers the model unit by unit and needs a submodule with `blocks` and "
@@ -324,7 +333,8 @@ class ZeroEngine:
                 raise ValueError(f"ZeRO-3 only gathers parameters of the block model `{self._prefix}`; move "
                                  f"{outside} into it or use zero1/zero2")
         root_module = self._model if isinstance(self._model, nn.Module) else module
-        return self._unit("root", rest, params, root_module), blocks
+        tails = [self._unit("tail", tail, params, root_module)] if tail else []
+        return self._unit("root", rest, params, root_module), blocks, tails
 
     def _unit(self, name: str, fqns: list[str], params: dict[str, nn.Parameter], module: nn.Module) -> Unit:
         dtypes = {params[n].dtype for n in fqns}

@@ -425,9 +425,9 @@ def _order_case(stage: int, last_synced: bool = True) -> dict:
         model(x).backward()
     with nullcontext() if last_synced else engine.no_sync():  # (unsynced: finish_grad_sync reduces instead)
         model(x).backward()
-    order = [r.numel for r in COMM_LOG.records if r.op == "reduce_scatter"]  # launched by the backwards
+    order = [(r.label, r.numel) for r in COMM_LOG.records if r.op == "reduce_scatter"]  # launched by the backwards
     engine.finish_grad_sync()
-    finished = [r.numel for r in COMM_LOG.records if r.op == "reduce_scatter"][len(order):]
+    finished = [r.label for r in COMM_LOG.records if r.op == "reduce_scatter"][len(order):]
     errors = {sp.fqn: (sp.master.grad - expected[sp.fqn][sp.start: sp.end]).norm().item()
               for sp in engine.sharded_params()}
     refused = ""
@@ -445,14 +445,16 @@ def test_reduce_scatters_in_backward_in_one_order_with_a_parameter_unused_on_one
     for stage in (1, 2, 3):
         ranks = [r[stage] for r in per_rank]
         backwards = 1 if stage == 1 else 2  # stage 1 reduces during the window's last backward only
-        assert ranks[0]["order"] == ranks[1]["order"] and len(ranks[0]["order"]) == 3 * backwards
-        assert ranks[0]["order"][:3] == ranks[0]["order"][3:] or stage == 1  # blocks 1, 0, the rest, each time
-        assert len(set(ranks[0]["order"])) == 3  # the units differ in size: another order would pair them wrongly
+        # the reverse of the forward: stages 1-2 the tail (`out`, after the blocks) first, then blocks 1, 0, the
+        # root (`inp`); stage 3 gathers the root around the whole forward, so `out` reduces with `inp`, last
+        units = [*(["tail"] if stage < 3 else []), "blocks.1", "blocks.0", "root"]
+        assert ranks[0]["order"] == ranks[1]["order"], stage  # sizes too: block 1's extra parameter on rank 1 only
+        assert [label for label, _ in ranks[0]["order"]] == [f"zero reduce {u}" for u in units] * backwards
         for r in ranks:
             assert max(r["errors"].values()) < 1e-6, (stage, r["errors"])
             assert ("second backward" in r["refused"]) == (stage == 1) and not r["finished"]
     for r in (r["1 unsynced"] for r in per_rank):  # every backward inside no_sync(): finish_grad_sync reduces
-        assert not r["order"] and len(r["finished"]) == 3 and max(r["errors"].values()) < 1e-6, r
+        assert not r["order"] and len(r["finished"]) == 4 and max(r["errors"].values()) < 1e-6, r  # with the tail
 
 
 # -- checkpoints -------------------------------------------------------------------------------------------------
