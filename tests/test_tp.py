@@ -328,9 +328,9 @@ def test_strategy_matches_single_process_and_reshards_checkpoints(tmp_path: Path
     for step in full["comm"]:
         assert step["tp"] == _expected_comm("dp2_tp2_sp", dp=2)
         assert step["dp"]["all_reduce"][1] == _phi_local("dp2_tp2_sp")
-    # ZeRO-2 over dp: per unit (the rest, each block) one reduce-scatter and one all-gather of the tp-local
-    # parameters (no padding here), and the clipping norm's sum of squares
-    phi, units = _phi_local("dp2_tp2_sp_clip"), 1 + TINY["n_layers"]
+    # ZeRO-2 over dp: per unit (the root, each block, the tail) one reduce-scatter and one all-gather of the
+    # tp-local parameters (no padding here), and the clipping norm's sum of squares
+    phi, units = _phi_local("dp2_tp2_sp_clip"), 2 + TINY["n_layers"]
     for step in zero2["comm"]:
         assert step["tp"] == _expected_comm("dp2_tp2_sp_clip", dp=2, zero=True)
         assert step["dp_shard"] == {"reduce_scatter": (units, phi), "all_gather": (units, phi), "all_reduce": (1, 1)}
