@@ -18,7 +18,10 @@ than in the next (docs/benchmarks/2026-12-planner-peaks-cpu.md).
            small model's step is glibc's own. ZeRO-3 at 217M on 2 gloo ranks: peak 2.65-2.73 GiB against 2.89-3.14
            GiB with `setup` (the estimate 2.45 GiB: 0.92 of the peak instead of 0.78-0.85), at ~5% more time per
            step there (11.4 against 10.9 s, within the spread: ~1 GB of big blocks faulted in per step);
-           docs/benchmarks/2026-12-planner-peaks-cpu.md.
+           docs/benchmarks/2026-12-planner-peaks-cpu.md. ZeRO-2 at 217M through the Trainer: 4.65 against 4.43 s
+           a step under `glibc` (one run each; autograd's backward 2.44-2.64 against 2.27 s: the MLP's 16 MiB
+           gradients mapped anew every step), the Trainer 0.90x its plain loop over 5 alternated rounds
+           (docs/benchmarks/2026-12-size-cpu.md): the price of the planner's accuracy, per run.
     setup  `malloc_trim(0)` once, at the end of the strategy's setup: what building and sharding the
            model freed (ZeRO-3: the whole parameters) goes back to the system; the steps run on glibc as it is.
     trim   `malloc_trim(0)` also after backward and its gradient reduction, and after the optimizer step (its

@@ -23,11 +23,11 @@ keyed by global name and global shape and reshard to any world size. For communi
 (one of the model's `blocks`, or the rest of the model: under stages 1-2 split into the root, registered before
 the blocks, and the tail, after them) are packed rank-major into one buffer,
 `[rank 0: chunk 0 of p1 | chunk 0 of p2 ...][rank 1: ...]`, each chunk padded to the ceil size, so a unit costs one
-collective. Stages 2 and 3 launch a unit's reduce-scatter as soon as its last gradient is accumulated (overlapping
+collective (stages 1-2 pack into two buffers kept from step to step: `CommSlots`). Stages 2 and 3 launch a unit's reduce-scatter as soon as its last gradient is accumulated (overlapping
 the rest of the backward), in one fixed order on every rank (the reverse of the forward: the tail, the blocks from
-the last, then the root), as GradSync does: a unit waits for the ones before it, and a unit whose parameter got no gradient on
-this rank (unused there) is launched with zeros at the end of the backward, so every rank issues the same
-collectives in the same order. Under gradient accumulation they reduce-scatter after *every* backward and add the
+the last, then the root), as GradSync does: a unit waits for the ones before it, and a unit whose parameter got no
+gradient on this rank (unused there) is launched with zeros at the end of the backward, so every rank issues the
+same collectives in the same order. Under gradient accumulation they reduce-scatter after *every* backward and add the
 result into the gradient shard (as DeepSpeed's ZeRO-2 does): the gradients never exist in full beyond one unit
 during a backward, so the memory above holds for any `accumulate_grad_batches`, at the cost of one reduce-scatter
 per micro-step instead of one per step (see docs/zero.md). Stage 1 keeps full gradients anyway: it accumulates
@@ -189,7 +189,7 @@ class CommSlots:
     position i of its walk takes slot i % 2 (the unit at i - 2 is done with it). A slot grows to the largest unit
     that takes it, then stays: buffers the size of a unit (at 217M the root unit, the embedding, is the largest) made
     fresh every step are mapped and faulted in again at every step on the CPU (glibc maps blocks above its mmap
-    threshold), which cost stage 2 about a third of its step at 217M parameters (issue 36). Stage 3 keeps fresh
+    threshold), about a tenth of stage 2's step at 217M parameters (issue 36). Stage 3 keeps fresh
     buffers: its gathers and reduces interleave, and two whole units held all the time would cost what it saves."""
 
     def __init__(self) -> None:
@@ -202,9 +202,6 @@ class CommSlots:
         if slot is None or slot.numel() < nbytes or slot.device != torch.device(device or "cpu"):
             slot = self._slots[i] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return slot[:nbytes].view(dtype)
-
-    def nbytes(self) -> int:
-        return sum(s.numel() for s in self._slots if s is not None)
 
 
 def _free_storage(t: Tensor) -> None:
