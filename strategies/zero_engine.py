@@ -195,11 +195,11 @@ class CommSlots:
     def __init__(self) -> None:
         self._slots: list[Optional[Tensor]] = [None, None]
 
-    def take(self, position: int, numel: int, dtype: torch.dtype, device: Optional[torch.device]) -> Tensor:
-        """Slot `position % 2` as `numel` elements of `dtype` (uninitialised)."""
+    def take(self, position: int, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Slot `position % 2` as `numel` elements of `dtype` (uninitialised) on `device` (a tensor's)."""
         i, nbytes = position % 2, numel * dtype.itemsize
         slot = self._slots[i]
-        if slot is None or slot.numel() < nbytes or slot.device != torch.device(device or "cpu"):
+        if slot is None or slot.numel() < nbytes or slot.device != device:
             slot = self._slots[i] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return slot[:nbytes].view(dtype)
 
@@ -565,8 +565,9 @@ class ZeroEngine:
             if not sp.param.requires_grad:
                 continue  # frozen: no gradient, so the optimizer skips it (no weight decay either)
             shard = recv[sp.offset: sp.offset + sp.local_numel].view(sp.master.shape)
+            in_slot = self.stage < 3  # a view of a comm slot, which the next units reuse (`CommSlots`)
             if self.stage == 1 and sp.param.grad is not None:  # the owned rows of the full gradient
-                shard = sp.param.grad[sp.start: sp.end].copy_(shard)
+                shard, in_slot = sp.param.grad[sp.start: sp.end].copy_(shard), False
             if sp.grad_view is not None:  # stages 2-3, flat: the gradient lives in the flat buffer
                 if sp.master.grad is not sp.grad_view:  # the first micro-step since zero_grad(set_to_none=True)
                     if sp.master.grad is not None:  # a gradient someone replaced: carried over
@@ -581,14 +582,10 @@ class ZeroEngine:
                     more[0].append(sp.grad_view)
                     more[1].append(shard)
                 continue
-            if shard.dtype != sp.master.dtype:
-                shard = shard.to(sp.master.dtype)
-            elif self.stage < 3 and shard._base is recv._base:  # a view of a comm slot (the next units reuse it)
-                shard = shard.clone()
-            if sp.master.grad is None or self.stage == 1:
-                sp.master.grad = shard
-            else:  # stages 2-3 under accumulation: this micro-step's part of the window's gradient
-                sp.master.grad.add_(shard)
+            if sp.master.grad is not None and self.stage > 1:  # stages 2-3 under accumulation: this micro-step's
+                sp.master.grad.add_(shard)  # part of the window's gradient
+            else:  # a tensor of its own where the shard is still in a slot
+                sp.master.grad = shard.to(sp.master.dtype, copy=in_slot)
         if first[0]:
             torch._foreach_copy_(*first)
         if more[0]:
