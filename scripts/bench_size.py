@@ -18,6 +18,11 @@ memory above imports: the worker resets the resident high-water mark (Linux `cle
 imported and reads VmHWM at the end, minus the VmRSS it started from. Each contender runs in its own fresh
 processes, alternated over >= 5 rounds in an order shuffled per round (`bench_runner.py`); `--one`, `--table` and
 the rounds are `bench_ddp.py`'s dispatch.
+
+Allocator: the Trainer's strategy applies lit-lm's choice for glibc's malloc on a CPU rank (`LIT_LM_MALLOC`,
+strategies/host_malloc.py; default `large`: blocks from 8 MiB mapped, and returned when freed); the plain loops and
+the references run on glibc's own malloc unless `--malloc` names a choice, which every contender then applies (its
+threshold from the start, the heap trimmed once before the first step), so that the loops differ by the loop alone.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from bench_strategies import _env, add_run_args, footer, forwarded, model_config
 from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
 from lit_lm.resident import ResidentPeak  # noqa: E402
+from strategies.host_malloc import CHOICE, MODES, HostMalloc  # noqa: E402
 
 REFERENCES = ["ddp", "zero_torch", "fsdp2"]
 KINDS = REFERENCES + ENGINES
@@ -98,6 +104,20 @@ def reference_loop(kind: str, args: argparse.Namespace, config: ModelConfig, acc
         optimizer.step()
 
 
+class SetupTrimClock(Clock):
+    """A Clock that, at the first step's start, hands back what the setup freed (`HostMalloc.trim`), as a strategy
+    does at the end of its setup."""
+
+    def __init__(self, host: HostMalloc, *args: Any) -> None:
+        super().__init__(*args)
+        self.host = host
+
+    def mark(self) -> None:
+        if not self.marks:
+            self.host.trim(setup=True)
+        super().mark()
+
+
 def worker_one(rank: int, args: argparse.Namespace, port: int, accelerator: str, out: str) -> None:
     """One contender; every rank writes its metrics to `out`/rank<r>.json (the parent prints them)."""
     peak = ResidentPeak()  # everything imported (the ranks are forked from the parent): the baseline
@@ -106,6 +126,12 @@ def worker_one(rank: int, args: argparse.Namespace, port: int, accelerator: str,
     if accelerator == "gpu":
         torch.cuda.set_device(device)
     clock = Clock(device, args.steps, args.warmup, None)
+    if args.malloc:  # every loop on the same allocator: the strategy applies it itself under the Trainer
+        os.environ[CHOICE] = args.malloc
+        if accelerator == "cpu" and (args.one in REFERENCES or args.loop == "plain"):
+            host = HostMalloc()
+            host.start()
+            clock = SetupTrimClock(host, device, args.steps, args.warmup, None)
     if args.one in REFERENCES:
         reference_loop(args.one, args, config, accelerator, device, clock)
     else:
@@ -136,7 +162,7 @@ def contenders(args: argparse.Namespace) -> dict[str, list[str]]:
     for kind in args.kinds:
         loops = ["plain"] if kind in REFERENCES else args.loops
         out.update({f"{kind} {loop}": [*base, "--one", kind, "--loop", loop] for loop in loops})
-    return out
+    return {name: [*cmd, "--malloc", args.malloc] if args.malloc else cmd for name, cmd in out.items()}
 
 
 def markdown(run: dict[str, Any]) -> str:
@@ -207,6 +233,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--loops", nargs="+", default=LOOPS, choices=LOOPS, help="the engines' loops")
     p.add_argument("--one", choices=KINDS, help="run this contender once (with --loop) and print its metrics")
     p.add_argument("--loop", choices=LOOPS, default="plain")
+    p.add_argument("--malloc", choices=MODES, help="every contender on this LIT_LM_MALLOC choice (unset: the plain "
+                   "loops and references on glibc's own malloc, the Trainer on the strategy's default)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="GradSync's (lm_ddp), as the strategy's default")
     p.add_argument("--out", default="runs/bench_size.json")
     p.add_argument("--table", help="print a saved run (its --out JSON) as Markdown, and exit")
