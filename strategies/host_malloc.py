@@ -20,8 +20,11 @@ than in the next (docs/benchmarks/2026-12-planner-peaks-cpu.md).
            step there (11.4 against 10.9 s, within the spread: ~1 GB of big blocks faulted in per step);
            docs/benchmarks/2026-12-planner-peaks-cpu.md. ZeRO-2 at 217M through the Trainer: 4.65 against 4.43 s
            a step under `glibc` (one run each; autograd's backward 2.44-2.64 against 2.27 s: the MLP's 16 MiB
-           gradients mapped anew every step), the Trainer 0.90x its plain loop over 5 alternated rounds
-           (docs/benchmarks/2026-12-size-cpu.md): the price of the planner's accuracy, per run.
+           gradients mapped anew every step), 0.90-0.96x its plain loop on glibc's own malloc in two sets of 5
+           alternated rounds (docs/benchmarks/2026-12-size-cpu.md): the price of the planner's accuracy, per
+           run. Why not glibc's own ceiling, 32 MiB (trim threshold 64 MiB): measured, ZeRO-2's Trainer then ran
+           1.03x its plain loop, but every preset's peak rose by 100-735 MiB at 217M-350M and ZeRO-3's estimate
+           fell to 0.78-0.81 of its peak (tp2's to 0.83): the 16 MiB weights and gradients stayed in the heap.
     setup  `malloc_trim(0)` once, at the end of the strategy's setup: what building and sharding the
            model freed (ZeRO-3: the whole parameters) goes back to the system; the steps run on glibc as it is.
     trim   `malloc_trim(0)` also after backward and its gradient reduction, and after the optimizer step (its
