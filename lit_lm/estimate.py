@@ -428,8 +428,10 @@ def _transients(rank: RankEstimate, work: Workload, layout: ParallelConfig, engi
         at = [group * seg[order[i - 1]] * (i > 0) + group * seg[u]
               + (stage >= 2) * (whole[u] + head * (u != "root")) for i, u in enumerate(order)]
         if stage < 3:  # the sends are the two slots (`CommSlots`); what is left is the unit's gradients being packed
-            gather = list(units)  # the refresh walks the units in their order (the root first)
-            rank.slots += sum(group * max([seg[u] for u in (*order[k::2], *gather[k::2])], default=0)
+            # the refresh walks the engine's units in their order, the root first: on a pipeline stage without the
+            # embedding the root is empty but still takes position 0
+            gather = ["root", *(u for u in units if u != "root")]
+            rank.slots += sum(group * max([seg.get(u, 0) for u in (*order[k::2], *gather[k::2])], default=0)
                               for k in (0, 1)) * pbytes
             at = [(stage >= 2) * (whole[u] + head * (u != "root")) for u in order]
         rank.add_transient("backward_end", "reduce-scatters in flight (two units)" if stage == 3 else

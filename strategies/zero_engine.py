@@ -195,6 +195,11 @@ class CommSlots:
     def __init__(self) -> None:
         self._slots: list[Optional[Tensor]] = [None, None]
 
+    @property
+    def nbytes(self) -> int:
+        """What the two slots hold (the planner's `RankEstimate.slots`)."""
+        return sum(slot.numel() for slot in self._slots if slot is not None)
+
     def take(self, position: int, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """Slot `position % 2` as `numel` elements of `dtype` (uninitialised) on `device` (a tensor's)."""
         i, nbytes = position % 2, numel * dtype.itemsize

@@ -32,7 +32,7 @@ from strategies.cp import METHODS, comm_theory
 from strategies.host_malloc import CHOICE, HostMalloc
 from strategies.layout import ParallelConfig
 from strategies.pp_schedules import build_schedule
-from strategies.zero_engine import model_state_bytes
+from strategies.zero_engine import ZeroEngine, model_state_bytes
 
 # uneven rows on purpose: 61 vocabulary rows split 16/16/16/13 over 4 ZeRO ranks, 31/30 over 2 tp ranks
 MODEL = dict(TINY, vocab_size=61, vocab_multiple_of=1, n_layers=4)
@@ -45,6 +45,8 @@ LAYOUTS = {  # name: the configuration on 4 ranks, estimated and run (`ComposedS
     "tp2_zero1": ParallelConfig(dp_shard=2, tp=2, zero_stage=1),
     "pp2_1f1b": ParallelConfig(dp_shard=2, pp=2, schedule="1f1b", microbatches=4),
     "pp2_gpipe": ParallelConfig(dp_shard=2, pp=2, schedule="gpipe", microbatches=2),
+    "pp2_zero1": ParallelConfig(dp_shard=2, pp=2, schedule="1f1b", microbatches=2, zero_stage=1),  # the last
+    # stage's root unit is empty, and still first in the all-gathers' walk: which slot each unit takes
     "tp2_moe_zero1": ParallelConfig(dp_shard=2, tp=2, sequence_parallel=False, zero_stage=1),
     "cp2_ring": ParallelConfig(dp_shard=2, cp=2, cp_method="ring"),  # the ring's sends and recvs, K/V and dK/dV
     "cp2_allgather_zero2": ParallelConfig(dp_shard=2, cp=2, cp_method="allgather", zero_stage=2),
@@ -52,7 +54,8 @@ LAYOUTS = {  # name: the configuration on 4 ranks, estimated and run (`ComposedS
 # block 0 dense, blocks 1-3 MoE (replicated over tp: the model's plan), a shared expert; experts as wide as the MLP
 # (at moe_d_ff 16 the routing's small tensors the estimate leaves out pass 10% of this tiny model's activations)
 MODELS = {"tp2_moe_zero1": dict(MODEL, moe_experts=4, moe_top_k=2, moe_d_ff=64, moe_shared_experts=1,
-                                moe_first_dense=1)}
+                                moe_first_dense=1),
+          "pp2_zero1": dict(MODEL, vocab_size=640)}  # the head (the tail unit) larger than a block: it sizes both slots
 
 
 class EstimateLM(TinyLM):
@@ -150,8 +153,9 @@ class Measure(L.Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
         self.out["state"] = model_state_bytes(module, getattr(optimizer, "_optimizer", optimizer))
 
-    def on_train_batch_end(self, *args: Any) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.saved.__exit__()
+        self.out["slots"] = sum(e.slots.nbytes for e in trainer.strategy._engines if isinstance(e, ZeroEngine))
         comm: dict[tuple[str, str], int] = {}
         for r in COMM_LOG.records:
             if r.label in CONTROL:  # metric sync, the clip norm, cp's loss: a few bytes, as `lit-lm check` leaves out
@@ -197,6 +201,7 @@ def test_estimate_matches_measurement_of_every_strategy() -> None:
             assert measured["activations"] == pytest.approx(expected.activations, rel=0.1), (name, rank)
             if rank % layout.tp == 0:  # tp rank 1 holds 30 of the 61 vocabulary rows: less to reduce over dp
                 assert measured["comm"] == expected.comm, (name, rank)
+                assert measured["slots"] == expected.slots, (name, rank)  # ZeRO-1/2's two comm slots
 
 
 # -- against the textbook ----------------------------------------------------------------------------------------
