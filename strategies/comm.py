@@ -159,6 +159,17 @@ def all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup] = None, op: di
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
+def _in_place_at_own_chunk(whole: Tensor, part: Tensor, group: Optional[dist.ProcessGroup], op: str) -> None:
+    """NCCL's rule for an in-place reduce-scatter or all-gather: `part`, where it lies inside `whole`, must be this
+    rank's chunk of it (gloo copies through staging and forgives a misplaced one; NCCL would read or write the wrong
+    rows). Addresses only: no host sync."""
+    offset = part.data_ptr() - whole.data_ptr()
+    nbytes = whole.numel() * whole.element_size()
+    if 0 <= offset < nbytes and offset != dist.get_rank(group) * (nbytes // dist.get_world_size(group)):
+        raise ValueError(f"{op}: the in-place chunk is at byte {offset} of the whole, not this rank's "
+                         f"({dist.get_rank(group)} of {dist.get_world_size(group)})")
+
+
 def reduce_scatter(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
                    op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False,
                    label: str = "") -> Optional[dist.Work]:
@@ -166,6 +177,7 @@ def reduce_scatter(output: Tensor, input: Tensor, group: Optional[dist.ProcessGr
     that chunk of `input`: in place, as NCCL allows). Under
     `LIT_LM_GLOO_COLLECTIVES=emulated` on gloo: an in-place all-reduce of `input` (which it overwrites), then the
     copy of chunk r."""
+    _in_place_at_own_chunk(input, output, group, "reduce_scatter")
     if _emulated(group):
         COMM_LOG.add("all_reduce", group, input.numel(), input.element_size(), label)
         mine = input.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
@@ -181,6 +193,7 @@ def all_gather(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup]
     """`output` is the concatenation of every rank's equal-size `input` (which may be this rank's chunk of `output`:
     in place). Under `LIT_LM_GLOO_COLLECTIVES=emulated`
     on gloo: one broadcast per rank, each of its own chunk of `output`, in place."""
+    _in_place_at_own_chunk(output, input, group, "all_gather")
     if _emulated(group):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         chunks = output.view(world, -1)

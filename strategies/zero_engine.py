@@ -477,14 +477,14 @@ class ZeroEngine:
     def _launch_fp8_gather(self, unit: Unit, layout: Fp8Layout) -> None:
         amax = self._fp8_amax(unit, layout)
         device = layout.weights[0][0].master.device
-        send = torch.empty(layout.fp8_segment, dtype=torch.uint8, device=device)
+        recv = torch.empty(self.world * layout.fp8_segment, dtype=torch.uint8, device=device)
+        send = recv.view(self.world, layout.fp8_segment)[self.rank]  # in place, as `_gather_rows`
         scales = []
         for (sp, fwd), a in zip(layout.weights, amax):
             mine = a[sp.start: sp.end].view(-1, *[1] * (sp.master.dim() - 1)) if fwd.per_row else a
             w8, _ = weight_to_fp8(sp.master.detach(), mine)
             send[layout.offsets[sp]: layout.offsets[sp] + sp.local_numel].copy_(w8.view(-1).view(torch.uint8))
             scales.append(weight_scale(a))
-        recv = torch.empty(self.world * layout.fp8_segment, dtype=torch.uint8, device=device)
         works = [comm.all_gather(recv, send, self.group, async_op=True, label=f"zero gather fp8 {unit.name}")]
         rest = None
         if layout.rest:

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dist_utils import Recorder, TinyLM, rank_share, run_distributed, token_data
 from lit_lm.parity import (BF16_TRUE_RTOL, Case, assert_bf16_parity, assert_parity, bf16_cases, bf16_true_case,
                            reference, run_parity)
+from strategies import comm
 from strategies.comm import COMM_LOG, GLOO_CHOICE
 from strategies.base import _unwrap
 from strategies.zero import ZeroStrategy
@@ -185,6 +186,27 @@ def test_gloo_emulated_collectives_match_single_process() -> None:
         assert_parity(run)
         ops = {name for step in run["ranks"][0]["callbacks"][0].comm for name in step}
         assert {"all_reduce", "broadcast"} <= ops and not ops & {"reduce_scatter", "all_gather"}, ops
+
+
+def _misplaced_in_place() -> list[str]:
+    whole, other = torch.arange(8.0), 1 - dist.get_rank()
+    refused = []
+    for call in (lambda: comm.all_gather(whole, whole.view(2, -1)[other]),
+                 lambda: comm.reduce_scatter(whole.view(2, -1)[other], whole)):
+        try:
+            call()
+        except ValueError as e:
+            refused.append(str(e))
+    comm.all_gather(whole, whole.view(2, -1)[dist.get_rank()])  # its own chunk: in place, allowed
+    return refused
+
+
+def test_in_place_collectives_take_this_ranks_chunk() -> None:
+    """NCCL's rule, held where gloo forgives it (gloo stages through copies): an in-place all-gather's input, or an
+    in-place reduce-scatter's output, is this rank's chunk of the whole; another chunk is refused before launch."""
+    for refused in run_distributed(_misplaced_in_place, 2):
+        assert [m.split(":")[0] for m in refused] == ["all_gather", "reduce_scatter"], refused
+        assert all("not this rank's" in m for m in refused), refused
 
 
 # -- bf16-mixed against one bf16-mixed process, with a tolerance that rejects frozen weights; bf16-true (ZeRO's fp32
