@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 from contextlib import contextmanager
 from typing import Any, Generator, Optional
 
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from lit_lm.config import ConfigError
@@ -50,9 +52,14 @@ def reporting_errors(debug: bool) -> Generator[None, None, None]:
 
 
 def stop_other_ranks(trainer: Optional[Trainer]) -> None:
-    """In the process that launched the local ranks (Lightning's subprocess launcher), terminate them."""
+    """In the process that launched the local ranks (Lightning's subprocess launcher), terminate them. Lightning's
+    observer of those ranks is disarmed first: seeing one stopped by a signal, it would SIGKILL this process (every
+    5 s it looks), before it exits with its own code (the one-line error's 2)."""
     launcher = getattr(getattr(trainer, "strategy", None), "launcher", None)
     if isinstance(launcher, _SubprocessScriptLauncher) and launcher.procs:
+        for thread in threading.enumerate():
+            if isinstance(thread, _ChildProcessObserver):
+                thread._child_processes = []  # none left to watch: it ends at its next look
         launcher.kill(signal.SIGTERM)
 
 

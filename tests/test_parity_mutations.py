@@ -290,8 +290,21 @@ def test_harness_reports_every_mutant_on_four_ranks() -> None:
     assert abs(got - expected) / expected > 100 * 1e-5, (got, expected)
 
 
-def test_zero_in_a_subgroup_reports_the_global_rank_mutant() -> None:
+def test_zero_in_a_subgroup_refuses_the_global_rank_mutant() -> None:
     """ZeRO over two dp groups of 2 in a world of 4 (test_zero.py's engine test) with the global rank as group rank:
-    a report naming the group and the parameter, not a crash."""
+    its in-place collectives put this rank's rows in another rank's chunk, which `strategies.comm` refuses at the
+    first launch (NCCL's rule)."""
+    with pytest.raises(Exception, match=r"in-place chunk is at byte \d+ of the whole, not this rank's"):
+        zero_subgroups(zero_global_rank)
+
+
+def zero_global_rank_unchecked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same mutant with comm's in-place check off: gloo runs it (it copies through staging)."""
+    zero_global_rank(monkeypatch)
+    monkeypatch.setattr(comm, "_in_place_at_own_chunk", lambda *args: None)
+
+
+def test_zero_in_a_subgroup_reports_the_global_rank_mutant() -> None:
+    """Unchecked, the same mutant runs on gloo: the report names the group and the parameter, not a crash."""
     with pytest.raises(AssertionError, match=r"zero\d, dp group \[\d, \d\]: rank \d: \S+ "):
-        assert_zero_subgroups(zero_subgroups(zero_global_rank))
+        assert_zero_subgroups(zero_subgroups(zero_global_rank_unchecked))
