@@ -9,14 +9,17 @@
 The background thread runs DCP's save and the crash-safe publish of `strategies/checkpoint.py` (every rank's shards
 written -> marker -> rename) over its own gloo group, so its collectives never interleave with the training's; a
 process killed meanwhile leaves the previous checkpoint whole. A removal requested while a save is in flight
-(ModelCheckpoint's retention) runs after that save is published, so the newest complete checkpoints never drop
-below what retention keeps. A failed write is raised (one line, `CheckpointSaveError`) by the next `wait()`: at the
-next save or at teardown. Memory: one host copy of this rank's checkpoint state, kept for reuse.
+(ModelCheckpoint's retention, last.ckpt's alias) runs after that save is published, so the newest complete
+checkpoints never drop below what retention keeps; it runs on the writer thread and `wait()` covers it, so the next
+save never touches the folder while one runs; a failed one is a warning (`_housekeep`). A failed write is raised
+(one line, `CheckpointSaveError`) by the next `wait()`: at the next save or at teardown. Memory: one host copy of
+this rank's checkpoint state, kept for reuse.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -90,28 +93,31 @@ class AsyncSaver:
                 write()
             except BaseException as e:  # raised in the training thread by the next wait()
                 self._error = e
-            finally:
+            while True:  # the removals queued meanwhile (or while they run), on this thread: wait() covers them
                 with self._lock:
                     removals, self._removals = self._removals, []
-                    self._thread = None
-                if self._error is None:
-                    for remove in removals:
-                        remove()
+                    if not removals:
+                        self._thread = None  # from here on a removal runs at once, in the caller
+                        return
+                for remove in removals if self._error is None else ():  # a failed save: the older ones stay
+                    _housekeep(remove)
 
         with self._lock:  # assigned before it runs: its end (which clears it) waits for this lock
             self._thread = threading.Thread(target=run, name="lit-lm checkpoint writer", daemon=True)
             self._thread.start()
 
     def after_publish(self, remove: Callable[[], None]) -> None:
-        """Run `remove` once the save in flight is published (now when none is)."""
+        """Run `remove` once the save in flight is published (now when none is). Removals run one at a time, in
+        order, and before `wait()` returns: the next save never touches the folder while one runs."""
         with self._lock:
             if self._thread is not None:
                 self._removals.append(remove)
                 return
-        remove()
+        _housekeep(remove)
 
     def wait(self) -> None:
-        """Until the save in flight (if any) is published; re-raise its error here."""
+        """Until the save in flight (if any) is published and the removals queued behind it have run; re-raise
+        the save's error here."""
         thread = self._thread
         if thread is not None:
             thread.join()
@@ -127,3 +133,11 @@ class AsyncSaver:
             self._buffers.clear()
             self.last = None
 
+
+def _housekeep(remove: Callable[[], None]) -> None:
+    """Run a removal; a failure is a warning: it is rank 0's alone, and raised it would stop rank 0 while the other
+    ranks wait in their next collective."""
+    try:
+        remove()
+    except OSError as e:
+        warnings.warn(f"checkpoint housekeeping after a save failed, the run goes on: {e}", stacklevel=1)

@@ -11,9 +11,10 @@ tensors are DTensors with their global shape, so DCP reshards on load: a checkpo
 M ranks. `to_single_file` turns a directory into an ordinary Lightning `.ckpt` (index-keyed optimizer state) for
 `LightningModule.load_from_checkpoint`, a single-device `Trainer.fit(ckpt_path=...)`, export or inspection.
 
-Crash safety: a save writes `<dir>.tmp-<id>`, and only after every rank has finished (barrier) and the marker is
-on disk does rank 0 publish it with a rename, so a process killed mid-save leaves the previous checkpoint of that
-name whole and only a `.tmp-` directory behind (removed by the next save into the same folder). Lightning's
+Crash safety: a save writes `<dir>.tmp-<id>`, and only after every rank has finished and the marker is on disk
+does rank 0 publish it with a rename, so a process killed mid-save leaves the previous checkpoint of that name whole
+and only a `.tmp-` directory behind (removed by the next save into the same folder). What rank 0 alone does (make
+the directory, publish it) it tells every rank, so a failure there raises on all of them at once. Lightning's
 `ckpt_path="last"` only considers `last*.ckpt` names, so it never picks a `.tmp-` directory; `load` refuses a
 directory without the marker, naming the missing file.
 """
@@ -29,7 +30,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -122,10 +123,8 @@ def _write(path: Path, state: dict[str, Any], meta: io.BytesIO, marker: dict[str
     # every rank writes into the same temporary directory
     tmp = Path(comm.broadcast_object(f"{path}{TMP}{uuid.uuid4().hex[:8]}", group=group,
                                      label="checkpoint save: directory"))
-    if dist.get_rank() == 0:
-        remove_stale(path.parent)
-        tmp.mkdir(parents=True)
-    comm.barrier(group, label="checkpoint save: directory made")
+    _on_rank_zero(lambda: (remove_stale(path.parent), tmp.mkdir(parents=True)), path, group,
+                  label="checkpoint save: directory made")
     comm.note("dcp_save", group, label=f"checkpoint save: {path.name}")
     failure = None
     try:
@@ -139,15 +138,30 @@ def _write(path: Path, state: dict[str, Any], meta: io.BytesIO, marker: dict[str
     if failure is not None:
         if dist.get_rank() == 0:
             remove(tmp)
-        raise CheckpointSaveError(
-            f"saving checkpoint {path} failed ({failure}): nothing was published; the previous checkpoint of that "
-            "name, if any, is whole. Free space or fix the folder, then resume with --ckpt_path last")
-    try:
-        if dist.get_rank() == 0:
-            _write_synced(tmp / COMPLETE, json.dumps(marker))
-            _publish(tmp, path)
-    finally:
-        comm.barrier(group, label="checkpoint save: published")  # nobody removes an older one before it is visible
+        raise _save_error(path, failure)
+    # nobody removes an older one before it is visible
+    _on_rank_zero(lambda: (_write_synced(tmp / COMPLETE, json.dumps(marker)), _publish(tmp, path)), path, group,
+                  label="checkpoint save: published")
+
+
+def _on_rank_zero(action: Callable[[], Any], path: Path, group: Optional[dist.ProcessGroup], label: str) -> None:
+    """Collective: `action` on rank 0, then every rank learns how it went. A failure (a folder rank 0 cannot make)
+    raises on every rank, where a barrier would leave the others waiting in it until the timeout."""
+    failure = None
+    if dist.get_rank() == 0:
+        try:
+            action()
+        except Exception as e:
+            failure = _failure(e)
+    failure = comm.broadcast_object(failure, group=group, label=label)
+    if failure is not None:
+        raise _save_error(path, failure)
+
+
+def _save_error(path: Path, failure: str) -> CheckpointSaveError:
+    return CheckpointSaveError(
+        f"saving checkpoint {path} failed ({failure}): nothing was published; the previous checkpoint of that "
+        "name, if any, is whole. Free space or fix the folder, then resume with --ckpt_path last")
 
 
 def _failure(error: BaseException) -> str:

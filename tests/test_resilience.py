@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import strategies.registry  # noqa: F401  (registers lm_ddp, zero3)
 from dist_utils import fit_tiny, run_distributed
 from lit_lm.retention import RetainingCheckpoint
 from strategies import checkpoint as ckpt
+from strategies.async_save import AsyncSaver
 from test_crash import _launch
 
 
@@ -150,6 +152,68 @@ def test_full_disk_is_one_line_and_publishes_nothing(tmp_path: Path, background:
     assert "No space left on device" in message and "nothing was published" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step=2.ckpt"]
     assert ckpt.check_complete(tmp_path / "last.ckpt")["step"] == 2
+
+
+def _save_where_rank_zero_cannot_make_the_folder(folder: str) -> str:
+    """A background save into `<file>/step=1.ckpt`: rank 0 alone makes the directory, and fails."""
+    saver = AsyncSaver(timedelta(seconds=60))  # a rank left behind would wait this long, then fail otherwise
+    ckpt.save(Path(folder) / "step=1.ckpt", saver.stage({"model": {"w": torch.ones(3)}}), {"global_step": 1}, {},
+              background=saver)
+    try:
+        saver.wait()
+    except ckpt.CheckpointSaveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_folder_rank_zero_cannot_make_fails_on_every_rank(tmp_path: Path) -> None:
+    """What rank 0 alone does in a save is told to every rank: each raises the same one line (before, rank 1 sat in
+    the next barrier until the group's timeout)."""
+    (tmp_path / "a_file").write_text("")
+    messages = run_distributed(_save_where_rank_zero_cannot_make_the_folder, 2, str(tmp_path / "a_file"))
+    assert messages[0] == messages[1], messages
+    assert f"saving checkpoint {tmp_path / 'a_file' / 'step=1.ckpt'} failed" in messages[0], messages
+
+
+def test_removals_queued_behind_a_save_run_before_wait_returns() -> None:
+    """Retention's removals (and last.ckpt's alias) run on the writer thread after its save; the next save starts
+    only after `wait()`, which covers them, so the two never touch the folder at once (they did: the next save's
+    `remove_stale` deleted the alias's `last.ckpt.tmp-*` and one rank stopped, the other hung)."""
+    saver, gate, removing, release, order = AsyncSaver(), threading.Event(), threading.Event(), threading.Event(), []
+
+    def slow_removal() -> None:
+        removing.set()
+        release.wait(timeout=60)
+        order.append("removed")
+
+    saver.submit(lambda: gate.wait(timeout=60))
+    saver.after_publish(slow_removal)
+    gate.set()
+    assert removing.wait(timeout=60)
+    assert saver.in_flight  # the removal is still part of the save in flight
+    waiter = threading.Thread(target=lambda: (saver.wait(), order.append("waited")))
+    waiter.start()
+    waiter.join(timeout=1)  # wait() must not return while the removal runs
+    release.set()
+    waiter.join(timeout=60)
+    assert order == ["removed", "waited"]
+    saver.after_publish(lambda: order.append("at once"))  # nothing in flight: runs in the caller
+    assert order[-1] == "at once" and not saver.in_flight
+
+
+def test_a_failed_removal_warns_and_the_next_save_goes_on() -> None:
+    """A removal is rank 0's alone: raised, it would stop rank 0 while the others wait in their next collective."""
+    saver, gate = AsyncSaver(), threading.Event()
+
+    def failing_removal() -> None:
+        raise PermissionError(13, "Permission denied", "step=1.ckpt")
+
+    saver.submit(lambda: gate.wait(timeout=60))
+    saver.after_publish(failing_removal)
+    with pytest.warns(UserWarning, match="housekeeping after a save failed.*Permission denied"):
+        gate.set()
+        saver.wait()  # no error: the save itself was published
+    assert not saver.in_flight
 
 
 # -- preemption and requeue (loopback torchrun, 2 ranks) ---------------------------------------------------------
