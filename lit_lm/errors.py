@@ -13,10 +13,10 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Generator, Optional
 
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from lit_lm.config import ConfigError
@@ -79,6 +79,7 @@ def check_trainer_config(trainer: Any) -> None:
                           "scaler skips steps from one rank's gradients only; use bf16-mixed, bf16-true or 32-true")
     name = trainer.strategy
     if isinstance(name, str) and name != "auto" and name not in StrategyRegistry:
-        ours = sorted(n for n in StrategyRegistry if StrategyRegistry[n]["strategy"].__module__.startswith("strategies"))
+        ours = sorted(n for n in StrategyRegistry
+                      if StrategyRegistry[n]["strategy"].__module__.startswith("strategies"))
         raise ConfigError(f"unknown strategy {name!r} (trainer.strategy); use one of lit-lm's: {', '.join(ours)} "
                           "(configs/strategies/*.yaml compose them), or one of Lightning's (e.g. ddp, fsdp)")

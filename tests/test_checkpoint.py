@@ -14,6 +14,7 @@ from dist_utils import TinyLM, fit_tiny, run_distributed
 from test_cli import run_script
 from lit_lm.parity import MOE, Case, assert_parity, run_parity
 from strategies.zero import ZeroStrategy
+from strategies import safe_load
 from strategies.checkpoint import is_sharded_checkpoint
 
 K = 4  # optimizer steps per epoch: checkpoint at the end of epoch 0, train to 2K
@@ -52,7 +53,7 @@ def test_resume_on_2_and_1_ranks_and_from_a_converted_file(tmp_path: Path) -> No
     single = tmp_path / "single.ckpt"
     run_script("scripts/ckpt.py", "convert", ckpt, single, cwd=Path(__file__).parents[1], check=True)
     module = TinyLM.load_from_checkpoint(single)
-    saved = torch.load(single, weights_only=False)["state_dict"]
+    saved = safe_load.load(single)["state_dict"]
     assert module.hparams.lr == TinyLM().hparams.lr
     for name, value in module.state_dict().items():
         torch.testing.assert_close(value, saved[name], rtol=0, atol=0)

@@ -20,6 +20,7 @@ from lit_lm.config import ModelConfig
 from lit_lm.module import LanguageModel
 from lit_lm.model import Transformer
 from lit_lm.moe import GroupedExperts, moe_layers
+from strategies import safe_load
 from strategies.checkpoint import to_single_file
 from strategies.comm import COMM_LOG
 from strategies.ep import ExpertParallelStrategy
@@ -156,7 +157,7 @@ def test_ep_engine_and_parity(single: dict, tmp_path: Path) -> None:
     _check_parity(single, results, ep=2)
     # the sharded checkpoint holds the experts whole under their global names
     to_single_file(tmp_path / "ckpt" / f"epoch=0-step={STEPS}.ckpt", tmp_path / "whole.ckpt")
-    saved = torch.load(tmp_path / "whole.ckpt", weights_only=False)["state_dict"]
+    saved = safe_load.load(tmp_path / "whole.ckpt")["state_dict"]
     name = "model.blocks.1.mlp.experts.w_up"
     assert saved[name].shape == single["params"][name].shape
     torch.testing.assert_close(saved[name], torch.cat([r["params"][name] for r in results]))
