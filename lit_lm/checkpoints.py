@@ -121,7 +121,8 @@ def read_checkpoint(path: PathLike) -> dict[str, Any]:
 
 
 def _with_hf_tokenizer(checkpoint: dict[str, Any], folder: Path) -> dict[str, Any]:
-    """A Hugging Face folder's tokenizer where a checkpoint keeps its data module's (`tokenizer_from`), if it has one."""
+    """A Hugging Face folder's tokenizer where a checkpoint keeps its data module's (`tokenizer_from`), if it has
+    one."""
     if (folder / "tokenizer.json").is_file():
         checkpoint["hf_tokenizer"] = {"tokenizer": load_tokenizer(folder, "--ckpt_path").state_dict()}
     return checkpoint

@@ -17,8 +17,8 @@ def round_up(x: int, multiple: int) -> int:
 # The fields that decide which tensors a model has and their shapes: a checkpoint loads only into a model equal in
 # all of them (the others, e.g. losses' weights, init_std or max_seq_len, may change between runs).
 ARCHITECTURE = ("vocab_size", "vocab_multiple_of", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-                "tie_embeddings", "qk_norm", "qk_norm_scope", "qkv_bias", "moe_experts", "moe_every", "moe_first_dense", "moe_d_ff",
-                "moe_shared_experts")
+                "tie_embeddings", "qk_norm", "qk_norm_scope", "qkv_bias", "moe_experts", "moe_every", "moe_first_dense",
+                "moe_d_ff", "moe_shared_experts")
 
 
 @dataclass

@@ -308,7 +308,8 @@ class TextDataModule(L.LightningDataModule):
                     raise ConfigError(f"source {name} ({path}) has {len(ds)} {split} windows of seq_len "
                                       f"{self.seq_len} ({ds.n_tokens} tokens), fewer than one batch of "
                                       f"{self.batch_size} x {dp} data-parallel ranks (data.init_args.sources); lower "
-                                      "batch_size or seq_len, or prepare it with more data (or a larger --val_fraction)")
+                                      "batch_size or seq_len, or prepare it with more data (or a larger "
+                                      "--val_fraction)")
             trains.append(train)
             vals.append(val)
         self.train_set = MixtureWindows(trains, [w for _, _, w in self.source_specs], self.seed)

@@ -236,7 +236,8 @@ class ParamSpec:
     layer: Optional[int]
     tp_style: Optional[str]  # the plan's style for the parameter's module (column, row, vocab_*, sequence, ...)
     expert: bool
-    fp8: bool = False  # a weight FP8 swaps: a block linear's or an expert stack's (`strategies.fp8.fp8_linears`, `fp8_experts`)
+    fp8: bool = False  # a weight FP8 swaps: a block linear's or an expert stack's (`strategies.fp8.fp8_linears`,
+    # `fp8_experts`)
 
 
 def _config_key(cfg: ModelConfig) -> tuple:
@@ -487,9 +488,9 @@ def block_kept(cfg: ModelConfig, layer: int, b: int, t: int, layout: ParallelCon
     `_block_activations`). full: its input, the residual stream in the weights' dtype (split by sequence
     parallelism). selective: also the outputs of its matmuls and attention kernel (`strategies.ac.SAVED_OPS`),
     in the activation dtype: q, k, v, the attention output and its fp32 log-sum-exp per head (not under cp: the
-    ring/all-gather attention is an autograd function that saves its own), gate and up split by tp, while the row-parallel wo and w_down outputs are whole (partial sums, before their reduction); an MoE layer
-    (fp32 rows) keeps its router logits and each routed pair's gate, up and down outputs and the shared
-    experts'."""
+    ring/all-gather attention is an autograd function that saves its own), gate and up split by tp, while the
+    row-parallel wo and w_down outputs are whole (partial sums, before their reduction); an MoE layer (fp32 rows) keeps
+    its router logits and each routed pair's gate, up and down outputs and the shared experts'."""
     sp = layout.tp if layout.sp else 1
     bt, d = b * t, cfg.d_model
     kept = bt * d * pbytes // sp
@@ -552,7 +553,8 @@ def check_layout(work: Workload, layout: ParallelConfig) -> None:
         raise ConfigError(f"sequence parallelism: tp {layout.tp} must divide the sequence {work.seq_len}")
     if work.seq_len % (2 * layout.cp) and layout.cp > 1:
         raise ConfigError(f"cp {layout.cp}: the sequence {work.seq_len} must split into 2 x cp chunks")
-    if layout.ep > 1 and (not cfg.moe_experts or cfg.moe_experts % layout.ep or (dims.dp_shard * layout.cp) % layout.ep):
+    if layout.ep > 1 and (not cfg.moe_experts or cfg.moe_experts % layout.ep
+                          or (dims.dp_shard * layout.cp) % layout.ep):
         raise ConfigError(f"ep {layout.ep} must divide moe_experts {cfg.moe_experts} and dp_shard x cp")
 
 

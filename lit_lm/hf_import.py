@@ -138,7 +138,8 @@ def overridden(before: ModelConfig, after: ModelConfig) -> list[str]:
     names = [f.name for f in fields(ModelConfig)
              if f.name in ARCHITECTURE + ("rope_theta", "rope_scaling", "sliding_window", "norm_eps", "moe_top_k",
                                           "moe_norm_topk")]
-    return [f"{n} {getattr(before, n)} -> {getattr(after, n)}" for n in names if getattr(before, n) != getattr(after, n)]
+    return [f"{n} {getattr(before, n)} -> {getattr(after, n)}" for n in names
+            if getattr(before, n) != getattr(after, n)]
 
 
 # -- weights ----------------------------------------------------------------------------------------------------

@@ -63,7 +63,8 @@ class LanguageModel(L.LightningModule):
     """
 
     def __init__(self, config: ModelConfig = ModelConfig.signature_default(), lr: float = 3e-3,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1, warmup_steps: int = 100, min_lr_ratio: float = 0.1,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+                 warmup_steps: int = 100, min_lr_ratio: float = 0.1,
                  kernels: Optional[list[str]] = None, schedule_steps: Optional[int] = None,
                  init_from: Optional[str] = None, compile: Union[bool, str] = False, fp8: Optional[str] = None) -> None:
         super().__init__()
@@ -100,7 +101,8 @@ class LanguageModel(L.LightningModule):
         """Before the model is built: the config fields this run left to derivation (d_ff, n_kv_heads, moe_d_ff)
         take the checkpoint's values. A run started before they were left open in the signature default saved a
         d_ff derived from the *default* d_model, which its yaml never stated: it still validates and resumes."""
-        values = {n: saved[n] for n in self._derived if saved.get(n) is not None and saved[n] != getattr(self.config, n)}
+        values = {n: saved[n] for n in self._derived
+                  if saved.get(n) is not None and saved[n] != getattr(self.config, n)}
         if not values or self.model is not None:
             return
         self.config = replace(self.config, **values)
@@ -116,7 +118,8 @@ class LanguageModel(L.LightningModule):
         hf = model_config(folder, config)
         changes = overridden(config, hf)
         if changes:
-            rank_zero_info(f"[lit-lm] init_from {folder}: the model is the Hugging Face config's: " + ", ".join(changes))
+            rank_zero_info(f"[lit-lm] init_from {folder}: the model is the Hugging Face config's: "
+                           + ", ".join(changes))
         return hf
 
     def start_from(self, folder: str) -> None:

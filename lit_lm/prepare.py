@@ -352,8 +352,8 @@ class PreparedSource:
         for shard in self.index["shards"]:
             file = self.path / "shards" / shard["file"]
             if not file.is_file() or file.stat().st_size != shard["tokens"] * self.dtype.itemsize:
-                raise ConfigError(f"{file} is missing or not the {shard['tokens']} tokens {index_path} lists ({field}); "
-                                  "prepare the source again into a new folder")
+                raise ConfigError(f"{file} is missing or not the {shard['tokens']} tokens {index_path} lists "
+                                  f"({field}); prepare the source again into a new folder")
 
     @property
     def tokenizer_sha256(self) -> str:
@@ -377,7 +377,8 @@ class PreparedSource:
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="lit-lm prepare", description=__doc__.split("\n\n")[0])
     parser.add_argument("--files", nargs="+", required=True, help="text/.jsonl/.parquet files or save_to_disk folders")
-    parser.add_argument("--tokenizer_dir", required=True, help="folder with lit-lm's BPE or a tokenizers tokenizer.json")
+    parser.add_argument("--tokenizer_dir", required=True,
+                        help="folder with lit-lm's BPE or a tokenizers tokenizer.json")
     parser.add_argument("--out", required=True, help="the prepared folder (resumed when it holds this prepare)")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 1)), help="worker processes")
     parser.add_argument("--text_field", default="text", help="the text column of jsonl/parquet/saved rows")

@@ -90,7 +90,8 @@ def stream_spec(entry: dict[str, Any], index: int) -> dict[str, Any]:
     unknown = set(entry) - KEYS
     if unknown or "path" not in entry:
         raise ConfigError(f"{FIELD}[{index}] = {entry}: a stream source is {{path: <dir, file, glob or list>, stream: "
-                          f"true}} (optional name, timeout, prefetch){'; unknown keys ' + str(sorted(unknown)) if unknown else ''}")
+                          f"true}} (optional name, timeout, prefetch)"
+                          f"{'; unknown keys ' + str(sorted(unknown)) if unknown else ''}")
     timeout, prefetch = float(entry.get("timeout", 300)), int(entry.get("prefetch", 8))
     if not (timeout > 0 and prefetch > 0):
         raise ConfigError(f"{FIELD}[{index}]: timeout (seconds) and prefetch (batches) must be positive")

@@ -353,7 +353,8 @@ def main() -> None:
         print(longest_table(longest, args.cap_mib))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"machine": machine(), "args": vars(args), "rows": rows, "longest": longest}, indent=1))
+        Path(args.json).write_text(json.dumps({"machine": machine(), "args": vars(args), "rows": rows,
+                                               "longest": longest}, indent=1))
 
 
 if __name__ == "__main__":

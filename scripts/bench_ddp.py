@@ -166,7 +166,8 @@ def _spread(t: dict[str, Any], scale: float = 1.0, fmt: str = ".0f") -> str:
 def markdown(run: dict[str, Any]) -> str:
     """The speed table (ratio of medians against torch DDP with the same AdamW) and the overlap table."""
     table, cap = run["summary"], run["args"]["bucket_cap_mb"]
-    base = {"default": table["ddp"]["tokens_per_s"]["median"], "fused": table["ddp_view fused"]["tokens_per_s"]["median"]}
+    base = {"default": table["ddp"]["tokens_per_s"]["median"],
+            "fused": table["ddp_view fused"]["tokens_per_s"]["median"]}
     names = {"ddp": "torch DDP", "ddp_view": "torch DDP, `gradient_as_bucket_view`",
              "lm_ddp": f"`lm_ddp` ({cap:g} MB)"}
     lines = ["| contender | AdamW | tokens/s median (min–max) | vs torch DDP, same AdamW |", "|---|---|---|---|"]
@@ -202,7 +203,8 @@ def table_one_or_rounds(args: argparse.Namespace, markdown: Callable[[dict[str, 
 
 
 def bench_main(p: argparse.ArgumentParser, argv: Optional[list[str]], kinds: list[str], out: str,
-               markdown: Callable[[dict[str, Any]], str], contenders: Callable[[argparse.Namespace], dict[str, list[str]]],
+               markdown: Callable[[dict[str, Any]], str],
+               contenders: Callable[[argparse.Namespace], dict[str, list[str]]],
                worker_one: Callable[..., None]) -> None:
     """The command line bench_ddp and bench_zero share: `--table` prints a saved run, `--one` runs one contender
     (what the alternating runner calls), otherwise every contender over the rounds, then the table and the JSON."""

@@ -183,8 +183,8 @@ def main() -> int:
                 rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(machine=machine(), device=name, dtype=args.dtype, peak_flops=peak_flops, peak_bandwidth=peak_bandwidth,
-                           results=rows), f, indent=1)
+            json.dump(dict(machine=machine(), device=name, dtype=args.dtype, peak_flops=peak_flops,
+                           peak_bandwidth=peak_bandwidth, results=rows), f, indent=1)
         print(f"wrote {args.json}")
     return 0
 

@@ -260,7 +260,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--malloc", nargs="+", choices=MODES, default=[DEFAULT], help="LIT_LM_MALLOC choices to run each with")
+    p.add_argument("--malloc", nargs="+", choices=MODES, default=[DEFAULT],
+                   help="LIT_LM_MALLOC choices to run each with")
     p.add_argument("--out", default="runs/bench_peaks.json")
     p.add_argument("--table", nargs="+", help="print saved runs (their --out JSONs) as one Markdown table, and exit")
     args = p.parse_args(argv)

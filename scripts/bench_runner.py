@@ -117,7 +117,8 @@ def write_json(path: str | Path, rounds: list, table: dict, **extra: Any) -> Non
     loads = [m["load_1min"] for r in rounds for _, m in r]
     path.write_text(json.dumps({**extra, "load_1min": {"min": min(loads), "median": statistics.median(loads),
                                                        "max": max(loads)},
-                                "cpus": os.cpu_count(), "machine": machine(), "order": [[name for name, _ in r] for r in rounds],
+                                "cpus": os.cpu_count(), "machine": machine(),
+                                "order": [[name for name, _ in r] for r in rounds],
                                 "summary": table, "rounds": rounds}, indent=1))
 
 

@@ -8,7 +8,8 @@ the devices (`tp`, and `tp_sp` with sequence parallelism).
     python scripts/bench_strategies.py --devices 4 --strategies tp2_pp2 zero3_tp2 hsdp_zero3 zero1_dp2_pp2
     python scripts/bench_strategies.py --devices 8 --strategies 3d --n-heads 8   # dp2 x tp2 x pp2, ZeRO-1 (the
                                                            # activation table splits the heads over all 8 ranks)
-    python scripts/bench_strategies.py --table runs/bench_strategies.json   # a saved run as a Markdown table (docs/benchmarks/)
+    python scripts/bench_strategies.py --table runs/bench_strategies.json   # a saved run as a Markdown table
+                                                                              (docs/benchmarks/)
 
 Fairness (`scripts/bench_runner.py`): every strategy runs in its own fresh processes (`--one NAME`), alternated
 with the others over `--rounds` rounds (>= 5) in an order shuffled per round; tokens/s is the median over rounds of

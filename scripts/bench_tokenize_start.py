@@ -85,8 +85,9 @@ def main() -> None:
     result = run(args.dir)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"{result['corpus_bytes'] / 2**20:,.0f} MiB, {result['tokens']:,} tokens: peak {result['peak_rss'] / 2**30:.2f}"
-          f" GiB resident ({result['growth'] / 2**30:.2f} above {result['baseline_rss'] / 2**30:.2f}), "
+    print(f"{result['corpus_bytes'] / 2**20:,.0f} MiB, {result['tokens']:,} tokens: "
+          f"peak {result['peak_rss'] / 2**30:.2f} GiB resident ({result['growth'] / 2**30:.2f} above "
+          f"{result['baseline_rss'] / 2**30:.2f}), "
           f"{result['seconds']:.0f} s ({result['cpu_seconds']:.0f} s CPU) on {describe(result['machine'])}")
 
 

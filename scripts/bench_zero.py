@@ -92,8 +92,10 @@ def markdown(run: dict[str, Any]) -> str:
         for kind in SPEED:
             t = table[kind if adamw == "default" else f"{kind} fused"]
             ref = REFERENCE.get(kind)
-            ratio = "reference" if ref is None else (
-                f"{t['tokens_per_s']['median'] / table[ref if adamw == 'default' else f'{ref} fused']['tokens_per_s']['median']:.2f}×")
+            ratio = "reference"
+            if ref is not None:
+                base = table[ref if adamw == "default" else f"{ref} fused"]["tokens_per_s"]["median"]
+                ratio = f"{t['tokens_per_s']['median'] / base:.2f}×"
             lines.append(f"| {NAMES[kind]} | {adamw} | {_spread(t['tokens_per_s'])} | {ratio} |")
     lines += ["", "| stage | reduce-scatters | step ms | same, reduce-scatter a no-op, ms | reduce-scatters alone, ms "
               "| hidden |", "|---|---|---|---|---|---|"]

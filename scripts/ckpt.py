@@ -54,7 +54,8 @@ def inspect(path: Path) -> None:
     meta = read_meta(path)  # raises one line for a path that is not a checkpoint
     if is_hf_folder(path):
         config = ModelConfig(**meta["hyper_parameters"]["config"])
-        shape = {k: v for k, v in meta["hyper_parameters"]["config"].items() if k in HF_SHAPE and v not in (None, False)}
+        shape = {k: v for k, v in meta["hyper_parameters"]["config"].items()
+                 if k in HF_SHAPE and v not in (None, False)}
         print(f"{path}\n  a Hugging Face model folder: {config.num_params() / 1e6:.2f}M parameters as lit-lm's "
               f"{json.dumps(shape)}")
         tensors = [(k, getattr(torch, {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(d, "float32")), s)

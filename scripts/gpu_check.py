@@ -5,9 +5,9 @@
 
 Sections (docs/gpu/README.md says what each JSON holds): kernels, kernel_speed, fits, sync_debug, mfu, speed (eager,
 compile and compile + FP8 tokens/s and MFU of the ~1B model under lm_ddp and zero3, docs/compile.md). Each runs in
-a process of its own under its own time budget and all within TOTAL_BUDGET, so a crash, a hang or a CUDA error in one is recorded in its JSON
-(status "error" or "timeout", with the message) and the others still run; the exit code is 1 when any section
-failed. A section writes its JSON as results come, so one cut short by its budget keeps what it measured.
+a process of its own under its own time budget and all within TOTAL_BUDGET, so a crash, a hang or a CUDA error in one is
+recorded in its JSON (status "error" or "timeout", with the message) and the others still run; the exit code is 1 when
+any section failed. A section writes its JSON as results come, so one cut short by its budget keeps what it measured.
 Only torch, triton, lightning and numpy are needed: no `datasets`, no `jsonargparse` (models are built in Python).
 """
 
@@ -44,8 +44,8 @@ FAILED = ("failed", "error", "timeout")
 
 def machine_record(device: Any) -> dict[str, Any]:
     """What ran the section: `scripts/machine.py`'s record (CPU model and flags, cores, GPU, torch, CUDA, date)
-    plus what a GPU result also needs: the name of the device the section ran on, triton and cuDNN, the UTC time, the commit, and whether
-    the Triton interpreter was on."""
+    plus what a GPU result also needs: the name of the device the section ran on, triton and cuDNN, the UTC time, the
+    commit, and whether the Triton interpreter was on."""
     import torch
 
     from machine import machine

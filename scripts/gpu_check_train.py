@@ -181,8 +181,8 @@ def fit(config: ModelConfig, strategy: str, kernels: bool, precision: str, steps
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the next fit starts from an empty device
-    return dict(strategy=strategy, kernels=list(KERNELS) if kernels else [], precision=precision, compile=compile, fp8=fp8,
-                process_group_backend=backend, seconds=time.perf_counter() - t0, losses=recorder.values())
+    return dict(strategy=strategy, kernels=list(KERNELS) if kernels else [], precision=precision, compile=compile,
+                fp8=fp8, process_group_backend=backend, seconds=time.perf_counter() - t0, losses=recorder.values())
 
 
 def fit_shapes(dry_run: bool) -> tuple[ModelConfig, dict[str, int]]:
@@ -367,7 +367,8 @@ def run_speed(report: Any, dry_run: bool, device: torch.device, peak_tflops: Opt
                               and "tokens_per_s" in r), None)
                 row.update(losses=run["losses"], step_seconds=timer.step_seconds(), **measured,
                            mfu=per_token * tokens_per_s / peak,
-                           vs_eager=1.0 if variant == "eager" else tokens_per_s / eager["tokens_per_s"] if eager else None,
+                           vs_eager=(1.0 if variant == "eager"
+                                     else tokens_per_s / eager["tokens_per_s"] if eager else None),
                            peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
             except Exception as err:
                 row.update(error=f"{type(err).__name__}: {err}"[:500], traceback=traceback.format_exc()[-3000:])

@@ -1,6 +1,6 @@
 """Per-layer pruning sensitivity: prune each linear alone (unstructured magnitude) at a sweep of sparsities and
-record the validation loss; print a table, write JSON and a plot of the curves (matplotlib), and optionally pick per-layer sparsities
-that reach a target overall sparsity with the smallest per-layer loss increase (within a budget).
+record the validation loss; print a table, write JSON and a plot of the curves (matplotlib), and optionally pick
+per-layer sparsities that reach a target overall sparsity with the smallest per-layer loss increase (within a budget).
 
     python scripts/sensitivity.py --ckpt runs/default/.../last.ckpt --out runs/sensitivity [--config RUN.yaml ...] \
         [--sparsities 0.25 0.5 0.75 0.9] [--val-batches 10] [--target 0.5 --budget 0.05]

@@ -4,7 +4,8 @@
     <dir>/            DCP files of {"model": {fqn: tensor}, "optimizer_<i>": {"state": {fqn: {...}},
                                                                            "param_groups": [{..., "params": [fqn]}]}}
     <dir>/meta.pt     the rest of Lightning's checkpoint (loops, lr_schedulers, callbacks, hparams, datamodule)
-    <dir>/COMPLETE    json {step, epoch, world_size, strategy, pp, dp_replicate, dp_shard, cp, tp, ep}: written last, after every rank's shards
+    <dir>/COMPLETE    json {step, epoch, world_size, strategy, pp, dp_replicate, dp_shard, cp, tp, ep}: written last,
+                      after every rank's shards
 
 Every tensor is named by its FQN relative to the LightningModule, never by rank or parameter index, and sharded
 tensors are DTensors with their global shape, so DCP reshards on load: a checkpoint saved on N ranks resumes on
@@ -222,7 +223,8 @@ def load(path: PathLike, state: dict[str, Any]) -> dict[str, Any]:
     from `state`, so the caller can tell what was loaded.
     """
     check_complete(path)
-    saved = {key.split(".", 1)[0] for key in safe_load.SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata}
+    saved = {key.split(".", 1)[0]
+             for key in safe_load.SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata}
     for key in [k for k in state if k not in saved]:
         del state[key]
     comm.note("dcp_load", label=f"checkpoint load: {Path(path).name}")

@@ -120,7 +120,8 @@ class ComposedStrategy(BaseStrategy):
     def describe_layout(self) -> str:
         c = self.config
         parts = [super().describe_layout(), f"ZeRO stage {c.zero_stage}",
-                 c.pp > 1 and f"schedule {c.schedule} ({c.microbatches} microbatches, {c.virtual_stages} virtual stages)",
+                 c.pp > 1 and f"schedule {c.schedule} ({c.microbatches} microbatches, "
+                              f"{c.virtual_stages} virtual stages)",
                  c.cp > 1 and f"cp {c.cp_method}", c.tp > 1 and f"sequence parallel {'on' if c.sp else 'off'}"]
         return "; ".join(part for part in parts if part)
 
@@ -167,7 +168,8 @@ class ComposedStrategy(BaseStrategy):
             group = TPGroup(layout.tp_group, layout.tp_size, layout.tp_rank, c.sp)
             split.add_tp(parallelize_model(model, model.tensor_parallel_plan(), group), dot)
         if c.cp > 1:
-            require_plan(model, ContextParallelModel, f"context_parallel_size={c.cp}", "context_parallel_plan()", module)
+            require_plan(model, ContextParallelModel, f"context_parallel_size={c.cp}",
+                         "context_parallel_plan()", module)
             context.check_data_seq_len(module, c.cp)
             context.parallelize_context(model, layout.group("cp"), c.cp_method)
             loss = context.context_loss(model, layout.group("cp"))

@@ -342,8 +342,9 @@ def fp8_linears(model: nn.Module, global_shapes: Optional[dict[str, tuple[int, .
 
 def apply_fp8(model: nn.Module, recipe: Optional[str], splits: Optional[dict[str, tuple[int, tuple[int, ...]]]] = None,
               group: Optional[dist.ProcessGroup] = None) -> list[str]:
-    """Swap `model`'s block linears (and its experts' grouped GEMMs) for FP8 ones, in place; the names swapped. `splits`: the tp-split weights by
-    name (relative to `model`) -> (split dim, global shape); `group`: the tp group their scales are reduced over."""
+    """Swap `model`'s block linears (and its experts' grouped GEMMs) for FP8 ones, in place; the names swapped.
+    `splits`: the tp-split weights by name (relative to `model`) -> (split dim, global shape); `group`: the tp group
+    their scales are reduced over."""
     if check_fp8(recipe) is None:
         return []
     splits = splits or {}

@@ -17,8 +17,8 @@ backward; instead (as torch DDP does):
   *asynchronous* in-place all-reduce of its buffer is launched, so it overlaps the rest of backward. Buckets
   launch strictly in order, so every rank issues the same collectives in the same order even when gradients
   arrive in a different order;
-- `finish_grad_sync()` launches what is left (a parameter that got no gradient on this rank, i.e. unused, contributes its
-  zeroed slice, so no rank waits forever), waits, and divides each buffer by the group size in place. Every
+- `finish_grad_sync()` launches what is left (a parameter that got no gradient on this rank, i.e. unused, contributes
+  its zeroed slice, so no rank waits forever), waits, and divides each buffer by the group size in place. Every
   trainable parameter then has the same gradient on every rank (zeros if no rank used it), so the replicas cannot
   drift.
 
@@ -101,7 +101,8 @@ def _bucketize(params: Iterable[nn.Parameter], cap_bytes: float,
     size = 0
     first = cap_bytes if first_cap_bytes is None else min(first_cap_bytes, cap_bytes)
     for p in params:
-        if not buckets or size >= (first if len(buckets) == 1 else cap_bytes) or (p.dtype, p.device) != (buckets[-1][0].dtype, buckets[-1][0].device):
+        if (not buckets or size >= (first if len(buckets) == 1 else cap_bytes)
+                or (p.dtype, p.device) != (buckets[-1][0].dtype, buckets[-1][0].device)):
             buckets.append([])
             size = 0
         buckets[-1].append(p)

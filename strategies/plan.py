@@ -42,7 +42,8 @@ def find_block_model(root: nn.Module) -> tuple[str, Optional[BlockModel]]:
 
 
 def require_plan(model: Optional[nn.Module], protocol: type, setting: str, method: str, root: nn.Module) -> None:
-    """Refuse `setting` (e.g. "tensor_parallel_size=2") for a LightningModule `root` whose block model lacks `method`."""
+    """Refuse `setting` (e.g. "tensor_parallel_size=2") for a LightningModule `root` whose block model lacks
+    `method`."""
     if not isinstance(model, protocol):
         raise ConfigError(f"{setting}: {type(root).__name__} holds no model with a {method} "
                           f"(strategies.plan.{protocol.__name__})")

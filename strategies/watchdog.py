@@ -51,5 +51,6 @@ def failure_report(exception: BaseException, grace_s: float) -> str:
     else:
         who = "no rank lost (every rank reported the failure): see the error below"
     return (f"[lit-lm] rank {dist.get_rank()}: a collective failed: {who}\n"
-            f"  error: {str(exception).strip().splitlines()[0] if str(exception).strip() else type(exception).__name__}\n"
+            f"  error: "
+            f"{str(exception).strip().splitlines()[0] if str(exception).strip() else type(exception).__name__}\n"
             f"{format_history()}")

@@ -23,7 +23,8 @@ keyed by global name and global shape and reshard to any world size. For communi
 (one of the model's `blocks`, or the rest of the model: under stages 1-2 split into the root, registered before
 the blocks, and the tail, after them) are packed rank-major into one buffer,
 `[rank 0: chunk 0 of p1 | chunk 0 of p2 ...][rank 1: ...]`, each chunk padded to the ceil size, so a unit costs one
-collective (stages 1-2 pack into two buffers kept from step to step: `CommSlots`). Stages 2 and 3 launch a unit's reduce-scatter as soon as its last gradient is accumulated (overlapping
+collective (stages 1-2 pack into two buffers kept from step to step: `CommSlots`). Stages 2 and 3 launch a unit's
+reduce-scatter as soon as its last gradient is accumulated (overlapping
 the rest of the backward), in one fixed order on every rank (the reverse of the forward: the tail, the blocks from
 the last, then the root), as GradSync does: a unit waits for the ones before it, and a unit whose parameter got no
 gradient on this rank (unused there) is launched with zeros at the end of the backward, so every rank issues the

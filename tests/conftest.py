@@ -7,9 +7,9 @@ The slowest tests run first. `make test` runs two xdist workers under `--dist wo
 collected tests in order, and an idle worker steals the tail of the other's queue. A long test can't be split, so one
 that starts last bounds the wall time by its own length; started first, the short ones balance the two queues
 around it. `SLOWEST_FIRST` is that order (node ids, slowest first; a module runs together where its first listed
-test is, so modules of several slow tests are placed by their total): from the fresh-clone `make test` at 17c834f on 2 cores (12:21,
-`--durations=30`), the tests made faster since placed by their new times; a name that no longer exists is ignored,
-and a new slow test only costs balance until it is added.
+test is, so modules of several slow tests are placed by their total): from the fresh-clone `make test` at 17c834f on
+2 cores (12:21, `--durations=30`), the tests made faster since placed by their new times; a name that no longer exists
+is ignored, and a new slow test only costs balance until it is added.
 """
 
 import os
@@ -22,7 +22,8 @@ import torch  # noqa: E402  (after TRITON_INTERPRET is set)
 
 from lit_lm import spawn  # noqa: E402
 
-spawn.PRELOAD.append("forkserver_preload")  # the suite's rank imports, loaded once per worker (tests/forkserver_preload.py)
+# the suite's rank imports, loaded once per worker (tests/forkserver_preload.py)
+spawn.PRELOAD.append("forkserver_preload")
 
 # One intra-op thread in each test worker, as in every rank it starts (lit_lm/spawn.py) and every CLI run
 # (OMP_NUM_THREADS=1): `make test` runs two workers on two cores, beside their ranks; torch's default (a thread per

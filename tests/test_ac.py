@@ -137,8 +137,8 @@ def test_activation_memory_per_mode(cfg: dict) -> None:
     kept_selective, _ = measure(build(cfg, "selective"), layers)
     assert kept_selective == sum(kept_bytes(config, int(i), "selective") for i in layers) + state
     assert kept_full < kept_selective < kept_none
-    print(f"\nd_model={config.d_model}{', MoE' if config.moe_experts else ''}: none {kept_none}, full {kept_full} (peak {peak_full}), "
-          f"selective {kept_selective}, block input {block_input}, blocks {kept_block}")
+    print(f"\nd_model={config.d_model}{', MoE' if config.moe_experts else ''}: none {kept_none}, full {kept_full} "
+          f"(peak {peak_full}), selective {kept_selective}, block input {block_input}, blocks {kept_block}")
 
 
 def _context_parallel_kept() -> int:

@@ -39,7 +39,8 @@ def _hparams(marker: Path) -> dict:
 def _directory(path: Path, meta: object, value: object = 0.1) -> Path:
     """A complete-looking sharded checkpoint directory whose meta.pt is `meta` and one non-tensor value `value`."""
     state = {"model": {"w": torch.ones(2)},
-             "optimizer_0": {"state": {"w": {"step": torch.tensor(1.0)}}, "param_groups": [{"lr": value, "params": ["w"]}]}}
+             "optimizer_0": {"state": {"w": {"step": torch.tensor(1.0)}},
+                             "param_groups": [{"lr": value, "params": ["w"]}]}}
     dcp.save(state, checkpoint_id=path, no_dist=True)
     torch.save(meta, path / ckpt.META)
     (path / ckpt.COMPLETE).write_text(json.dumps({"step": 1}))

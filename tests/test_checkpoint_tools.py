@@ -123,7 +123,8 @@ def test_upcycled_checkpoint_generates_alone_and_exports_as_mixtral(run, tmp_pat
     moe = tmp_path / "moe.ckpt"
     up = script("upcycle.py", run["ckpt"], moe, "--experts", "2", cwd=tmp_path)
     assert up.returncode == 0, up.stderr[-3000:]
-    assert tokenizer_from(read_checkpoint(moe)).state_dict() == tokenizer_from(read_checkpoint(run["ckpt"])).state_dict()
+    assert (tokenizer_from(read_checkpoint(moe)).state_dict()
+            == tokenizer_from(read_checkpoint(run["ckpt"])).state_dict())
     generated = run_cli("generate", "--ckpt_path", str(moe), "--prompt", "def ", "--max_new_tokens", "4",
                         "--temperature", "0", cwd=tmp_path)
     assert generated.returncode == 0 and generated.stdout.startswith("def "), generated.stderr[-3000:]

@@ -55,7 +55,8 @@ def test_a_run_through_the_server_reads_as_a_fresh_interpreters(tmp_path):
     # HF_HOME is read when huggingface_hub is imported (through Lightning): a different one cannot be forked
     fresh = _run(*ERROR, cwd=tmp_path, HF_HOME=str(tmp_path / "hf"))
     lines = _log().read_text().splitlines()
-    assert lines[-2].endswith("max_stepz 3: forked") and lines[-1].endswith("max_stepz 3: real interpreter (['HF_HOME'])")
+    assert (lines[-2].endswith("max_stepz 3: forked")
+            and lines[-1].endswith("max_stepz 3: real interpreter (['HF_HOME'])"))
     assert (served.returncode, served.stdout, served.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
     assert served.returncode == 2 and served.stderr.startswith("lit-lm: error: ") and "max_stepz" in served.stderr
 
@@ -132,7 +133,8 @@ def test_python_c_through_the_server_reads_as_a_fresh_interpreters(tmp_path):
     served, fresh = (subprocess.run([python, "-c", code, "a b", "--c"], cwd=tmp_path, env=env, capture_output=True,
                                     text=True, timeout=300) for python in (cli_server.python(), sys.executable))
     assert _log().read_text().splitlines()[-1].endswith(" a b --c: forked")
-    assert (served.returncode, served.stdout) == (fresh.returncode, fresh.stdout) == (1, '[["-c", "a b", "--c"], "", "__main__", null]\n')
+    assert ((served.returncode, served.stdout) == (fresh.returncode, fresh.stdout)
+            == (1, '[["-c", "a b", "--c"], "", "__main__", null]\n'))
     assert served.stderr.endswith(fresh.stderr.split("\n", 1)[1]) and "ZeroDivisionError" in served.stderr
 
 

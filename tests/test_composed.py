@@ -71,7 +71,8 @@ class StepLoss(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, *args: Any) -> None:
         self.losses.append(float(outputs["loss"]))
 
-    def __getstate__(self) -> dict[str, Any]:  # without the module's `log` Lightning attaches (its cp cores hold groups)
+    def __getstate__(self) -> dict[str, Any]:
+        # without the module's `log` Lightning attaches (its cp cores hold groups)
         return {"losses": self.losses}
 
 
@@ -148,7 +149,8 @@ def test_eight_rank_compositions_match_one_process() -> None:
 @pytest.mark.parametrize("kwargs, message", [
     (dict(zero_stage=3, pipeline_parallel_size=2), "use zero_stage 1 or 2 with pipeline parallelism"),
     (dict(zero_stage=3, expert_parallel_size=2), "use zero_stage 1 or 2 with expert parallelism"),
-    (dict(zero_stage=2, expert_parallel_size=2, data_parallel_replicate_size=2), "set data_parallel_replicate_size to 1"),
+    (dict(zero_stage=2, expert_parallel_size=2, data_parallel_replicate_size=2),
+     "set data_parallel_replicate_size to 1"),
     (dict(data_parallel_replicate_size=2), "set zero_stage"),
     (dict(cp_method="ring"), "cp_method is a context-parallel option: set context_parallel_size > 1"),
     (dict(context_parallel_size=2, cp_method="star"), "cp_method: unknown 'star'; choose one of ring, allgather"),

@@ -59,7 +59,8 @@ def test_ring_skips_the_blocks_no_query_sees(window: int | None) -> None:
     for rank in range(cp):
         q_pos = zigzag_runs(seq_len, rank, cp)
         plans = (block_plan(q_pos, zigzag_runs(seq_len, src, cp), window or seq_len, c) for src in range(cp))
-        work.append(sum((rows.stop - rows.start) * (keys.stop - keys.start) for plan in plans for rows, keys, _ in plan))
+        work.append(sum((rows.stop - rows.start) * (keys.stop - keys.start)
+                        for plan in plans for rows, keys, _ in plan))
     if window is None:  # own block: 3 of its 4 c×c tiles; every other step: 2 of 4 (no skipping: 4·cp tiles)
         assert work == [(2 * cp + 1) * c * c] * cp
     else:

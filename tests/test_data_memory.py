@@ -1,6 +1,6 @@
 """Tokenizing at fit start, and `lit-lm prepare`, hold one batch of text and ids, not the corpus: a 4x larger
-corpus (its documents 4x longer) barely moves the resident peak. Measured in fresh processes (Linux VmHWM), with the batch and piece sizes
-scaled down so that a few MB show what 200 MB shows at the real sizes."""
+corpus (its documents 4x longer) barely moves the resident peak. Measured in fresh processes (Linux VmHWM), with the
+batch and piece sizes scaled down so that a few MB show what 200 MB shows at the real sizes."""
 
 import json
 import subprocess

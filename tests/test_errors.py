@@ -53,8 +53,8 @@ def _small_vocab(tmp_path: Path) -> tuple[list[str], str]:
 
 def _unknown_strategy(tmp_path: Path) -> tuple[list[str], str]:
     return ["fit", *tiny_args(tmp_path), "--trainer.strategy", "zero4"], (
-        "unknown strategy 'zero4' (trainer.strategy); use one of lit-lm's: ep, lm_ddp, lm_parallel, pp, tp, zero1, zero2, zero3 "
-        "(configs/strategies/*.yaml compose them), or one of Lightning's (e.g. ddp, fsdp)")
+        "unknown strategy 'zero4' (trainer.strategy); use one of lit-lm's: ep, lm_ddp, lm_parallel, pp, tp, zero1, "
+        "zero2, zero3 (configs/strategies/*.yaml compose them), or one of Lightning's (e.g. ddp, fsdp)")
 
 
 def _pp_stages(tmp_path: Path) -> tuple[list[str], str]:

@@ -419,7 +419,8 @@ def test_step_transients_equal_the_tensors_a_run_makes() -> None:
             if name in ("zero1", "zero3"):
                 # ZeRO-1 (no sends of its own: the reused slots), at the embedding's gradient: its full gradients
                 # and the gradient of the embedding's output (1 x 8 positions x d_model, fp32), still alive
-                made = moments.get("backward_end", 0) + (est.grads + PEAK_SEQ * MODEL["d_model"] * 4) * (name == "zero1")
+                made = (moments.get("backward_end", 0)
+                        + (est.grads + PEAK_SEQ * MODEL["d_model"] * 4) * (name == "zero1"))
                 assert 0 <= rank[i]["fwd_bwd"] - made <= 64, (name, rank[i], est.transients)
 
 

@@ -90,7 +90,8 @@ def test_fp8_swaps_the_block_linears_only() -> None:
 def local_scales(monkeypatch: Any) -> None:
     """Mutant: the FP8 scales of tp-split tensors are not reduced over tp (each rank's own amax)."""
     apply = fp8.apply_fp8
-    monkeypatch.setattr("strategies.composed.apply_fp8", lambda model, recipe, splits, group: apply(model, recipe, splits, None))
+    monkeypatch.setattr("strategies.composed.apply_fp8",
+                        lambda model, recipe, splits, group: apply(model, recipe, splits, None))
 
 
 def fp8_case(recipe: str, label: str, mutation: Any = None, **strategy: Any) -> Case:
@@ -256,7 +257,8 @@ def _zero3_step(dtype: torch.dtype, recipe: Any, config: dict = TINY) -> dict[st
 
 def _zero3_fp8_worker() -> dict[str, Any]:
     out = {"fp8": _zero3_step(torch.bfloat16, "tensorwise"), "bf16": _zero3_step(torch.bfloat16, None),
-           "moe fp8": _zero3_step(torch.bfloat16, "tensorwise", MOE), "moe bf16": _zero3_step(torch.bfloat16, None, MOE)}
+           "moe fp8": _zero3_step(torch.bfloat16, "tensorwise", MOE),
+           "moe bf16": _zero3_step(torch.bfloat16, None, MOE)}
     with pytest.MonkeyPatch.context() as monkeypatch:
         per_shard_scales(monkeypatch)
         out["per-shard scales"] = _zero3_step(torch.bfloat16, "tensorwise")
@@ -280,7 +282,8 @@ def test_zero3_gathers_fp8_weights_and_experts_exactly_at_half_the_bf16_bytes() 
     stacks = 3  # MOE's block 1: w_gate, w_up, w_down
     for rank_runs in runs:  # bit for bit the one-process FP8 cast, so the loss and every gradient shard too
         assert_fp8_gather_is_one_process_cast(rank_runs["fp8"])
-        assert_fp8_gather_is_one_process_cast(rank_runs["moe fp8"], count=7 + 4 + 3 * MOE["moe_shared_experts"] + stacks)
+        assert_fp8_gather_is_one_process_cast(rank_runs["moe fp8"],
+                                              count=7 + 4 + 3 * MOE["moe_shared_experts"] + stacks)
         with pytest.raises(AssertionError, match="gathered FP8 weight"):
             assert_fp8_gather_is_one_process_cast(rank_runs["per-shard scales"])
 
@@ -288,7 +291,8 @@ def test_zero3_gathers_fp8_weights_and_experts_exactly_at_half_the_bf16_bytes() 
         return sum(n for op, lab, n in sent if op == "all_gather" and lab == label)
 
     for model, config in (("", TINY), ("moe ", MOE)):
-        fp8_run, fp8_sent, bf16_sent = runs[0][f"{model}fp8"], runs[0][f"{model}fp8"]["sent"], runs[0][f"{model}bf16"]["sent"]
+        fp8_run, fp8_sent, bf16_sent = (runs[0][f"{model}fp8"], runs[0][f"{model}fp8"]["sent"],
+                                        runs[0][f"{model}bf16"]["sent"])
         weights = {f"blocks.{i}": 0 for i in range(config["n_layers"])}  # bf16 bytes of each block's FP8 weights
         amaxes = dict.fromkeys(weights, 0)  # (every shard: the all-gather output; even rows)
         for name, ((got, scale), _) in fp8_run["weights"].items():

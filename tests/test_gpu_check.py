@@ -227,7 +227,8 @@ def test_the_total_budget_stops_the_run_and_skips_what_is_left(env: dict[str, st
                  "--inject-hang", "sync_debug", "--total-budget", "6")
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     data = load(tmp_path)  # the hang stopped when the total ran out, the next section not started
-    assert data["sync_debug"]["status"] == "timeout" and "killed after its budget of 6.0 s" in data["sync_debug"]["error"]
+    assert (data["sync_debug"]["status"] == "timeout"
+            and "killed after its budget of 6.0 s" in data["sync_debug"]["error"])
     assert data["kernels"]["status"] == "timeout" and "not run" in data["kernels"]["error"]
     assert data["summary"]["failed"] == ["sync_debug", "kernels"]
 

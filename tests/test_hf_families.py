@@ -43,8 +43,9 @@ FAMILIES = {
     "qwen3 tied": lambda: transformers.Qwen3Config(**BASE, head_dim=16, tie_word_embeddings=True),
     "mistral head_dim 16": lambda: transformers.MistralConfig(**BASE, head_dim=16, sliding_window=None),
     "mixtral window 6": lambda: transformers.MixtralConfig(**BASE, **MOE, num_local_experts=4, sliding_window=6),
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**BASE, **MOE, head_dim=16, num_experts=4, moe_intermediate_size=24,
-                                                     norm_topk_prob=True, mlp_only_layers=[0]),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**BASE, **MOE, head_dim=16, num_experts=4,
+                                                     moe_intermediate_size=24, norm_topk_prob=True,
+                                                     mlp_only_layers=[0]),
     "olmoe": lambda: transformers.OlmoeConfig(**BASE, **MOE, num_experts=4),
 }
 
@@ -227,8 +228,8 @@ def test_sharded_folder_follows_its_index_and_refuses_bad_shards(hf_dirs, tmp_pa
 
 def test_imported_families_under_layouts_match_one_process(hf_dirs):
     """First step's loss and every gradient as one process: Qwen3 (tied, head_dim 16) under tp2 with sequence
-    parallelism, zero3 x 2 and cp2 (ring); Qwen3-MoE (a dense then an MoE block) under ep2, zero3 x 2 and tp2. Each rank read
-    its share: under ZeRO-3 half of every parameter's rows (the two ranks together: every byte once), under ep2
+    parallelism, zero3 x 2 and cp2 (ring); Qwen3-MoE (a dense then an MoE block) under ep2, zero3 x 2 and tp2. Each rank
+    read its share: under ZeRO-3 half of every parameter's rows (the two ranks together: every byte once), under ep2
     the dense parameters and half of the experts, under tp2 half of what tp splits and what it replicates."""
     dense, moe = hf_dirs["qwen3 tied"], hf_dirs["qwen3_moe"]
     case = partial(Case, steps=1, callbacks=(BytesRead(),))

@@ -203,8 +203,9 @@ def test_weights_that_do_not_match_the_config_are_refused(tmp_path):
 
 
 def hf_folder_with_tokenizer(folder: Path, corpus: str, make=transformers.LlamaConfig, **extra) -> tuple[Path, object]:
-    """A random Llama (or `make`'s family, with `extra` config arguments) whose vocabulary is a byte-level BPE trained with the `tokenizers` library on `corpus`, saved
-    as a Hugging Face folder with its tokenizer.json (EOS `<|endoftext|>`, no BOS)."""
+    """A random Llama (or `make`'s family, with `extra` config arguments) whose vocabulary is a byte-level BPE trained
+    with the `tokenizers` library on `corpus`, saved as a Hugging Face folder with its tokenizer.json (EOS
+    `<|endoftext|>`, no BOS)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())

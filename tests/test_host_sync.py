@@ -4,8 +4,8 @@ On a GPU, reading a device value on the host (`.item()`, `.tolist()`, `bool(t)`,
 whose output shape depends on the data (`nonzero`, a boolean-mask index, `repeat_interleave` without
 `output_size`; `bincount` and `one_hot`, which read the input's max back) waits for every kernel queued before it:
 the CPU stops running ahead and the GPU idles while the next kernels are launched. So does `torch.tensor(data,
-device=...)` (a blocking copy from pageable host memory: Lightning's `self.log` of a Python number). On the CPU none of this costs
-anything, so nothing would notice a new one; this test does.
+device=...)` (a blocking copy from pageable host memory: Lightning's `self.log` of a Python number). On the CPU none of
+this costs anything, so nothing would notice a new one; this test does.
 
 `SyncCounter` is a `TorchFunctionMode`: every torch call made in Python while it is active (the backward's Python
 code too) passes through it, and each call of that kind is recorded with its call site, the innermost frame in the

@@ -23,8 +23,8 @@ def _function(attr: object) -> object:
     return getattr(attr, "__wrapped__", attr)  # @contextmanager
 
 
-@pytest.mark.parametrize("cls", [BaseStrategy, ComposedStrategy, DataParallelStrategy, ZeroStrategy, TensorParallelStrategy,
-                                 PipelineStrategy, ExpertParallelStrategy])
+@pytest.mark.parametrize("cls", [BaseStrategy, ComposedStrategy, DataParallelStrategy, ZeroStrategy,
+                                 TensorParallelStrategy, PipelineStrategy, ExpertParallelStrategy])
 def test_overrides_are_marked_and_exist(cls: type) -> None:
     for name, attr in vars(cls).items():
         if name.startswith("__") or not callable(_function(attr)):

@@ -258,7 +258,8 @@ def test_the_runner_posts_the_replayed_batches(name: str, p: int, m: int, v: int
     schedule = build_schedule(name, p, m, v)
     cfg = ModelConfig(**ENGINE, n_layers=p * v)
     stages = split_layers(cfg.n_layers, p, v)
-    tokens = torch.randint(0, cfg.vocab_size, (m, ENGINE["max_seq_len"] + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, cfg.vocab_size, (m, ENGINE["max_seq_len"] + 1),
+                           generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(comm, "all_reduce", _no_all_reduce)
     torch.manual_seed(0)
     full = Transformer(cfg)

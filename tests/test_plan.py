@@ -117,15 +117,16 @@ def test_fitting_takes_the_least_accumulation_that_fits() -> None:
     assert seen == {"none", "one", "more"}  # layouts that never fit, fit at once, and fit only with accumulation
 
 
-FEATURES = {"tp": dict(tp=2, sequence_parallel=True), "tp_no_sp": dict(tp=2, sequence_parallel=False), "pp": dict(pp=2), "cp": dict(cp=2),
-            "ep": dict(ep=2), "hsdp": dict(dp_replicate=2), "zero1": dict(zero_stage=1), "zero2": dict(zero_stage=2),
-            "zero3": dict(zero_stage=3)}
+FEATURES = {"tp": dict(tp=2, sequence_parallel=True), "tp_no_sp": dict(tp=2, sequence_parallel=False),
+            "pp": dict(pp=2), "cp": dict(cp=2), "ep": dict(ep=2), "hsdp": dict(dp_replicate=2),
+            "zero1": dict(zero_stage=1), "zero2": dict(zero_stage=2), "zero3": dict(zero_stage=3)}
 
 
 def _features(config: ParallelConfig) -> set[str]:
     """The FEATURES `config` has: a dimension of any size > 1, an option or ZeRO stage equal."""
     def has(key: str, value: object) -> bool:
-        return getattr(config, key) > 1 if key in ("tp", "pp", "cp", "ep", "dp_replicate") else getattr(config, key) == value
+        return (getattr(config, key) > 1 if key in ("tp", "pp", "cp", "ep", "dp_replicate")
+                else getattr(config, key) == value)
 
     return {name for name, kwargs in FEATURES.items() if all(has(k, v) for k, v in kwargs.items())}
 

@@ -195,8 +195,8 @@ def _fit_pp(devices: int, pp: int, schedule: str, ckpt_dir: str | None, resume: 
     callbacks = (ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1),) if ckpt_dir else ()
     options = dict(microbatches=2, schedule=schedule) if pp > 1 else {}  # one stage runs no pipeline
     strategy = PipelineStrategy(pipeline_parallel_size=pp, **options)
-    return fit_tiny(strategy, devices=devices, global_batch=8 * pp, steps_per_epoch=K, max_steps=2 * K, ckpt_path=resume,
-                    callbacks=callbacks, one_batch=True, **CLIP)
+    return fit_tiny(strategy, devices=devices, global_batch=8 * pp, steps_per_epoch=K, max_steps=2 * K,
+                    ckpt_path=resume, callbacks=callbacks, one_batch=True, **CLIP)
 
 
 def _assert_same(run: dict, reference: dict, first_step: int = 0) -> None:

@@ -145,8 +145,8 @@ SUBSET = [("zero3", "tp"), ("tp", "pp"), ("pp", "zero3"), ("zero3", "single"), (
 
 # the composed layouts: 3D (zero1 x tp2 x pp2 on 8 ranks) to and from one process, tp x pp to ZeRO-3 on 4 (and to
 # ZeRO-3 sharded over dp x cp); cp2 to and from one process (cp is not in the checkpoint)
-COMPOSED = [("dp2_tp2_pp2", "single"), ("single", "dp2_tp2_pp2"), ("tp2_pp2", "zero3_dp4"), ("tp2_pp2", "zero3_dp2_cp2"),
-            ("cp2", "single")]
+COMPOSED = [("dp2_tp2_pp2", "single"), ("single", "dp2_tp2_pp2"), ("tp2_pp2", "zero3_dp4"),
+            ("tp2_pp2", "zero3_dp2_cp2"), ("cp2", "single")]
 
 
 def test_resume_matrix(tmp_path: Path) -> None:

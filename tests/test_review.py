@@ -82,7 +82,8 @@ def test_every_text_in_the_report_is_shown_as_it_is() -> None:
     good = {**row, "name": f"{odd} good", "step": None, "error": 0.0, "problem": ""}
     report = {"ok": False, "strategy": odd, "world": 2, "layout": odd, "verdict": f"FAIL: {odd}", "tolerance": 1e-5,
               "model": {"checked_params": 10, "params": 10, "changes": [odd]},
-              "runs": [{"label": odd, "params": [row, good], "losses": [0.0], "norms": [0.0], "ok": False, "message": odd}],
+              "runs": [{"label": odd, "params": [row, good], "losses": [0.0], "norms": [0.0], "ok": False,
+                        "message": odd}],
               "costs": {"comm": [{"group": odd, "op": odd, "measured": 1, "estimate": 1, "agree": True}],
                         "estimate_error": odd,
                         "full_model": {"peak_bytes": 1, "model_state_bytes": 1, "activation_bytes": 1,
@@ -300,7 +301,8 @@ def test_the_moved_engine_names_still_work_with_a_warning_naming_the_new_one() -
     from strategies import grad_sync
 
     for name in ("GradSync", "broadcast_parameters", "flat_step"):
-        with pytest.warns(DeprecationWarning, match=f"strategies.ddp.{name} is deprecated.*strategies.grad_sync.{name}"):
+        with pytest.warns(DeprecationWarning,
+                          match=f"strategies.ddp.{name} is deprecated.*strategies.grad_sync.{name}"):
             old = getattr(ddp, name)
         assert old is getattr(grad_sync, name) or issubclass(old, grad_sync.GradSync)
     with pytest.raises(AttributeError):

@@ -500,7 +500,8 @@ def test_checkpoint_resumes_on_2_and_1_ranks(tmp_path: Any) -> None:
     for stage, (full, resumed_two) in on_two.items():
         for world, run in ((2, resumed_two), (1, on_one[stage][0])):
             torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(full["losses"][K:]),
-                                       rtol=1e-5, atol=0, msg=lambda m: f"{stage} on {world}: {m}")  # noqa: B023 (called at once)
+                                       rtol=1e-5, atol=0,
+                                       msg=lambda m: f"{stage} on {world}: {m}")  # noqa: B023 (called at once)
             for name, value in full["params"].items():
                 assert ((run["params"][name] - value).norm() / value.norm()).item() < 1e-5, (stage, world, name)
 

@@ -20,7 +20,8 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 def test_zero_over_a_group_of_one_moves_nothing_and_keeps_parity() -> None:
     stages = (1, 2)  # one world: both plans
-    argvs = [["--config", str(CONFIGS / "models" / "moe_tiny.yaml"), "--config", str(CONFIGS / "strategies" / "ep.yaml"),
+    argvs = [["--config", str(CONFIGS / "models" / "moe_tiny.yaml"),
+              "--config", str(CONFIGS / "strategies" / "ep.yaml"),
               "--trainer.devices", "2", "--trainer.strategy.init_args.zero_stage", str(s)] for s in stages]
     plans = [plan_check(parse(a, LitLMCLI, [str(DEFAULT_CONFIG)]), a, optimizers=("module",)) for a in argvs]
     assert all(p.dims["dp"] == 2 for p in plans)

@@ -135,8 +135,8 @@ def all_reduce_(t: Tensor, groups: Sequence[dist.ProcessGroup], op: dist.ReduceO
 def write(ws: WeightShard, full: Tensor, optimizers: Sequence[torch.optim.Optimizer] = (),
           multiply: bool = False) -> None:
     """Set (or, with `multiply`, scale) the weight to the global-shaped `full`: the optimizer's part, the
-    replica the forward reads (ZeRO-1/2: the whole weight, or under tp its tp slice), and with `multiply` also the optimizer state of the part (a pruned
-    weight's Adam moments stay zero, so it does not regrow)."""
+    replica the forward reads (ZeRO-1/2: the whole weight, or under tp its tp slice), and with `multiply` also the
+    optimizer state of the part (a pruned weight's Adam moments stay zero, so it does not regrow)."""
     full = full.to(ws.local.device)
     local = local_part(full, ws).to(ws.local.dtype)
     replica = ws.replica

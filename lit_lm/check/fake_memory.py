@@ -8,8 +8,9 @@ it (the engines' send and receive buffers: the group is the one `strategies.comm
 collective moves activations, which keep their tag). Running totals per tag are kept up to date at each record,
 free and resize, so an op costs O(its outputs): the peak, each tag's maximum, and (`HELD`) the most bytes of
 forward ("forward", and "recompute": a checkpointed block's forward run again inside the backward) live while a
-backward runs: what the forwards left for it, plus the block being recomputed. What was live at the peak is found afterwards
-from each record's birth and death (op counts), so labels given later (`label`: parameters, gradients...) name it.
+backward runs: what the forwards left for it, plus the block being recomputed. What was live at the peak is found
+afterwards from each record's birth and death (op counts), so labels given later (`label`: parameters, gradients...)
+name it.
 
 ZeRO-3 frees a gathered parameter by resizing its storage to 0 and grows it again for the next gather, outside any
 op: the resident storages that are empty at `start` are watched (their size read after every op), and what they

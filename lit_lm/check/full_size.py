@@ -187,7 +187,8 @@ def summary(check: FullSize, est: Optional[Estimate] = None) -> dict[str, Any]:
     est = est or planner(check)
     rows = compare(check, est)
     bad = [(r["role"], row) for r in rows for row in r["rows"] if not row["agree"]]
-    where = f"{plan.strategy} on {plan.world} fake ranks ({dataclasses.replace(plan.parallel, dp_shard=plan.dims['dp_shard']).describe()})"
+    where = (f"{plan.strategy} on {plan.world} fake ranks "
+             f"({dataclasses.replace(plan.parallel, dp_shard=plan.dims['dp_shard']).describe()})")
     if bad:
         role, row = bad[0]  # the first role's first figure, memory categories in MEMORY's order first
         verdict = (f"FAIL ({role}): {row['what']} measured {_count(row['measured'])}B, planner "

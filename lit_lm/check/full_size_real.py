@@ -76,7 +76,8 @@ class AllocatorWatch(StepWatch):
             nodes.extend(node.children)
             if node.name == MARK:
                 mark = node
-            elif type(node.extra_fields).__name__ == "_ExtraFields_Allocation" and node.extra_fields.device.type == "cpu":
+            elif (type(node.extra_fields).__name__ == "_ExtraFields_Allocation"
+                  and node.extra_fields.device.type == "cpu"):
                 allocations.append((node.start_time_ns, node.extra_fields.total_allocated))
         if mark is None:
             raise RuntimeError(f"the profiler recorded no {MARK}")
