@@ -8,7 +8,7 @@ Each call uses a fresh free port (parallel test workers never collide), sets the
 spawns nothing), pins OMP_NUM_THREADS=1 so N ranks do not oversubscribe the cores, and re-raises a rank's
 exception in the caller with its traceback. `fn` and its arguments must be picklable (module-level functions);
 results travel back through `torch.save` and are read with `weights_only=True` (`load_result`), so tensors, plain
-containers and classes of lit-lm's or the suite's own modules are fine.
+containers and classes of lit-lm's or the suite's own modules (and torch.nn's layers) are fine.
 
 The ranks are forked from a fork server (`multiprocessing`'s "forkserver" start method) that has imported torch
 and Lightning once per calling process: a world then starts in a fraction of a second where each spawned rank
@@ -70,9 +70,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, init_pr
 
 def load_result(path: Path | io.BytesIO) -> Any:
     """A rank's result, read with `weights_only=True`: the harness's own file, yet nothing in it runs as code. Beyond
-    torch's tensors and plain values it may construct only classes (never functions) of lit-lm's own packages and
-    of the suite's modules (the dataclasses and NamedTuples callers return); anything else is refused by torch,
-    naming the global."""
+    torch's tensors and plain values it may construct only classes (never functions) of lit-lm's own packages, of
+    the suite's modules (the dataclasses and NamedTuples callers return) and of torch.nn's layers (a whole model);
+    anything else is refused by torch, naming the global."""
     allowed = [cls for cls in map(_own_class, torch.serialization.get_unsafe_globals_in_checkpoint(path)) if cls]
     allowed.append(slice)  # the parity harness's gradient parts are indexed by slices (tp, ZeRO rows)
     if isinstance(path, io.BytesIO):
@@ -96,7 +96,8 @@ def returnable(obj: Any) -> bool:
 
 def _own_class(name: str) -> Any:
     module, _, attr = name.rpartition(".")
-    ours = module.split(".")[0] in OWN_PACKAGES or module.startswith("test_") or module in ("dist_utils", "conftest")
+    ours = (module.split(".")[0] in OWN_PACKAGES or module.startswith("test_") or module in ("dist_utils", "conftest")
+            or module.startswith("torch.nn.modules."))  # a whole model's containers and layers
     if not ours or module not in sys.modules:  # only classes of modules this process already imported
         return None
     obj = getattr(sys.modules[module], attr, None)

@@ -5,11 +5,11 @@
 
 Why: on a shared machine, timings of one model drift with the others' (allocator, caches, threads) and with time
 (other jobs). So every model is pickled and served by a worker process of its own (`python time_forward.py
-MODEL.pt`: load, warm up, then time `reps` forwards per request line on stdin), started once; the parent asks the
-workers in turn, one at a time, in an order shuffled every round (seeded), over at least `bench_runner.MIN_ROUNDS`
-rounds, and reports per model the median over rounds of each round's median, with its min and max
-(`bench_runner.summarize`), and the 1-minute load average seen before every timing. A worker waiting for its turn
-blocks on its stdin: it takes no CPU from the one being timed.
+MODEL.pt`: load with `weights_only=True`, warm up, then time `reps` forwards per request line on stdin), started
+once; the parent asks the workers in turn, one at a time, in an order shuffled every round (seeded), over at least
+`bench_runner.MIN_ROUNDS` rounds, and reports per model the median over rounds of each round's median, with its min
+and max (`bench_runner.summarize`), and the 1-minute load average seen before every timing. A worker waiting for its
+turn blocks on its stdin: it takes no CPU from the one being timed.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the pickled classes: lit_lm, callbacks
 from bench_runner import MARK, MIN_ROUNDS, summarize  # noqa: E402
+
+from lit_lm.spawn import load_result  # noqa: E402
 
 
 @torch.no_grad()
@@ -98,7 +100,10 @@ def serve() -> None:
     parser.add_argument("--reps", type=int, default=5)
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
-    model = torch.load(opts.model, weights_only=False).eval()
+    import callbacks.compress.qat  # noqa: F401  (the classes a pickled model may hold; lit_lm.model comes with it)
+    import lit_lm.model  # noqa: F401
+
+    model = load_result(opts.model).eval()  # weights_only: only lit-lm's and torch.nn's classes, nothing that runs
     idx = torch.randint(0, model.config.vocab_size, (opts.batch, opts.seq_len),
                         generator=torch.Generator().manual_seed(0))
     print(MARK + json.dumps({"warmup_ms": forward_ms(model, idx, 2)}), flush=True)
