@@ -32,6 +32,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the pickled classes: lit_lm, callbacks
 from bench_runner import MARK, MIN_ROUNDS, summarize  # noqa: E402
 
+# the classes a pickled model holds, imported: load_result allows only classes of modules already imported
+import callbacks.compress.qat  # noqa: E402,F401
+import lit_lm.model  # noqa: E402,F401
 from lit_lm.spawn import load_result  # noqa: E402
 
 
@@ -100,9 +103,6 @@ def serve() -> None:
     parser.add_argument("--reps", type=int, default=5)
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
-    import callbacks.compress.qat  # noqa: F401  (the classes a pickled model may hold; lit_lm.model comes with it)
-    import lit_lm.model  # noqa: F401
-
     model = load_result(opts.model).eval()  # weights_only: only lit-lm's and torch.nn's classes, nothing that runs
     idx = torch.randint(0, model.config.vocab_size, (opts.batch, opts.seq_len),
                         generator=torch.Generator().manual_seed(0))

@@ -18,29 +18,26 @@ Over a group of one rank (the experts' edp group when ep equals dp, a dense grou
 whole: stages 1-2 issue no collective (the reduced gradient is the packed one, the parameters are the masters).
 
 Layout: every parameter is split along dim 0 with `torch.chunk` semantics (ceil-sized chunks; the tail chunk may be
-short or empty). A rank's shard is then exactly the local part of a `DTensor` with `Shard(0)`, so checkpoints are
-keyed by global name and global shape and reshard to any world size. For communication the parameters of a *unit*
-(one of the model's `blocks`, or the rest of the model: under stages 1-2 split into the root, registered before
-the blocks, and the tail, after them) are packed rank-major into one buffer,
+short or empty). A rank's shard is then exactly the local part of a `DTensor` with `Shard(0)`, so checkpoints are keyed
+by global name and global shape and reshard to any world size. For communication the parameters of a *unit* (one of the
+model's `blocks`, or the rest of the model: under stages 1-2 split into the root, registered before the blocks, and the
+tail, after them) are packed rank-major into one buffer,
 `[rank 0: chunk 0 of p1 | chunk 0 of p2 ...][rank 1: ...]`, each chunk padded to the ceil size, so a unit costs one
 collective (stages 1-2 pack into two buffers kept from step to step: `CommSlots`). Stages 2 and 3 launch a unit's
-reduce-scatter as soon as its last gradient is accumulated (overlapping
-the rest of the backward), in one fixed order on every rank (the reverse of the forward: the tail, the blocks from
-the last, then the root), as GradSync does: a unit waits for the ones before it, and a unit whose parameter got no
-gradient on this rank (unused there) is launched with zeros at the end of the backward, so every rank issues the
-same collectives in the same order. Under gradient accumulation they reduce-scatter after *every* backward and add the
-result into the gradient shard (as DeepSpeed's ZeRO-2 does): the gradients never exist in full beyond one unit
-during a backward, so the memory above holds for any `accumulate_grad_batches`, at the cost of one reduce-scatter
-per micro-step instead of one per step (see docs/zero.md). Stage 1 keeps full gradients anyway: it accumulates
-them locally (`no_sync()`) and reduces once, the same way, during the window's last backward. Frozen parameters
-(requires_grad=False) get no gradient shard, so an optimizer that holds them leaves them alone, as torch's
-optimizers leave a parameter whose grad is None. Once the optimizer is
-sharded, an elementwise optimizer steps one flat tensor per param group (`strategies/flat_step.py`): stages 2-3
-write the reduced shards into one flat fp32 gradient buffer, and separate master shards are views of one flat
-master buffer (`flatten`). Stage 3 gathers a unit
-in a forward pre-hook and, through an identity autograd function on its output, again just before its backward,
-prefetching the next unit, and frees it right after.
-"""
+reduce-scatter as soon as its last gradient is accumulated (overlapping the rest of the backward), in one fixed order on
+every rank (the reverse of the forward: the tail, the blocks from the last, then the root), as GradSync does: a unit
+waits for the ones before it, and a unit whose parameter got no gradient on this rank (unused there) is launched with
+zeros at the end of the backward, so every rank issues the same collectives in the same order. Under gradient
+accumulation they reduce-scatter after *every* backward and add the result into the gradient shard (as DeepSpeed's
+ZeRO-2 does): the gradients never exist in full beyond one unit during a backward, so the memory above holds for any
+`accumulate_grad_batches`, at the cost of one reduce-scatter per micro-step instead of one per step (see docs/zero.md).
+Stage 1 keeps full gradients anyway: it accumulates them locally (`no_sync()`) and reduces once, the same way, during
+the window's last backward. Frozen parameters (requires_grad=False) get no gradient shard, so an optimizer that holds
+them leaves them alone, as torch's optimizers leave a parameter whose grad is None. Once the optimizer is sharded, an
+elementwise optimizer steps one flat tensor per param group (`strategies/flat_step.py`): stages 2-3 write the reduced
+shards into one flat fp32 gradient buffer, and separate master shards are views of one flat master buffer (`flatten`).
+Stage 3 gathers a unit in a forward pre-hook and, through an identity autograd function on its output, again just before
+its backward, prefetching the next unit, and frees it right after. """
 
 from __future__ import annotations
 
