@@ -1,3 +1,17 @@
-from lit_lm.cli import main
+"""The `lit-lm` command and `python -m lit_lm`: huge pages asked for before anything allocates (torch's CPU allocator
+reads the choice at its first allocation, which `import lightning` makes; strategies/host_malloc.py), then the CLI."""
 
-main()
+from typing import Optional
+
+from strategies.host_malloc import ask_huge_pages
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    ask_huge_pages()
+    from lit_lm.cli import main as cli
+
+    cli(args)
+
+
+if __name__ == "__main__":
+    main()

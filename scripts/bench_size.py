@@ -23,6 +23,8 @@ Allocator: the Trainer's strategy applies lit-lm's choice for glibc's malloc on 
 strategies/host_malloc.py; default `large`: blocks from 8 MiB mapped, and returned when freed); the plain loops and
 the references run on glibc's own malloc unless `--malloc` names a choice, which every contender then applies (its
 threshold from the start, the heap trimmed once before the first step), so that the loops differ by the loop alone.
+The engines' processes, both loops, start with torch's huge pages for big blocks, as the `lit-lm` command starts its
+ranks; torch's references without, as torch starts (`--huge-pages` chooses).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from bench_strategies import _env, add_run_args, footer, forwarded, model_config
 from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
 from lit_lm.resident import ResidentPeak  # noqa: E402
-from strategies.host_malloc import CHOICE, MODES, HostMalloc  # noqa: E402
+from strategies.host_malloc import CHOICE, HUGE_PAGES, MODES, HostMalloc  # noqa: E402
 
 REFERENCES = ["ddp", "zero_torch", "fsdp2"]
 KINDS = REFERENCES + ENGINES
@@ -162,7 +164,13 @@ def contenders(args: argparse.Namespace) -> dict[str, list[str]]:
     for kind in args.kinds:
         loops = ["plain"] if kind in REFERENCES else args.loops
         out.update({f"{kind} {loop}": [*base, "--one", kind, "--loop", loop] for loop in loops})
-    return {name: [*cmd, "--malloc", args.malloc] if args.malloc else cmd for name, cmd in out.items()}
+    out = {name: [*cmd, "--malloc", args.malloc] if args.malloc else cmd for name, cmd in out.items()}
+    return {name: ["env", f"{HUGE_PAGES}={int(huge_pages(args, name.split()[0]))}", *cmd] for name, cmd in out.items()}
+
+
+def huge_pages(args: argparse.Namespace, kind: str) -> bool:
+    """Whether `kind`'s processes start with torch's huge pages on (`--huge-pages`; strategies/host_malloc.py)."""
+    return args.huge_pages == "all" or (args.huge_pages == "lit-lm" and kind not in REFERENCES)
 
 
 def markdown(run: dict[str, Any]) -> str:
@@ -235,6 +243,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--loop", choices=LOOPS, default="plain")
     p.add_argument("--malloc", choices=MODES, help="every contender on this LIT_LM_MALLOC choice (unset: the plain "
                    "loops and references on glibc's own malloc, the Trainer on the strategy's default)")
+    p.add_argument("--huge-pages", choices=("lit-lm", "all", "none"), default="lit-lm",
+                   help=f"whose processes start with {HUGE_PAGES}=1: lit-lm's engines, as the lit-lm command starts "
+                   "its ranks (the default), every contender's, or none")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="GradSync's (lm_ddp), as the strategy's default")
     p.add_argument("--out", default="runs/bench_size.json")
     p.add_argument("--table", help="print a saved run (its --out JSON) as Markdown, and exit")

@@ -17,6 +17,8 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from strategies.host_malloc import thp_mode
+
 # The flags (as /proc/cpuinfo spells them) that select different kernels in torch, oneDNN and fbgemm.
 FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
          "amx_int8", "asimd", "sve")
@@ -50,7 +52,8 @@ def machine() -> dict[str, Any]:
             "gpu": gpu, "gpus": torch.cuda.device_count() if gpu else 0,
             "torch": torch.__version__, "cuda": torch.version.cuda if gpu else None,
             "python": platform.python_version(), "date": datetime.date.today().isoformat(),
-            "load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+            "load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+            "thp": thp_mode()}
 
 
 def describe(m: dict[str, Any]) -> str:

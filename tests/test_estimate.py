@@ -10,6 +10,7 @@ import platform
 import subprocess
 import sys
 import weakref
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -29,6 +30,7 @@ from lit_lm.resident import ResidentPeak
 from strategies.comm import COMM_LOG
 from strategies.composed import ComposedStrategy
 from strategies.cp import METHODS, comm_theory
+import strategies.host_malloc as host_malloc
 from strategies.host_malloc import CHOICE, HostMalloc
 from strategies.layout import ParallelConfig
 from strategies.pp_schedules import build_schedule
@@ -502,8 +504,6 @@ def test_cpu_ranks_return_freed_blocks_to_the_system() -> None:
     (32 MiB of freed 4 MiB blocks here; 7-26% over the estimate at 52M-217M parameters). `HostMalloc`, which every
     lit-lm strategy applies on a CPU rank, returns them with `trim` and `fixed`, and with `large` (the default)
     those from 8 MiB, which it maps (strategies/host_malloc.py)."""
-    import strategies.host_malloc as host_malloc
-
     def retained(mode: str, at: str = "step", mib: int = 4) -> tuple[str, int]:
         env = {k: v for k, v in {**os.environ, CHOICE: mode}.items() if k != "MALLOC_MMAP_THRESHOLD_"}
         out = subprocess.run([sys.executable, "-c", HEAP_RETENTION, host_malloc.__file__, at, str(mib)], env=env,
@@ -527,6 +527,50 @@ def test_host_malloc_leaves_a_chosen_allocator_setting(monkeypatch: pytest.Monke
     monkeypatch.setenv(CHOICE, "jemalloc")
     with pytest.raises(ValueError, match="LIT_LM_MALLOC='jemalloc': choose one of large, setup, trim, fixed, glibc"):
         HostMalloc()
+
+
+HUGE_PAGE_PROBE = """
+import sys
+import torch
+from strategies import host_malloc
+if sys.argv[1] == "entry":  # the lit-lm command: its entry, then the CLI (help only)
+    from lit_lm.__main__ import main
+    try:
+        main(["--help"])
+    except SystemExit:
+        pass
+else:  # asked for after `import lightning` has allocated: too late
+    import lightning  # noqa: F401
+    host_malloc.ask_huge_pages()
+block = torch.empty(4 << 20)  # 16 MiB: mapped, and above torch's 2 MiB threshold
+block.fill_(1.0)
+print(host_malloc.huge_page_eligible(block))
+"""
+
+
+@pytest.mark.skipif(host_malloc.thp_mode() != "madvise", reason="the kernel's THP mode decides alone unless madvise")
+def test_the_lit_lm_command_asks_for_huge_pages_before_anything_allocates() -> None:
+    """torch's CPU allocator reads THP_MEM_ALLOC_ENABLE at its first allocation: the `lit-lm` entry sets it before
+    the CLI's imports allocate, so big blocks may take huge pages (the faults of ~1 GB mapped afresh per step at 217M);
+    set after `import lightning`, it does nothing. Whether the kernel found huge pages is not asserted (that depends
+    on its free memory): the mapping's eligibility is the advice, deterministic under the `madvise` mode."""
+    env = {k: v for k, v in os.environ.items() if k != host_malloc.HUGE_PAGES}
+
+    def eligible(how: str) -> str:
+        out = subprocess.run([sys.executable, "-c", HUGE_PAGE_PROBE, how], env=env, check=True, capture_output=True,
+                             text=True).stdout
+        return out.split()[-1]
+
+    assert eligible("entry") == "True"
+    assert eligible("late") == "False"
+
+
+def test_ask_huge_pages_leaves_a_users_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(host_malloc.HUGE_PAGES, "0")
+    assert not host_malloc.ask_huge_pages() and os.environ[host_malloc.HUGE_PAGES] == "0"
+    monkeypatch.delenv(host_malloc.HUGE_PAGES)
+    monkeypatch.setattr(host_malloc, "THP_MODE", Path("/nonexistent/enabled"))  # a kernel without THP
+    assert not host_malloc.ask_huge_pages() and host_malloc.HUGE_PAGES not in os.environ
 
 
 def test_loss_gradients_are_two_fp32_logits() -> None:
