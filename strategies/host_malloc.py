@@ -43,14 +43,14 @@ macOS); with another allocator preloaded (jemalloc, tcmalloc) glibc's calls tune
 
 Huge pages (`ask_huge_pages`, what makes `large` cheap): a block mapped afresh is faulted in page by page on first
 touch, 4 KiB at a time, and at hundreds of millions of parameters a step maps ~1 GB of big blocks anew (gradients,
-gathered units, reduce buffers). torch's CPU allocator advises the kernel to back its blocks from 2 MiB with
-transparent huge pages (`madvise(MADV_HUGEPAGE)`) when `THP_MEM_ALLOC_ENABLE=1`, which it reads once, at the process's
-first allocation: the `lit-lm` command sets it before anything allocates (`lit_lm/__main__.py`; `import lightning`
-already does), and the ranks it launches inherit it. ZeRO-2 at 217M on 2 gloo ranks through the Trainer, 2 runs
-each on a 2-core AMD EPYC (AVX2), 2026-12-02: 6.6-7.2 s a step against 8.8-9.0 s without, the same peak (2.90 GB);
-docs/benchmarks/2026-12-size-cpu.md. Nothing happens where
-the user set `THP_MEM_ALLOC_ENABLE` (0 turns it off) or the kernel's THP is `never` or absent; a script that builds
-its own Trainer sets it itself, before `import lightning`.
+gathered units, reduce buffers). torch's CPU allocator advises the kernel to back its blocks from 2 MiB with transparent
+huge pages (`madvise(MADV_HUGEPAGE)`) when `THP_MEM_ALLOC_ENABLE=1`, which it reads once, at the process's first
+allocation: the `lit-lm` command sets it on a machine without a GPU before anything allocates (`lit_lm/__main__.py`;
+`import lightning` already does), and the ranks it launches inherit it. ZeRO-2 at 217M on 2 gloo ranks through the
+Trainer, 2 runs each on a 2-core AMD EPYC (AVX2), 2026-12-02: 6.6-7.2 s a step against 8.8-9.0 s without, the same peak
+(2.90 GB); docs/benchmarks/2026-12-size-cpu.md. Nothing happens where the user set `THP_MEM_ALLOC_ENABLE` (0 turns it
+off) or the kernel's THP is `never` or absent; a script that builds its own Trainer sets it itself, before `import
+lightning`.
 """
 
 from __future__ import annotations
@@ -96,8 +96,12 @@ def thp_mode() -> Optional[str]:
 
 def ask_huge_pages() -> bool:
     """Before this process's first CPU allocation: ask torch's allocator for transparent huge pages on blocks from 2
-    MiB, here and in the processes this one starts (they inherit the environment). True if it set the variable."""
-    if HUGE_PAGES in os.environ or thp_mode() in (None, "never"):
+    MiB, here and in the processes this one starts (they inherit the environment). True if it set the variable.
+    Not where torch sees a GPU: the ranks' big blocks are on the device there, and the host's few (checkpoint
+    copies) would risk the kernel's compaction stalls on a huge page's fault for no measured gain."""
+    import torch
+
+    if HUGE_PAGES in os.environ or thp_mode() in (None, "never") or torch.cuda.is_available():
         return False
     os.environ[HUGE_PAGES] = "1"
     return True

@@ -565,12 +565,20 @@ def test_the_lit_lm_command_asks_for_huge_pages_before_anything_allocates() -> N
     assert eligible("late") == "False"
 
 
-def test_ask_huge_pages_leaves_a_users_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ask_huge_pages_only_where_it_is_the_choice(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv(host_malloc.HUGE_PAGES, "0")
     assert not host_malloc.ask_huge_pages() and os.environ[host_malloc.HUGE_PAGES] == "0"
     monkeypatch.delenv(host_malloc.HUGE_PAGES)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine: its blocks are on the device
+    assert not host_malloc.ask_huge_pages() and host_malloc.HUGE_PAGES not in os.environ
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(host_malloc, "THP_MODE", Path("/nonexistent/enabled"))  # a kernel without THP
     assert not host_malloc.ask_huge_pages() and host_malloc.HUGE_PAGES not in os.environ
+    monkeypatch.setattr(host_malloc, "THP_MODE", Path(os.devnull))  # a mode file without a choice in brackets
+    assert not host_malloc.ask_huge_pages()
+    (tmp_path / "enabled").write_text("always [madvise] never\n")
+    monkeypatch.setattr(host_malloc, "THP_MODE", tmp_path / "enabled")
+    assert host_malloc.ask_huge_pages() and os.environ[host_malloc.HUGE_PAGES] == "1"
 
 
 def test_loss_gradients_are_two_fp32_logits() -> None:
