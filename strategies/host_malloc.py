@@ -22,7 +22,8 @@ than in the next (docs/benchmarks/2026-12-planner-peaks-cpu.md).
            a step under `glibc` (one run each; autograd's backward 2.44-2.64 against 2.27 s: the MLP's 16 MiB
            gradients mapped anew every step), 0.90-0.96x its plain loop on glibc's own malloc in two sets of 5
            alternated rounds (docs/benchmarks/2026-12-size-cpu.md): the price of the planner's accuracy, per
-           run. Why not glibc's own ceiling, 32 MiB (trim threshold 64 MiB): measured, ZeRO-2's Trainer then ran
+           run, without huge pages; with them (below, the `lit-lm` command's default) the Trainer is level with its
+           plain loop. Why not glibc's own ceiling, 32 MiB (trim threshold 64 MiB): measured, ZeRO-2's Trainer then ran
            1.03x its plain loop, but every preset's peak rose by 100-735 MiB at 217M-350M and ZeRO-3's estimate
            fell to 0.78-0.81 of its peak (tp2's to 0.83): the 16 MiB weights and gradients stayed in the heap.
     setup  `malloc_trim(0)` once, at the end of the strategy's setup: what building and sharding the
