@@ -548,7 +548,8 @@ print(host_malloc.huge_page_eligible(block))
 """
 
 
-@pytest.mark.skipif(host_malloc.thp_mode() != "madvise", reason="the kernel's THP mode decides alone unless madvise")
+@pytest.mark.skipif(host_malloc.thp_mode() != "madvise" or torch.cuda.is_available(),
+                    reason="the kernel's THP mode decides alone unless madvise; not asked for where torch sees a GPU")
 def test_the_lit_lm_command_asks_for_huge_pages_before_anything_allocates() -> None:
     """torch's CPU allocator reads THP_MEM_ALLOC_ENABLE at its first allocation: the `lit-lm` entry sets it before
     the CLI's imports allocate, so big blocks may take huge pages (the faults of ~1 GB mapped afresh per step at 217M);
