@@ -69,6 +69,7 @@ M_MMAP_THRESHOLD = -3  # <malloc.h>
 HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"  # torch's CPU allocator (c10/core/impl/alloc_cpu.cpp), read at its first allocation
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # "always [madvise] never": the kernel's choice
 THRESHOLDS = {"fixed": 128 * 1024, "large": 8 * 1024 * 1024}  # fixed: glibc's own starting threshold, kept
+HUGE_PAGE = 2 * 1024 * 1024  # torch advises huge pages for its blocks from this size (and aligns them to it)
 CHOICE = "LIT_LM_MALLOC"
 MODES = ("large", "setup", "trim", "fixed", "glibc")
 DEFAULT = "large"
@@ -108,6 +109,12 @@ def ask_huge_pages() -> bool:
     return True
 
 
+def huge_pages_asked() -> bool:
+    """Whether torch's allocator in this process advises huge pages for its blocks from 2 MiB (it reads the variable
+    as "1" or not, once) and the kernel may grant them."""
+    return os.environ.get(HUGE_PAGES) == "1" and thp_mode() in ("always", "madvise")
+
+
 def huge_page_eligible(tensor: torch.Tensor) -> bool:
     """Whether the kernel may back `tensor`'s memory with huge pages (its mapping's `THPeligible` in
     /proc/self/smaps: the advice and the kernel's mode, not whether it found a free huge page)."""
@@ -132,9 +139,17 @@ class HostMalloc:
         self.libc = _glibc()
         self.mode = "glibc" if self.libc is None or "MALLOC_MMAP_THRESHOLD_" in os.environ else mode
 
+    def threshold(self) -> Optional[int]:
+        """glibc's mmap threshold this choice fixes (None: glibc's own). `large` under huge pages: 2 MiB, so that
+        every block torch advises is a mapping of its own, never a stretch of the heap."""
+        if self.mode == "large" and huge_pages_asked():
+            return HUGE_PAGE
+        return THRESHOLDS.get(self.mode)
+
     def start(self) -> bool:
         """With `fixed` or `large`, fix glibc's mmap threshold for this process; True if it did."""
-        return self.mode in THRESHOLDS and self.libc.mallopt(M_MMAP_THRESHOLD, THRESHOLDS[self.mode]) == 1
+        threshold = self.threshold()
+        return threshold is not None and self.libc.mallopt(M_MMAP_THRESHOLD, threshold) == 1
 
     def trim(self, setup: bool = False) -> None:
         """Hand the free heap pages of every arena back to the system: with `trim` at every boundary, with `setup`
