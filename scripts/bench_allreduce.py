@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 8 scripts/bench_allreduce.py          # one process per GPU, NCCL
     python scripts/bench_allreduce.py --nproc 2 --max-bytes 1M        # spawns itself (gloo on CPU, NCCL on GPU)
+    python scripts/bench_allreduce.py --nproc 2 --min-bytes 64M --max-bytes 64M --beside-compute   # overlap with work
 
 `size` is the whole buffer (the gathered tensor for all_gather, the input for reduce_scatter). Algorithm
 bandwidth = size / time. Bus bandwidth rescales it to what each link carries in a ring, so it is comparable
@@ -17,7 +18,7 @@ import json
 import os
 import socket
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -42,16 +43,38 @@ def parse_bytes(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
-def make_op(op: str, numel: int, world: int, device: torch.device, dtype: torch.dtype) -> Callable[[], None]:
+def make_op(op: str, numel: int, world: int, device: torch.device, dtype: torch.dtype,
+            async_op: bool = False) -> Callable[[], Any]:
     full = torch.ones(numel, device=device, dtype=dtype)
     shard = torch.ones(numel // world, device=device, dtype=dtype)
     out = torch.empty_like(full)
     return {
-        "all_reduce": lambda: dist.all_reduce(full),
-        "reduce_scatter": lambda: reduce_scatter(shard, full),
-        "all_gather": lambda: all_gather(full, shard),
-        "all_to_all": lambda: dist.all_to_all_single(out, full),
+        "all_reduce": lambda: dist.all_reduce(full, async_op=async_op),
+        "reduce_scatter": lambda: reduce_scatter(shard, full, async_op=async_op),
+        "all_gather": lambda: all_gather(full, shard, async_op=async_op),
+        "all_to_all": lambda: dist.all_to_all_single(out, full, async_op=async_op),
     }[op]
+
+
+def beside_compute(op: str, numel: int, world: int, device: torch.device, dtype: torch.dtype, warmup: int,
+                   iters: int) -> dict[str, float]:
+    """Seconds per call of the collective alone, of an AdamW step (`foreach=False`) over a 1/world shard of it alone,
+    and of the two together (the collective launched, the step run on this thread, then the wait), the slowest rank's
+    each. Where the collective runs beside the rank's work (NCCL's kernels on their own stream; a spare core), the pair
+    costs about the larger of the two; where it needs a core the rank's work already takes (gloo with one core per
+    rank), nearer their sum, and overlapping it with backward or the step gains little."""
+    shard = torch.zeros(numel // world, device=device, dtype=torch.float32, requires_grad=True)
+    shard.grad = torch.ones_like(shard)
+    step = torch.optim.AdamW([shard], foreach=False).step
+    launch = make_op(op, numel, world, device, dtype, async_op=True)
+
+    def both() -> None:
+        work = launch()
+        step()
+        work.wait()
+
+    return {"collective_s": time_op(make_op(op, numel, world, device, dtype), device, warmup, iters),
+            "step_s": time_op(step, device, warmup, iters), "both_s": time_op(both, device, warmup, iters)}
 
 
 def sync(device: torch.device) -> None:
@@ -74,9 +97,9 @@ def time_op(fn: Callable[[], None], device: torch.device, warmup: int, iters: in
     return slowest.item()
 
 
-def sizes(max_bytes: int) -> list[int]:
-    """1 KiB, 2 KiB, ... up to max_bytes (powers of two)."""
-    return [2**p for p in range(10, 31) if 2**p <= max_bytes]
+def sizes(max_bytes: int, min_bytes: int = 2**10) -> list[int]:
+    """1 KiB (or min_bytes), 2 KiB, ... up to max_bytes (powers of two)."""
+    return [2**p for p in range(10, 31) if min_bytes <= 2**p <= max_bytes]
 
 
 def benchmark(args: argparse.Namespace) -> list[dict]:
@@ -86,9 +109,17 @@ def benchmark(args: argparse.Namespace) -> list[dict]:
     elem = torch.empty((), dtype=dtype).element_size()
     results = []
     for op in args.ops:
-        for size in sizes(args.max_bytes):
+        for size in sizes(args.max_bytes, args.min_bytes):
             numel = size // elem // world * world  # divisible into world shards
             if numel == 0:
+                continue
+            if args.beside_compute:
+                results.append(dict(op=op, bytes=numel * elem, world_size=world, backend=dist.get_backend(),
+                                    **beside_compute(op, numel, world, device, dtype, args.warmup, args.iters)))
+                if rank == 0:
+                    row = results[-1]
+                    print(f"{op:>15} {row['bytes']:>12} " + " ".join(
+                        f"{row[k] * 1e3:>12.1f}" for k in ("collective_s", "step_s", "both_s")), flush=True)
                 continue
             seconds = time_op(make_op(op, numel, world, device, dtype), device, args.warmup, args.iters)
             algbw = numel * elem / seconds / 1e9
@@ -115,7 +146,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     try:
         if rank == 0:
             print(f"{dist.get_backend()} world_size={world} dtype={args.dtype}")
-            print(f"{'op':>15} {'bytes':>12} {'time_us':>12} {'algbw GB/s':>10} {'busbw GB/s':>10}")
+            print(f"{'op':>15} {'bytes':>12} " + (f"{'alone ms':>12} {'step ms':>12} {'both ms':>12}"
+                  if args.beside_compute else f"{'time_us':>12} {'algbw GB/s':>10} {'busbw GB/s':>10}"))
         results = benchmark(args)
         if rank == 0 and args.json:
             with open(args.json, "w") as f:
@@ -141,6 +173,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", default="bench_allreduce.json", help="results file (empty: do not write)")
+    parser.add_argument("--min-bytes", type=parse_bytes, default=2**10, help="smallest buffer (default 1K)")
+    parser.add_argument("--beside-compute", action="store_true",
+                        help="time each op alone, an AdamW step over a shard alone, and the two together")
     args = parser.parse_args()
     if "RANK" in os.environ:  # under torchrun: the environment already names this rank and the rendezvous
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)

@@ -23,6 +23,9 @@ step), `fixed` (glibc's mmap threshold fixed at 128 KiB), `glibc` (its default d
 retention is the difference). Each phase's wall time is kept too: the steps after the first tell a choice's cost.
 
 Each contender (preset x size) runs in its own processes; `--rounds` alternate them in an order shuffled per round.
+They start with torch's huge pages for blocks from 2 MiB (`THP_MEM_ALLOC_ENABLE=1`) where the `lit-lm` command asks
+for them (no GPU, the kernel's THP not `never`; the variable set beforehand wins, 0 turns them off); under them
+`large` maps blocks from 2 MiB. `--one` runs as its environment says.
 Resident memory is not a clock: the spread over rounds is the allocator's, a few MB; the JSON keeps every round.
 """
 
@@ -57,7 +60,7 @@ from lit_lm.estimate import Workload, estimate  # noqa: E402
 from lit_lm.module import LanguageModel  # noqa: E402
 from lit_lm.resident import reset_peak, status_bytes  # noqa: E402
 from machine import describe, machine  # noqa: E402
-from strategies.host_malloc import DEFAULT, MODES  # noqa: E402
+from strategies.host_malloc import DEFAULT, HUGE_PAGES, MODES, ask_huge_pages  # noqa: E402
 from strategies.zero_engine import model_state_bytes  # noqa: E402
 
 PRESETS = ["lm_ddp", "zero1", "zero2", "zero3", "tp"]
@@ -166,7 +169,9 @@ def rounds(args: argparse.Namespace) -> dict[str, Any]:
     """Every contender once per round, in an order shuffled per round (seeded); every round kept, the JSON
     rewritten after each run (a long run stopped half-way keeps what it measured)."""
     rng, done = random.Random(args.seed), []
-    run = {"args": vars(args), "machine": machine(), "tree": tree(), "runs": done}
+    ask_huge_pages()  # the contenders start as the `lit-lm` command starts its ranks (strategies/host_malloc.py)
+    run = {"args": vars(args), "machine": machine(), "tree": tree(), HUGE_PAGES: os.environ.get(HUGE_PAGES),
+           "runs": done}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for r in range(args.rounds):
         order = list(contenders(args).items())
@@ -230,7 +235,7 @@ def markdown(runs: list[dict[str, Any]]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     malloc_name = {"glibc": "glibc default", "mmap": "MALLOC_MMAP_THRESHOLD_", "fixed": "threshold fixed",
                    "trim": "trimmed (lit-lm)", "trim-setup": "trimmed, also after setup",
-                   "setup": "trimmed after setup", "large": "mapped from 8 MiB (the default)"}
+                   "setup": "trimmed after setup", "large": "mapped from 8 MiB (2 MiB on huge pages; the default)"}
     for name, row in sorted(summary(run).items(), key=lambda kv: (float(kv[0].split()[1][:-1]), kv[0])):
         preset, size, *malloc = name.split()
         est, phases = row["estimate"], row["phases"]

@@ -20,11 +20,11 @@ processes, alternated over >= 5 rounds in an order shuffled per round (`bench_ru
 the rounds are `bench_ddp.py`'s dispatch.
 
 Allocator: the Trainer's strategy applies lit-lm's choice for glibc's malloc on a CPU rank (`LIT_LM_MALLOC`,
-strategies/host_malloc.py; default `large`: blocks from 8 MiB mapped, and returned when freed); the plain loops and
-the references run on glibc's own malloc unless `--malloc` names a choice, which every contender then applies (its
-threshold from the start, the heap trimmed once before the first step), so that the loops differ by the loop alone.
-The engines' processes, both loops, start with torch's huge pages for big blocks, as the `lit-lm` command starts its
-ranks; torch's references without, as torch starts (`--huge-pages` chooses).
+strategies/host_malloc.py; default `large`: blocks from 8 MiB, 2 MiB under huge pages, mapped and returned when
+freed); the plain loops and the references run on glibc's own malloc unless `--malloc` names a choice, which every
+contender then applies (its threshold from the start, the heap trimmed once before the first step), so that the
+loops differ by the loop alone. The engines' processes, both loops, start with torch's huge pages for big blocks, as
+the `lit-lm` command starts its ranks; torch's references without, as torch starts (`--huge-pages` chooses).
 """
 
 from __future__ import annotations

@@ -10,22 +10,29 @@ there stays resident through the next, in amounts that depend on the order of ev
 than in the next (docs/benchmarks/2026-12-planner-peaks-cpu.md).
 
 `LIT_LM_MALLOC` chooses (unset: `DEFAULT`):
-    large  (the default) `mallopt(M_MMAP_THRESHOLD, 8 MiB)` at start, and `malloc_trim(0)` once at the end of the
-           strategy's setup: every block from 8 MiB on (at hundreds of millions of parameters: an MLP's weights and
-           gradients, gathered units, bucket and reduce buffers, the logits) is mapped and returned when freed, so
-           the big blocks never sit in the heap; smaller ones (all of a ~4M-parameter model's tensors, the optimizer
-           step's 256 KiB pieces, activations at a small batch) come from the heap as glibc does by default, so a
-           small model's step is glibc's own. ZeRO-3 at 217M on 2 gloo ranks: peak 2.65-2.73 GiB against 2.89-3.14
-           GiB with `setup` (the estimate 2.45 GiB: 0.92 of the peak instead of 0.78-0.85), at ~5% more time per
-           step there (11.4 against 10.9 s, within the spread: ~1 GB of big blocks faulted in per step);
-           docs/benchmarks/2026-12-planner-peaks-cpu.md. ZeRO-2 at 217M through the Trainer: 4.65 against 4.43 s
-           a step under `glibc` (one run each; autograd's backward 2.44-2.64 against 2.27 s: the MLP's 16 MiB
-           gradients mapped anew every step), 0.90-0.96x its plain loop on glibc's own malloc in two sets of 5
-           alternated rounds (docs/benchmarks/2026-12-size-cpu.md): the price of the planner's accuracy, per
-           run, without huge pages; with them (below, the `lit-lm` command's default) the Trainer is level with its
-           plain loop. Why not glibc's own ceiling, 32 MiB (trim threshold 64 MiB): measured, ZeRO-2's Trainer then ran
-           1.03x its plain loop, but every preset's peak rose by 100-735 MiB at 217M-350M and ZeRO-3's estimate
-           fell to 0.78-0.81 of its peak (tp2's to 0.83): the 16 MiB weights and gradients stayed in the heap.
+    large  (the default) `mallopt(M_MMAP_THRESHOLD, 8 MiB)` (2 MiB under huge pages) at start, `malloc_trim(0)` at the
+           end of the strategy's setup: every block from 8 MiB on (at hundreds of millions of parameters: an MLP's
+           weights and gradients, gathered units, bucket and reduce buffers, the logits) is mapped and returned when
+           freed, so the big blocks never sit in the heap; smaller ones (all of a ~4M-parameter model's tensors, the
+           optimizer step's 256 KiB pieces, activations at a small batch) come from the heap as glibc does by default,
+           so a small model's step is glibc's own. ZeRO-3 at 217M on 2 gloo ranks: peak 2.65-2.73 GiB against 2.89-3.14
+           GiB with `setup` (the estimate 2.45 GiB: 0.92 of the peak instead of 0.78-0.85), at ~5% more time per step
+           there (11.4 against 10.9 s, within the spread: ~1 GB of big blocks faulted in per step);
+           docs/benchmarks/2026-12-planner-peaks-cpu.md. ZeRO-2 at 217M through the Trainer: 4.65 against 4.43 s a step
+           under `glibc` (one run each; autograd's backward 2.44-2.64 against 2.27 s: the MLP's 16 MiB gradients mapped
+           anew every step), 0.90-0.96x its plain loop on glibc's own malloc in two sets of 5 alternated rounds
+           (docs/benchmarks/2026-12-size-cpu.md): the price of the planner's accuracy, per run, without huge pages; with
+           them (below, the `lit-lm` command's default) the Trainer is level with its plain loop. Why not glibc's own
+           ceiling, 32 MiB (trim threshold 64 MiB): measured, ZeRO-2's Trainer then ran 1.03x its plain loop, but every
+           preset's peak rose by 100-735 MiB at 217M-350M and ZeRO-3's estimate fell to 0.78-0.81 of its peak (tp2's to
+           0.83): the 16 MiB weights and gradients stayed in the heap. Under torch's huge pages (below) the threshold is
+           2 MiB (`huge_pages_asked`): torch advises huge pages for every block from 2 MiB, aligned to 2 MiB; a block in
+           the heap leaves that advice on its stretch when freed, and what lands there next (smaller blocks, the
+           alignment's gaps) is made resident 2 MiB at a time. With 8 MiB there, tp2's estimate fell to 0.83 of its peak
+           at 217M and 350M; with 2 MiB every preset is at 0.90-0.95 (2 gloo ranks, a 2-core AMD EPYC, 2026-12-02;
+           docs/benchmarks/2026-12-planner-peaks-cpu.md), at no cost measured: ZeRO-2's Trainer at 217M ran 0.93 and
+           1.03 (paired medians, spreads crossing 1) the speed of the 8 MiB threshold in two sets of 5 alternated rounds
+           (docs/benchmarks/2026-12-size-cpu.md).
     setup  `malloc_trim(0)` once, at the end of the strategy's setup: what building and sharding the
            model freed (ZeRO-3: the whole parameters) goes back to the system; the steps run on glibc as it is.
     trim   `malloc_trim(0)` also after backward and its gradient reduction, and after the optimizer step (its
