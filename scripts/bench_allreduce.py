@@ -9,6 +9,15 @@ bandwidth = size / time. Bus bandwidth rescales it to what each link carries in 
 across world sizes and ops and with the hardware's link speed: x 2(n-1)/n for all_reduce (reduce-scatter then
 all-gather), x (n-1)/n for reduce_scatter, all_gather and all_to_all (each rank sends all but its own 1/n).
 Time per op is the mean over `--iters` after `--warmup`, synchronised, and the slowest rank's.
+
+`--ops` also takes the other ways a backend offers to do a reduce-scatter or an all-gather (the same result, moved
+differently), to find which one a backend does well: `reduce_scatter_list` and `all_gather_list` (torch's list
+forms), `reduce_per_rank` (one `reduce` of each chunk to the rank that owns it, in place), `reduce_scatter_p2p`
+(each chunk sent to its owner, batched, and summed there) and `broadcast_per_rank` (each rank broadcasts its chunk,
+in place: what torch's `ZeroRedundancyOptimizer` does after its step). Their bus factor is their collective's.
+
+    python scripts/bench_allreduce.py --nproc 2 --min-bytes 64M --max-bytes 64M --ops all_reduce reduce_scatter \
+        reduce_scatter_list reduce_per_rank reduce_scatter_p2p all_gather all_gather_list broadcast_per_rank
 """
 
 from __future__ import annotations
@@ -31,6 +40,9 @@ BUS_FACTOR: dict[str, Callable[[int], float]] = {
     "all_gather": lambda n: (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,
 }
+SAME_AS = {"reduce_scatter_list": "reduce_scatter", "reduce_per_rank": "reduce_scatter",
+           "reduce_scatter_p2p": "reduce_scatter", "all_gather_list": "all_gather", "broadcast_per_rank": "all_gather"}
+BUS_FACTOR.update({op: BUS_FACTOR[of] for op, of in SAME_AS.items()})
 # torch >= 2.10 names; older releases have the *_tensor spellings.
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -43,16 +55,57 @@ def parse_bytes(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
+class Works:
+    """The handles of several calls as one: `wait()` waits for each, then runs `then` (the local sum, if any)."""
+
+    def __init__(self, works: list[Any], then: Callable[[], Any] = lambda: None) -> None:
+        self.works, self.then = works, then
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.then()
+
+
+def by_parts(launch: Callable[[], Works], async_op: bool) -> Callable[[], Any]:
+    """A formulation made of several calls, launched together and, unless `async_op`, waited for here."""
+    def run() -> Any:
+        works = launch()
+        return works if async_op else works.wait()
+    return run
+
+
 def make_op(op: str, numel: int, world: int, device: torch.device, dtype: torch.dtype,
             async_op: bool = False) -> Callable[[], Any]:
     full = torch.ones(numel, device=device, dtype=dtype)
-    shard = torch.ones(numel // world, device=device, dtype=dtype)
-    out = torch.empty_like(full)
+    return op_on(op, full, torch.ones(numel // world, device=device, dtype=dtype), async_op)
+
+
+def op_on(op: str, full: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Callable[[], Any]:
+    """The call of `op` over these buffers: a reduce-scatter reads `full` (the in-place forms overwrite it) and writes
+    this rank's reduced chunk to `shard` (`reduce_per_rank`: to its chunk of `full`); an all-gather reads `shard`
+    (the in-place forms: this rank's chunk of `full`) and writes `full`; all_reduce and all_to_all work on `full`."""
+    world, rank, out = dist.get_world_size(), dist.get_rank(), torch.empty_like(full)
+    chunks, received = full.chunk(world), [torch.empty_like(shard) for _ in range(world)]
+
+    def p2p() -> Works:
+        ops = [dist.P2POp(f, t, peer) for peer in range(world) if peer != rank
+               for f, t in ((dist.isend, chunks[peer]), (dist.irecv, received[peer]))]
+        mine = [received[peer] for peer in range(world) if peer != rank]
+        return Works(dist.batch_isend_irecv(ops), lambda: torch.add(chunks[rank], sum(mine), out=shard))
+
     return {
         "all_reduce": lambda: dist.all_reduce(full, async_op=async_op),
         "reduce_scatter": lambda: reduce_scatter(shard, full, async_op=async_op),
         "all_gather": lambda: all_gather(full, shard, async_op=async_op),
         "all_to_all": lambda: dist.all_to_all_single(out, full, async_op=async_op),
+        "reduce_scatter_list": lambda: dist.reduce_scatter(shard, list(chunks), async_op=async_op),
+        "all_gather_list": lambda: dist.all_gather(list(chunks), shard, async_op=async_op),
+        "reduce_per_rank": by_parts(lambda: Works([dist.reduce(c, dst=i, async_op=True)
+                                                   for i, c in enumerate(chunks)]), async_op),
+        "reduce_scatter_p2p": by_parts(p2p, async_op),
+        "broadcast_per_rank": by_parts(lambda: Works([dist.broadcast(c, src=i, async_op=True)
+                                                      for i, c in enumerate(chunks)]), async_op),
     }[op]
 
 
@@ -168,7 +221,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=max(torch.cuda.device_count(), 2),
                         help="processes to spawn when not launched by torchrun")
     parser.add_argument("--max-bytes", type=parse_bytes, default=2**30, help="largest buffer, e.g. 64M (default 1G)")
-    parser.add_argument("--ops", nargs="+", choices=list(BUS_FACTOR), default=list(BUS_FACTOR))
+    parser.add_argument("--ops", nargs="+", choices=list(BUS_FACTOR), default=list(BUS_FACTOR)[:4])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)

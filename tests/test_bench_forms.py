@@ -1,0 +1,53 @@
+"""scripts/bench_allreduce.py times the other forms of a reduce-scatter and an all-gather (list forms, one reduce or
+broadcast per rank, point-to-point): each must compute what the collective computes, or its time says nothing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+
+SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
+REDUCE_FORMS = ("reduce_scatter", "reduce_scatter_list", "reduce_per_rank", "reduce_scatter_p2p")
+GATHER_FORMS = ("all_gather", "all_gather_list", "broadcast_per_rank")
+
+
+def _forms(chunk: int) -> dict[str, torch.Tensor]:
+    """Every form's result on this rank: a reduce-scatter's chunk, an all-gather's whole."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, SCRIPTS)
+    from bench_allreduce import op_on
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = torch.arange(chunk, dtype=torch.float64) * (rank + 1) + 1000 * rank  # distinct on every rank and row
+    results = {}
+    for op in REDUCE_FORMS:
+        full = torch.cat([mine + 100 * c for c in range(world)])
+        shard = torch.full((chunk,), float("nan"), dtype=torch.float64)
+        op_on(op, full, shard)()
+        results[op] = full.chunk(world)[rank].clone() if op == "reduce_per_rank" else shard
+    for op in GATHER_FORMS:
+        full = torch.full((chunk * world,), float("nan"), dtype=torch.float64)
+        full.chunk(world)[rank].copy_(mine)  # the in-place forms read their input there
+        op_on(op, full, mine.clone())()
+        results[op] = full
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_form_computes_its_collective(world: int) -> None:
+    chunk = 5
+    per_rank = run_distributed(_forms, world, chunk)
+    mine = [torch.arange(chunk, dtype=torch.float64) * (r + 1) + 1000 * r for r in range(world)]
+    gathered = torch.cat(mine)
+    for rank, results in enumerate(per_rank):
+        reduced = sum(m + 100 * rank for m in mine)  # chunk `rank` of every rank's whole, summed
+        for op in REDUCE_FORMS:
+            assert torch.equal(results[op], reduced), (op, rank)
+        for op in GATHER_FORMS:
+            assert torch.equal(results[op], gathered), (op, rank)
