@@ -8,21 +8,19 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dist_utils import run_distributed
 
-SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from bench_allreduce import op_on  # noqa: E402
+
 REDUCE_FORMS = ("reduce_scatter", "reduce_scatter_list", "reduce_per_rank", "reduce_scatter_p2p")
 GATHER_FORMS = ("all_gather", "all_gather_list", "broadcast_per_rank")
 
 
 def _forms(chunk: int) -> dict[str, torch.Tensor]:
     """Every form's result on this rank: a reduce-scatter's chunk, an all-gather's whole."""
-    import torch.distributed as dist
-
-    sys.path.insert(0, SCRIPTS)
-    from bench_allreduce import op_on
-
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = torch.arange(chunk, dtype=torch.float64) * (rank + 1) + 1000 * rank  # distinct on every rank and row
     results = {}
