@@ -1,5 +1,5 @@
 """lit-lm: what is trained (model, tokenizer, data, LightningModule, CLI). How it is parallelised lives in
-`strategies/`, kernels in `kernels/`, callbacks in `callbacks/`."""
+`lit_lm/strategies/`, kernels in `lit_lm/kernels/`, callbacks in `lit_lm/callbacks/`."""
 
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.model import Transformer

@@ -1,10 +1,10 @@
 """Checkpoints as a user moves them around: where a run keeps them, which one `last` is, reading any of them on
 one process, and refusing one whose model differs from the config. A Hugging Face model folder is accepted
-wherever a checkpoint is (`lit_lm.hf_import`): read as a checkpoint dict, and as `--ckpt_path` of a run its weights
+wherever a checkpoint is (`lit_lm.hf.importer`): read as a checkpoint dict, and as `--ckpt_path` of a run its weights
 start the run (`init_from`).
 
 Two formats exist: a single `torch.save` file (Lightning's own strategies) and a sharded directory (lit-lm's
-strategies, `strategies/checkpoint.py`). Both hold the model's hyper-parameters, the data module's settings
+strategies, `lit_lm/strategies/checkpoint.py`). Both hold the model's hyper-parameters, the data module's settings
 (`datamodule_hyper_parameters`, saved by the CLI) and its state, which includes the tokenizer, so a checkpoint
 alone is enough to generate text or to rebuild the run's data (`data_from_checkpoint`) for the offline tools.
 """
@@ -27,11 +27,11 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_lm.config import ConfigError, ModelConfig
-from lit_lm import hf_import
-from lit_lm.data import TextDataModule
-from lit_lm.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_state
-from strategies import checkpoint as sharded
-from strategies import safe_load
+from lit_lm.hf import importer
+from lit_lm.data.datamodule import TextDataModule
+from lit_lm.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_state
+from lit_lm.strategies import checkpoint as sharded
+from lit_lm.strategies import safe_load
 
 CHECKPOINTS = "checkpoints"  # <default_root_dir>/checkpoints: one folder per run, the same across restarts
 DATA_SETTINGS = "datamodule_hyper_parameters"  # Lightning's key for the data module's init args
@@ -78,7 +78,7 @@ def prepare_run(trainer: Trainer, ckpt_path: Optional[str], module: Any, fitting
                        f"[lit-lm] --ckpt_path last: no complete checkpoint in {', '.join(sorted(folders))}; "
                        "starting from step 0")
         ckpt_path = None if last is None else str(last)
-    if ckpt_path is not None and hf_import.is_hf_folder(ckpt_path) and hasattr(module, "start_from"):
+    if ckpt_path is not None and importer.is_hf_folder(ckpt_path) and hasattr(module, "start_from"):
         rank_zero_info(f"[lit-lm] --ckpt_path {ckpt_path} is a Hugging Face model: its weights start the run "
                        "(model.init_args.init_from: a fresh optimizer at step 0; nothing to resume)")
         module.start_from(ckpt_path)
@@ -110,8 +110,8 @@ def read_checkpoint(path: PathLike) -> dict[str, Any]:
     one process."""
     path = Path(path)
     _check_is_checkpoint(path)
-    if hf_import.is_hf_folder(path):
-        return _with_hf_tokenizer(hf_import.as_checkpoint(path), path)
+    if importer.is_hf_folder(path):
+        return _with_hf_tokenizer(importer.as_checkpoint(path), path)
     if path.is_dir():
         return sharded.read_whole(path)
     try:
@@ -137,7 +137,7 @@ def _check_is_checkpoint(path: Path) -> None:
     if not path.exists():
         raise ConfigError(f"checkpoint {path} does not exist (ckpt_path); give a .ckpt file or directory a run "
                           f"wrote under <default_root_dir>/{CHECKPOINTS}/, or `last`")
-    if path.is_dir() and not sharded.is_sharded_checkpoint(path) and not hf_import.is_hf_folder(path):
+    if path.is_dir() and not sharded.is_sharded_checkpoint(path) and not importer.is_hf_folder(path):
         raise _not_a_checkpoint(path, f"a directory without {sharded.META}, nor a Hugging Face model folder "
                                       "(config.json and *.safetensors)")
     if path.is_file() and not zipfile.is_zipfile(path):
@@ -154,8 +154,8 @@ def read_meta(path: PathLike) -> dict[str, Any]:
     memory-mapped (its tensors are not read until used)."""
     path = Path(path)
     _check_is_checkpoint(path)
-    if hf_import.is_hf_folder(path):
-        return hf_import.as_meta(path)
+    if importer.is_hf_folder(path):
+        return importer.as_meta(path)
     if path.is_dir():
         return sharded.read_meta(path)
     try:
@@ -285,7 +285,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path: PathLike, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Either format, read safely whatever `weights_only` says (`strategies/safe_load.py`)."""
+        """Either format, read safely whatever `weights_only` says (`lit_lm/strategies/safe_load.py`)."""
         if Path(path).is_dir():
             return sharded.read_whole(path)
         return safe_load.load(path, map_location=map_location or "cpu")

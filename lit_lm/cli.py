@@ -18,19 +18,22 @@ from typing import Any, Optional
 
 from jsonargparse import Namespace
 
+from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-import strategies.registry  # noqa: F401  (registers lm_ddp, zero1/2/3, ... by name before any Trainer is built)
-from strategies import preemption
+import lit_lm.strategies.registry  # noqa: F401  (registers lm_ddp, zero1/2/3, ... by name before any Trainer is built)
+from lit_lm.strategies import preemption
 from lit_lm import generate
+from lit_lm.callbacks.throughput import Throughput
 from lit_lm.checkpoints import prepare_run
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.config_keys import config_files, unknown_keys
-from lit_lm.data import TextDataModule, model_vocab_size
+from lit_lm.data.datamodule import TextDataModule, model_vocab_size
 from lit_lm.errors import EXIT_CODE, check_trainer_config, pop_debug_flag, reporting_errors, stop_other_ranks
 from lit_lm.module import LanguageModel
+from lit_lm.moved import current_argv, parser_mode
 from lit_lm.quiet import silence_known_noise
-from lit_lm.tokenizer import load_tokenizer
+from lit_lm.data.tokenizer import load_tokenizer
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -38,6 +41,12 @@ _DATA_FIELDS = tuple(inspect.signature(TextDataModule.__init__).parameters)[1:]
 
 
 class LitLMCLI(LightningCLI):
+    @staticmethod
+    def parser_kwargs(defaults: list[str]) -> dict[str, Any]:
+        """A subcommand's parser: `defaults` read first; old class paths in any yaml read as today's
+        (`lit_lm.moved`)."""
+        return {"default_config_files": defaults, "parser_mode": parser_mode()}
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # One vocabulary and one context length: the data decides (a given tokenizer's size), the model follows.
         parser.link_arguments(("data.init_args.vocab_size", "data.init_args.tokenizer_dir", "data.init_args.sources"),
@@ -62,8 +71,10 @@ class LitLMCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         """Also keep the data module's settings in every checkpoint (`datamodule_hyper_parameters`), so the
         offline tools rebuild the run's data from the checkpoint alone (`lit_lm.checkpoints.data_from_checkpoint`);
-        not logged (the config.yaml beside the logs has them)."""
+        not logged (the config.yaml beside the logs has them). Every run measures tokens/s, MFU and peak memory:
+        a `Throughput` callback is added unless the config has one (e.g. with its `peak_flops`)."""
         super().instantiate_classes()
+        add_throughput(self.trainer.callbacks)
         data = self.datamodule
         if isinstance(data, TextDataModule) and not data.hparams:  # plain types: a checkpoint loads weights_only
             values = {k: getattr(data, k) for k in _DATA_FIELDS}
@@ -102,6 +113,13 @@ class LitLMCLI(LightningCLI):
             print(f"[lit-lm] checkpoint: {ckpt.last_model_path or ckpt.best_model_path}")
 
 
+def add_throughput(callbacks: list) -> None:
+    """A `Throughput` before the checkpoint callbacks (where Lightning puts a module's own callbacks), if none."""
+    if not any(isinstance(c, Throughput) for c in callbacks):
+        at = next((i for i, c in enumerate(callbacks) if isinstance(c, Checkpoint)), len(callbacks))
+        callbacks.insert(at, Throughput())
+
+
 def _linked_vocab_size(vocab_size: int, tokenizer_dir: Optional[str], sources: Optional[list] = None) -> int:
     """`model_vocab_size`; a tokenizer_dir it cannot read is reported by `before_instantiate_classes` in one line
     (jsonargparse would wrap the error in its usage text)."""
@@ -121,6 +139,14 @@ def check_model_config(model: Any) -> None:
             ModelConfig(**values)
 
 
+def current_args(args: Optional[list[str]]) -> Optional[list[str]]:
+    """The command line with old class paths rewritten (`lit_lm.moved`), in sys.argv too: spawned ranks re-read it."""
+    if args is None:
+        sys.argv[1:] = current_argv(sys.argv[1:])
+        return None
+    return current_argv(args)
+
+
 def refuse_unknown_keys(argv: list[str], defaults: list[str]) -> None:
     """Every misspelled key of the yaml files and the dotted options, one line each, exit 2."""
     messages = unknown_keys(config_files(argv, defaults), argv)
@@ -131,19 +157,20 @@ def refuse_unknown_keys(argv: list[str], defaults: list[str]) -> None:
 
 def main(args: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if args is None else args
-    if argv[:1] == ["plan"]:  # `lit-lm plan` (lit_lm.plan_cli) is not a LightningCLI subcommand: no Trainer
-        from lit_lm.plan_cli import main as plan
+    if argv[:1] == ["plan"]:  # `lit-lm plan` (lit_lm.planner.cli) is not a LightningCLI subcommand: no Trainer
+        from lit_lm.planner.cli import main as plan
         return plan(argv[1:])
     silence_known_noise()
     defaults = [str(DEFAULT_CONFIG)] if DEFAULT_CONFIG.is_file() else []
     args, debug = pop_debug_flag(args)
+    args = current_args(args)
     argv = sys.argv[1:] if args is None else args
     with reporting_errors(debug):
         if argv[:1] == ["generate"]:
             generate.main(argv[1:])
             return
-        if argv[:1] == ["prepare"]:  # lit_lm/prepare.py: tokenize a corpus once into a folder fit reads
-            from lit_lm.prepare import main as prepare
+        if argv[:1] == ["prepare"]:  # lit_lm/data/prepare.py: tokenize a corpus once into a folder fit reads
+            from lit_lm.data.prepare import main as prepare
 
             return prepare(argv[1:])
         if argv[:1] == ["check"]:  # lit_lm/check: the run's own layout against one process, through fit's parser
@@ -159,7 +186,7 @@ def main(args: Optional[list[str]] = None) -> None:
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={cmd: {"default_config_files": defaults} for cmd in SUBCOMMANDS},
+            parser_kwargs={cmd: LitLMCLI.parser_kwargs(defaults) for cmd in SUBCOMMANDS},
             args=args,
         )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from strategies.errors import ConfigError
+from lit_lm.strategies.errors import ConfigError
 
 __all__ = ["ARCHITECTURE", "ConfigError", "ModelConfig", "round_up"]
 

@@ -19,10 +19,12 @@ from typing import Any, Iterator, Optional, Sequence
 
 import yaml
 
+from lit_lm.moved import load_yaml
+
 TOP_LEVEL = ("seed_everything", "trainer", "model", "data", "optimizer", "lr_scheduler", "ckpt_path",
              "weights_only", "config", "print_config", "verbose", "return_predictions")
 SUBCLASS = ("class_path", "init_args", "dict_kwargs")  # what jsonargparse accepts beside a class's init args
-DEFAULT_CLASSES = {"model": "lit_lm.module.LanguageModel", "data": "lit_lm.data.TextDataModule"}
+DEFAULT_CLASSES = {"model": "lit_lm.module.LanguageModel", "data": "lit_lm.data.datamodule.TextDataModule"}
 
 
 def _init_args(class_path: str) -> Optional[list[str]]:
@@ -90,7 +92,7 @@ def unknown_keys(config_files: Sequence[str | Path], argv: Sequence[str]) -> lis
     messages = []
     for file in config_files:
         try:
-            tree = yaml.safe_load(Path(file).read_text())
+            tree = load_yaml(Path(file).read_text())
         except (OSError, yaml.YAMLError):
             continue  # jsonargparse reports a missing or malformed file itself
         if not isinstance(tree, dict):

@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from lit_lm.config import ConfigError
-from strategies import comm, host_malloc
+from lit_lm.strategies import comm, host_malloc
 
 DEBUG_ENV = "LIT_LM_DEBUG"
 EXIT_CODE = 2
@@ -80,6 +80,6 @@ def check_trainer_config(trainer: Any) -> None:
     name = trainer.strategy
     if isinstance(name, str) and name != "auto" and name not in StrategyRegistry:
         ours = sorted(n for n in StrategyRegistry
-                      if StrategyRegistry[n]["strategy"].__module__.startswith("strategies"))
+                      if StrategyRegistry[n]["strategy"].__module__.startswith("lit_lm.strategies"))
         raise ConfigError(f"unknown strategy {name!r} (trainer.strategy); use one of lit-lm's: {', '.join(ours)} "
                           "(configs/strategies/*.yaml compose them), or one of Lightning's (e.g. ddp, fsdp)")

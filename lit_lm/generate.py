@@ -22,7 +22,7 @@ from torch import Tensor
 from lit_lm.checkpoints import model_state_dict, read_checkpoint, tokenizer_from
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.model import KVCache, Transformer
-from lit_lm.tokenizer import Tokenizer, prompt_ids
+from lit_lm.data.tokenizer import Tokenizer, prompt_ids
 
 
 def sample_next(logits: Tensor, temperature: float = 1.0, top_k: Optional[int] = None, top_p: float = 1.0,

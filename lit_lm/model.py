@@ -2,7 +2,7 @@
 Llama 3's scaling), grouped-query attention (optionally windowed: Mistral), SwiGLU MLP, no biases but Qwen2's
 optional q/k/v ones.
 
-Every operation that `kernels/` can replace is its own small module (`RMSNorm`, `RotaryEmbedding`,
+Every operation that `lit_lm/kernels/` can replace is its own small module (`RMSNorm`, `RotaryEmbedding`,
 `CausalAttention`, `SwiGLU`, `LMLoss`), so a Triton version is swapped in without touching this file and with the
 same state-dict keys. `blocks` is keyed by the *global* layer index: strategies gather, wrap and split it, and the
 names stay the same under any split.
@@ -77,7 +77,7 @@ class RotaryEmbedding(nn.Module):
         """fp32 (T, D/2) tables for arbitrary token positions (T,), e.g. a context-parallel rank's zigzag chunks;
         built in fp64 like the contiguous tables, so a position gets the same angle whichever rank holds it.
         The last tables are kept against the positions tensor itself: context parallelism passes the same one
-        every step (`strategies.cp.zigzag_batch`), so they are built once, not on the host per layer per step."""
+        every step (`lit_lm.strategies.cp.zigzag_batch`), so they are built once, not on the host per layer per step."""
         if torch.compiler.is_compiling():
             return self.tables(positions, device)
         if self._at is not None and self._at[0] is positions and self._at[1] == device:
@@ -104,7 +104,7 @@ class RotaryEmbedding(nn.Module):
 
 
 class WeightSource(Protocol):
-    """Initial values read from elsewhere (`lit_lm.hf_import.HFWeights`), by parameter name and global slice."""
+    """Initial values read from elsewhere (`lit_lm.hf.importer.HFWeights`), by parameter name and global slice."""
 
     def read(self, name: str, tensor: Tensor, index: tuple[slice, ...] = ()) -> None: ...
 
@@ -253,7 +253,7 @@ class LMLoss(nn.Module):
 class Transformer(nn.Module):
     """Token embedding -> blocks -> final norm -> LM head.
 
-    Implements the parallel-plan protocol of `strategies.plan`: `blocks` (keyed by global layer index) and
+    Implements the parallel-plan protocol of `lit_lm.strategies.plan`: `blocks` (keyed by global layer index) and
     `init_parameter(name, tensor)`, which initialises any parameter from its name alone so a block materialised
     on one rank (ZeRO-3, pipeline stages) gets exactly the values a single-process model would.
     """
@@ -269,7 +269,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.tok_embeddings.weight
         self.loss_fn = LMLoss(config.z_loss)
         self.init_seed = torch.initial_seed()
-        # Where the initial values come from instead of the seeded init (`lit_lm.hf_import.HFWeights`): anything
+        # Where the initial values come from instead of the seeded init (`lit_lm.hf.importer.HFWeights`): anything
         # with `read(name, tensor, index=())` filling `tensor` with `global[index]` of parameter `name`.
         self.weights: Optional[WeightSource] = None
         if not self.tok_embeddings.weight.is_meta:
@@ -334,8 +334,8 @@ class Transformer(nn.Module):
     def tensor_parallel_plan(self) -> dict:
         """WHAT tensor parallelism splits (Megatron): heads in attention, the hidden features in the MLP, the
         vocabulary in the embedding, head and loss; norms are replicated (sequence-parallel). See
-        `strategies.plan.TensorParallel` for the styles; the strategy decides HOW."""
-        from strategies.plan import TensorParallel as TP  # the protocol's types; strategies never import lit_lm
+        `lit_lm.strategies.plan.TensorParallel` for the styles; the strategy decides HOW."""
+        from lit_lm.strategies.plan import TensorParallel as TP  # the protocol's types; strategies never import lit_lm
 
         heads, kv_heads = (TP("column", self.config.head_dim, name) for name in ("query heads", "kv heads"))
         plan = {"tok_embeddings": TP("vocab_embedding"), "norm": TP("sequence"), "lm_head": TP("vocab_head"),
@@ -376,27 +376,27 @@ class Transformer(nn.Module):
         return loss + moe_aux_loss(self), ce
 
     def context_parallel_plan(self) -> dict:
-        """WHAT context parallelism replaces (strategies.plan.ContextParallelModel): each block's attention core,
+        """WHAT context parallelism replaces (lit_lm.strategies.plan.ContextParallelModel): each block's attention core,
         the only op that mixes tokens; RoPE follows the `positions` given to `forward`."""
-        from strategies.plan import ContextParallel  # the protocol's types; strategies never import lit_lm
+        from lit_lm.strategies.plan import ContextParallel  # the protocol's types; strategies never import lit_lm
 
         self._refuse_moe("context parallelism", "the balancing losses would count one rank's tokens only")
         return {f"blocks.{i}.attn.core": ContextParallel(self.config.sliding_window) for i in self.blocks}
 
     def expert_plan(self) -> dict:
-        """WHAT expert parallelism shards (strategies.plan.ExpertModel): each MoE layer's `GroupedExperts`, whose
+        """WHAT expert parallelism shards (lit_lm.strategies.plan.ExpertModel): each MoE layer's `GroupedExperts`, whose
         parameters are stacked over the expert dim and whose forward takes tokens grouped by expert."""
-        from strategies.plan import ExpertParallel  # the protocol's types; strategies never import lit_lm
+        from lit_lm.strategies.plan import ExpertParallel  # the protocol's types; strategies never import lit_lm
 
         return {f"{name}.experts": ExpertParallel(m.n_experts) for name, m in moe_layers(self).items()}
 
     def set_batch_group(self, group: Optional[torch.distributed.ProcessGroup]) -> None:
-        """The ranks the global batch is split over (strategies.plan.ExpertModel): MoE load statistics are
+        """The ranks the global batch is split over (lit_lm.strategies.plan.ExpertModel): MoE load statistics are
         computed over them (`moe_balance: global`)."""
         for m in moe_layers(self).values():
             m.batch_group = group
 
-    # -- pipeline protocol (strategies.plan.PipelineModel) --------------------------------------------------
+    # -- pipeline protocol (lit_lm.strategies.plan.PipelineModel) --------------------------------------------------
     def pipeline_split(self, stage_layers: list[int], is_first: bool, is_last: bool) -> None:
         """Keep only what one pipeline stage owns: its blocks (still keyed by global index), the embedding on the
         first stage, the final norm and head on the last. A tied head keeps its Parameter on the last stage."""

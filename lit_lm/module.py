@@ -12,19 +12,19 @@ from torch import Tensor
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 
-from callbacks.throughput import Throughput, flops_per_token, logs_this_batch
-
 from lit_lm.checkpoints import with_tied_head
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.generate import generate
+from lit_lm.log_steps import logs_this_batch
 from lit_lm.model import Transformer
 from lit_lm.moe import moe_layers, moe_metrics, update_router_bias
-from strategies.base import BaseStrategy
-from strategies.checkpoint import OPTIMIZER_FQNS
-from strategies.clip import clip_grad_norm_, local_grad_shards
-from strategies.compile import compile_backend, speed_up
-from strategies.fp8 import check_fp8
-from strategies.plan import step_loss_fn
+from lit_lm.planner.estimate import flops_per_token
+from lit_lm.strategies.base import BaseStrategy
+from lit_lm.strategies.checkpoint import OPTIMIZER_FQNS
+from lit_lm.strategies.clip import clip_grad_norm_, local_grad_shards
+from lit_lm.strategies.compile import compile_backend, speed_up
+from lit_lm.strategies.fp8 import check_fp8
+from lit_lm.strategies.plan import step_loss_fn
 
 SCHEDULE_HORIZON = "lit_lm_schedule_horizon"  # the checkpoint's key for the LR schedule's horizon (steps)
 
@@ -51,15 +51,15 @@ class LanguageModel(L.LightningModule):
             first starts; a resume keeps the horizon its checkpoint was trained with, so `--ckpt_path last
             --trainer.max_steps 800` after a 400-step run goes on at the floor LR instead of jumping back up the
             cosine. Set it to change the horizon on purpose (the change is logged with the LR before and after).
-        kernels: modules to swap for `kernels/` implementations (e.g. [rmsnorm, swiglu]); "auto" picks Triton
+        kernels: modules to swap for `lit_lm/kernels/` implementations (e.g. [rmsnorm, swiglu]); "auto" picks Triton
             on CUDA and the PyTorch references elsewhere.
-        init_from: a Hugging Face model folder (Llama, Qwen3, Mixtral, ...: `lit_lm.hf_families`) whose config.json
+        init_from: a Hugging Face model folder (Llama, Qwen3, Mixtral, ...: `lit_lm.hf.families`) whose config.json
             decides the model's shape (the yaml's differing fields are replaced, said in one line) and whose
             weights start the run: weights only, a fresh optimizer at step 0 (unlike `--ckpt_path`). See docs/hf.md.
         compile: each transformer block under `torch.compile` (true: inductor; or a backend's name, e.g.
-            aot_eager), applied after the strategy's engines (`strategies/compile.py`, docs/compile.md).
+            aot_eager), applied after the strategy's engines (`lit_lm/strategies/compile.py`, docs/compile.md).
         fp8: tensorwise or rowwise: the blocks' linears compute in FP8 with dynamic scales, fp32 master weights
-            (`strategies/fp8.py`, docs/compile.md).
+            (`lit_lm/strategies/fp8.py`, docs/compile.md).
     """
 
     def __init__(self, config: ModelConfig = ModelConfig.signature_default(), lr: float = 3e-3,
@@ -113,7 +113,7 @@ class LanguageModel(L.LightningModule):
     @staticmethod
     def _hf_config(folder: str, config: ModelConfig) -> ModelConfig:
         """The Hugging Face model's shape replaces the yaml's (said in one line when they differ)."""
-        from lit_lm.hf_import import model_config, overridden
+        from lit_lm.hf.importer import model_config, overridden
 
         hf = model_config(folder, config)
         changes = overridden(config, hf)
@@ -139,19 +139,18 @@ class LanguageModel(L.LightningModule):
         else:
             self.model = Transformer(self.config)
         if self.kernels:
-            import kernels
-
+            from lit_lm import kernels
             kernels.apply(self.model, self.kernels)
         if not isinstance(getattr(self._trainer, "strategy", None), BaseStrategy):  # lit-lm's apply them after TP
             speed_up(self.model, self.fp8, self.compile_blocks)
 
     def _from_hf(self) -> Transformer:
         """The model built on the meta device with its values read from `init_from` by global name and slice: a
-        lit-lm strategy materialises only this rank's part (`strategies.placement`, ZeRO-3's rows), so each rank
+        lit-lm strategy materialises only this rank's part (`lit_lm.strategies.placement`, ZeRO-3's rows), so each rank
         reads only what it holds; under Lightning's own strategies (every rank holds the whole model) it is
         materialised here, whole."""
-        from lit_lm.hf_import import HFWeights
-        from strategies.placement import materialize
+        from lit_lm.hf.importer import HFWeights
+        from lit_lm.strategies.placement import materialize
 
         with torch.device("meta"):
             model = Transformer(self.config)
@@ -222,8 +221,9 @@ class LanguageModel(L.LightningModule):
         return batch[:, :-1], batch[:, 1:]
 
     def step_loss(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-        """The step's (loss, ce), through the strategy's loss seam (`strategies.plan.LossSeam`): a pipeline runs its
-        schedule, a context split feeds the model its share of the tokens; other strategies call `model.loss`."""
+        """The step's (loss, ce), through the strategy's loss seam (`lit_lm.strategies.plan.LossSeam`): a pipeline
+        runs its schedule, a context split feeds the model its share of the tokens; other strategies call
+        `model.loss`."""
         return step_loss_fn(getattr(self._trainer, "strategy", None), self.model)(inputs, targets)
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
@@ -286,13 +286,7 @@ class LanguageModel(L.LightningModule):
                        vocab_size=None if tokenizer is None else tokenizer.vocab_size)
         return {"prompt": prompt, "completion": out[:, prompt.shape[1]:]}
 
-    # -- throughput and lr ---------------------------------------------------------------------------------
-    def configure_callbacks(self) -> list[L.Callback]:
-        """tokens/s, FLOPs per token, MFU and peak memory: `callbacks.throughput.Throughput` (the one place they are
-        measured), unless the trainer has one already (e.g. with a `peak_flops`)."""
-        callbacks = self._trainer.callbacks if self._trainer is not None else []
-        return [] if any(isinstance(c, Throughput) for c in callbacks) else [Throughput()]
-
+    # -- lr -------------------------------------------------------------------------------------------------
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """The lr, at logging steps only: Lightning copies a logged Python number to the device, a blocking copy on
         CUDA."""

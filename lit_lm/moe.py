@@ -7,8 +7,8 @@
              -> gate-weighted scatter-add back to the tokens  (+ shared experts on every token)
 
 `GroupedExperts` is the expert-parallel seam: it takes tokens already grouped by expert plus the count per expert,
-so `strategies.experts` can wrap it with an all-to-all dispatch/combine without the layer knowing. Expert weights are
-stacked tensors (E, ...), so an expert-parallel shard is a slice along dim 0 under the same parameter name.
+so `lit_lm.strategies.experts` can wrap it with an all-to-all dispatch/combine without the layer knowing. Expert
+weights are stacked tensors (E, ...), so an expert-parallel shard is a slice along dim 0 under the same parameter name.
 
 Load balancing: the Switch auxiliary loss, the router z-loss, and DeepSeek-V3's auxiliary-loss-free balancing (a
 per-expert bias added to the scores for *selection only*, nudged after every optimizer step towards the mean load;
@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_lm.config import ModelConfig
-from strategies import comm
-from strategies.ac import recomputing
+from lit_lm.strategies import comm
+from lit_lm.strategies.ac import recomputing
 
 
 @dataclass
@@ -100,7 +100,7 @@ class GroupedExperts(nn.Module):
 
     @staticmethod
     def grouped(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-        """The grouped GEMM of the three projections; FP8 sets an instance's own (`strategies/fp8.py`)."""
+        """The grouped GEMM of the three projections; FP8 sets an instance's own (`lit_lm/strategies/fp8.py`)."""
         return grouped_linear(x, w, offs)
 
 

@@ -29,7 +29,8 @@ A case can start from a checkpoint (`resume`: a one-process run saved as one Lig
 from it (the reference through Lightning's own loading, the strategy through its `load_checkpoint`), and the state
 each rank starts from (every parameter and persistent buffer, e.g. the MoE router bias) is compared first.
 Clipping is compared with an independent reference: Lightning's own `Trainer(gradient_clip_val)` clips the
-one-process run with `torch.nn.utils.clip_grad_norm_`, and `GlobalNormClip` is replaced by `TorchNormClip` there.
+one-process run with `torch.nn.utils.clip_grad_norm_`: a callback with a `one_process_reference()` (`GlobalNormClip`)
+is replaced there by what that returns.
 
 Why gradients and plain SGD: AdamW is invariant to a constant gradient factor and clipping every step hides one
 too, so a strategy that sums instead of averaging passes a loss/parameter comparison under AdamW almost exactly;
@@ -60,12 +61,11 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from callbacks.clip import GlobalNormClip
 from lit_lm.config import ModelConfig
 from lit_lm.module import LanguageModel
 from lit_lm.spawn import returnable, run_distributed
-from strategies.base import BaseStrategy, GradPart
-from strategies.clip import global_grad_norm, local_grad_shards
+from lit_lm.strategies.base import BaseStrategy, GradPart
+from lit_lm.strategies.clip import global_grad_norm, local_grad_shards
 
 
 # the tiny model of the harness's cases (and the suite's): 2 layers, GQA 4:2
@@ -104,8 +104,10 @@ class Case:
     token_vocab: Optional[int] = None
 
     def reference(self) -> "Case":
-        """The same run on one process; `GlobalNormClip` there is torch's `clip_grad_norm_` (`TorchNormClip`)."""
-        callbacks = tuple(TorchNormClip(c.max_norm) if isinstance(c, GlobalNormClip) else c for c in self.callbacks)
+        """The same run on one process; a callback that names its `one_process_reference()` runs that there
+        (`GlobalNormClip`: torch's own `clip_grad_norm_`)."""
+        callbacks = tuple(c.one_process_reference() if hasattr(c, "one_process_reference") else c
+                          for c in self.callbacks)
         return replace(self, strategy=None, mutation=None, callbacks=callbacks, label="single")
 
     @property
@@ -114,16 +116,6 @@ class Case:
         return repr((sorted(self.model.items()), self.optimizer, self.steps, self.global_batch,
                      sorted(self.trainer.items()), self.frozen, self.lr, callbacks,
                      self.resume.key if self.resume else None, self.init_from, self.module, self.token_vocab))
-
-
-class TorchNormClip(L.Callback):
-    """The one-process reference of `GlobalNormClip`: torch's own `clip_grad_norm_`, code the strategies never run."""
-
-    def __init__(self, max_norm: float) -> None:
-        self.max_norm = max_norm
-
-    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
-        torch.nn.utils.clip_grad_norm_(module.parameters(), self.max_norm)
 
 
 class HarnessModule:

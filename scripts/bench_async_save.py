@@ -45,8 +45,8 @@ def _run(async_checkpoint: bool, steps: int, out_dir: str, model: dict[str, Any]
 
     from lit_lm.config import ModelConfig
     from lit_lm.model import Transformer
-    from strategies.composed import ComposedStrategy
-    from strategies.plan import step_loss_fn
+    from lit_lm.strategies.composed import ComposedStrategy
+    from lit_lm.strategies.plan import step_loss_fn
 
     class LM(L.LightningModule):
         def configure_model(self) -> None:

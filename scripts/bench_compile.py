@@ -35,7 +35,7 @@ def _rank(preset: str, variant: str, steps: int, warmup: int, batch: int) -> dic
 
     from lit_lm.config import ModelConfig
     from lit_lm.module import LanguageModel
-    from strategies.composed import ComposedStrategy
+    from lit_lm.strategies.composed import ComposedStrategy
 
     class Timer(L.Callback):
         def __init__(self) -> None:

@@ -6,12 +6,12 @@ of the attention's communication hides behind its compute.
 
 For each cp size, `cp` processes run one Transformer block of a small model (`--d-model`, `--heads`,
 `--kv-heads`) on their zigzag share of a (`--batch`, T) sequence, its attention core swapped for
-`strategies.cp.ContextParallelAttention`:
-- memory: the bytes autograd saves for backward (each storage once, `strategies.tp_layers.SavedActivations`), the
+`lit_lm.strategies.cp.ContextParallelAttention`:
+- memory: the bytes autograd saves for backward (each storage once, `lit_lm.strategies.tp_layers.SavedActivations`), the
   whole block and its attention core. Theory: everything in a block is token-wise but attention, and the core saves
   only its local q, k, v, output and log-sum-exp, so a rank saves 1/cp of what cp=1 saves;
-- bytes: the accounting layer's wire bytes (`strategies.comm`) of one forward and backward of the block, i.e. per
-  layer and step, beside `strategies.cp.comm_theory`. A model of L layers sends L times that per step.
+- bytes: the accounting layer's wire bytes (`lit_lm.strategies.comm`) of one forward and backward of the block, i.e. per
+  layer and step, beside `lit_lm.strategies.cp.comm_theory`. A model of L layers sends L times that per step.
 - with `--cap-mib`: the longest sequence (doubling from the first of `--seq-lens`) whose training step of a 2-layer
   model stays under the cap per rank, measured as the rise of each process's peak RSS (own processes per cp).
 
@@ -29,7 +29,7 @@ in three variants, interleaved step by step in a seeded shuffled order so that a
   is wrong, only the time matters).
 A step's time is the slowest rank's; per variant the median over the `--steps` cycles. Hidden fraction of the
 communication: (serial - overlap) / (serial - nocomm), each difference the median over the cycles of the difference
-within a cycle: 1 fully hidden, 0 fully exposed. The swaps are made here, on `strategies.cp`'s `_ring_pass` and
+within a cycle: 1 fully hidden, 0 fully exposed. The swaps are made here, on `lit_lm.strategies.cp`'s `_ring_pass` and
 `comm` (`variant`): the engine has no benchmark switch.
 """
 
@@ -60,12 +60,12 @@ from bench_runner import MARK, run_rounds, summarize, write_json  # noqa: E402
 from machine import machine  # noqa: E402
 from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
-from strategies import comm  # noqa: E402
-from strategies import cp as context  # noqa: E402
-from strategies.comm import COMM_LOG  # noqa: E402
-from strategies.cp import (METHODS, check_seq_len, comm_theory, context_attention,  # noqa: E402
+from lit_lm.strategies import comm  # noqa: E402
+from lit_lm.strategies import cp as context  # noqa: E402
+from lit_lm.strategies.comm import COMM_LOG  # noqa: E402
+from lit_lm.strategies.cp import (METHODS, check_seq_len, comm_theory, context_attention,  # noqa: E402
                           parallelize_context, saved_bytes_theory, zigzag_batch, zigzag_positions)
-from strategies.tp_layers import SavedActivations  # noqa: E402
+from lit_lm.strategies.tp_layers import SavedActivations  # noqa: E402
 
 
 def _measure(args: argparse.Namespace, method: str, seq_len: int) -> dict[str, Any]:
@@ -164,7 +164,7 @@ NO_COLLECTIVES = SimpleNamespace(**{**vars(comm), "all_gather": _no_collective, 
 
 @contextmanager
 def variant(name: str) -> Iterator[None]:
-    """`strategies.cp` with its communication as it is, serialised, or replaced by no-ops (module docstring)."""
+    """`lit_lm.strategies.cp` with its communication as it is, serialised, or replaced by no-ops (module docstring)."""
     saved = context._ring_pass, context.comm
     if name == "serial":
         context._ring_pass = _serial_pass

@@ -9,7 +9,8 @@ Contenders (each in its own fresh processes, alternated over >= 5 rounds in an o
 
 - `ddp`: torch `DistributedDataParallel` through Lightning's `ddp`; `ddp_view`: the same with
   `gradient_as_bucket_view=True` (its gradients live in its buckets, as ours do);
-- `lm_ddp`: `strategies.grad_sync.GradSync` at `--bucket-cap-mb`: asynchronous all-reduces launched from the gradient
+- `lm_ddp`: `lit_lm.strategies.grad_sync.GradSync` at `--bucket-cap-mb`: asynchronous all-reduces launched from the
+gradient
   hooks, overlapped with backward (the path every NCCL user runs; on the CPU over gloo, torch DDP's transport too);
 - with the same AdamW for all (torch's default: on CPU a per-tensor loop), then each with its best setting
   (`--fused`: fused AdamW; torch DDP with bucket views);
@@ -45,9 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runner import MARK, run_rounds, summarize, write_json  # noqa: E402
 from bench_strategies import _env, _spawn, add_run_args, footer, forwarded, model_config, run_one  # noqa: E402
-from strategies import comm, grad_sync  # noqa: E402
-from strategies.comm import COMM_LOG  # noqa: E402
-from strategies.ddp import DataParallelStrategy  # noqa: E402
+from lit_lm.strategies import comm, grad_sync  # noqa: E402
+from lit_lm.strategies.comm import COMM_LOG  # noqa: E402
+from lit_lm.strategies.ddp import DataParallelStrategy  # noqa: E402
 
 KINDS = ["ddp", "ddp_view", "lm_ddp", "lm_ddp_overlap"]
 LABEL = "GradSync bucket"  # the accounting layer's label of GradSync's all-reduces
@@ -77,7 +78,7 @@ class AlternateComm(L.Callback):
 
 
 def _time_alone(op: str, numel: int, device: torch.device) -> Any:
-    """A closure running `op` (as `strategies.comm` records it: `numel` elements of the full tensor) once."""
+    """A closure running `op` (as `lit_lm.strategies.comm` records it: `numel` elements of the full tensor) once."""
     world = dist.get_world_size()
     if op == "all_reduce":
         buffer = torch.zeros(numel, device=device)
@@ -89,7 +90,7 @@ def _time_alone(op: str, numel: int, device: torch.device) -> Any:
 
 
 class CommAlone(L.Callback):
-    """The last step's collectives `op` whose label starts with `label` (sizes as recorded by `strategies.comm`),
+    """The last step's collectives `op` whose label starts with `label` (sizes as recorded by `lit_lm.strategies.comm`),
     timed on their own at the end of training: serial, synchronous, nothing to overlap. The median of `reps`."""
 
     def __init__(self, reps: int = 10, op: str = "all_reduce", label: str = LABEL) -> None:

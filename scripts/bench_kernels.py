@@ -20,18 +20,18 @@ from typing import Callable
 
 import torch
 
-from callbacks.throughput import peak_flops_for
+from lit_lm.callbacks.throughput import peak_flops_for
 from machine import machine  # scripts/: where the figures were measured
-from kernels.attention import attention_reference, flash_attention
-from kernels.cross_entropy import cross_entropy, cross_entropy_reference
-from kernels.gelu import gelu, gelu_reference
-from kernels.matmul import matmul, matmul_reference
-from kernels.rmsnorm import rmsnorm, rmsnorm_reference
-from kernels.rope import RotaryEmbedding, rope, rope_reference
-from kernels.softmax import softmax, softmax_reference
-from kernels.swiglu import swiglu, swiglu_reference
+from lit_lm.kernels.attention import attention_reference, flash_attention
+from lit_lm.kernels.cross_entropy import cross_entropy, cross_entropy_reference
+from lit_lm.kernels.gelu import gelu, gelu_reference
+from lit_lm.kernels.matmul import matmul, matmul_reference
+from lit_lm.kernels.rmsnorm import rmsnorm, rmsnorm_reference
+from lit_lm.kernels.rope import RotaryEmbedding, rope, rope_reference
+from lit_lm.kernels.softmax import softmax, softmax_reference
+from lit_lm.kernels.swiglu import swiglu, swiglu_reference
 
-# HBM bandwidth in bytes/s (NVIDIA datasheets), matched by substring like callbacks.throughput.PEAK_FLOPS.
+# HBM bandwidth in bytes/s (NVIDIA datasheets), matched by substring like lit_lm.callbacks.throughput.PEAK_FLOPS.
 PEAK_BANDWIDTH: list[tuple[str, float]] = [
     ("H200", 4.8e12),
     ("H100 PCIe", 2.0e12),

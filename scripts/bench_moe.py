@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from lit_lm.config import ModelConfig
 from machine import machine  # scripts/: where the figures were measured
 from lit_lm.model import Transformer
-from strategies.comm import COMM_LOG
+from lit_lm.strategies.comm import COMM_LOG
 
 BASE = ModelConfig(vocab_size=2048, d_model=128, n_layers=4, n_heads=4, max_seq_len=128)
 MOE = replace(BASE, moe_experts=8, moe_top_k=2, moe_d_ff=BASE.d_ff // 2)  # active MLP = 2 x d_ff/2 = d_ff
@@ -52,8 +52,8 @@ def tokens_per_s(config: ModelConfig, steps: int) -> float:
 
 
 def _ep_worker(rank: int, world: int, port: int, steps: int, out: str) -> None:
-    from strategies.experts import shard_experts
-    from strategies.layout import ParallelDims, ParallelLayout
+    from lit_lm.strategies.experts import shard_experts
+    from lit_lm.strategies.layout import ParallelDims, ParallelLayout
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

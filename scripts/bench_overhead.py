@@ -11,7 +11,7 @@ Per engine, two contenders that run the same computation on the same objects:
   benchmark module of `bench_strategies.py` (its `training_step` returns `model.loss`), AdamW;
 - `plain`: the same `Transformer`, batches, AdamW and engine object, built as the strategy builds them (the engine
   over the layout's dp group, `dp_engine.bind_optimizer`'s flat step), driven by a plain PyTorch loop through the
-  engine protocol (`strategies/dp_engine.py`): forward, `zero_grad`, backward, `finish_grad_sync`, `step`,
+  engine protocol (`lit_lm/strategies/dp_engine.py`): forward, `zero_grad`, backward, `finish_grad_sync`, `step`,
   `after_step`; no Lightning.
 
 A step is timed from one batch's start to the next (data loading, every hook and the optimizer step included), in
@@ -49,11 +49,11 @@ from bench_strategies import (BenchLM, _env, add_run_args, footer, forwarded, ma
                               make_trainer, model_config, token_loader)
 from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
-from strategies.ddp import DataParallelStrategy  # noqa: E402
-from strategies.dp_engine import DataParallelEngine, bind_optimizer  # noqa: E402
-from strategies.grad_sync import GradSync  # noqa: E402
-from strategies.layout import ParallelDims, ParallelLayout  # noqa: E402
-from strategies.zero_engine import ZeroEngine  # noqa: E402
+from lit_lm.strategies.ddp import DataParallelStrategy  # noqa: E402
+from lit_lm.strategies.dp_engine import DataParallelEngine, bind_optimizer  # noqa: E402
+from lit_lm.strategies.grad_sync import GradSync  # noqa: E402
+from lit_lm.strategies.layout import ParallelDims, ParallelLayout  # noqa: E402
+from lit_lm.strategies.zero_engine import ZeroEngine  # noqa: E402
 
 ENGINES = ["lm_ddp", "zero1", "zero2", "zero3"]
 LOOPS = ["trainer", "plain"]

@@ -15,10 +15,10 @@ phase boundary, so every phase's peak is read alone: `setup` (the baseline to th
 split, the engines, the optimizer), then per step `fwd_bwd` (to `on_before_optimizer_step`: forward, backward, the
 gradient reduction) and `step` (the optimizer step, ZeRO's all-gather after it, to the batch's end). The peak is
 the largest phase peak above the baseline. Beside each, the estimator's figure for the same phase
-(`lit_lm.estimate`: `RankEstimate.phase_peaks`), per named category.
+(`lit_lm.planner.estimate`: `RankEstimate.phase_peaks`), per named category.
 
 `--malloc` runs each contender under each of lit-lm's choices for glibc's malloc on a CPU rank
-(strategies/host_malloc.py, `LIT_LM_MALLOC`): `trim` (free heap pages handed back after backward and after the
+(lit_lm/strategies/host_malloc.py, `LIT_LM_MALLOC`): `trim` (free heap pages handed back after backward and after the
 step), `fixed` (glibc's mmap threshold fixed at 128 KiB), `glibc` (its default dynamic threshold: the allocator's
 retention is the difference). Each phase's wall time is kept too: the steps after the first tell a choice's cost.
 
@@ -53,15 +53,15 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import strategies.registry  # noqa: E402,F401  (registers the presets with Lightning)
+import lit_lm.strategies.registry  # noqa: E402,F401  (registers the presets with Lightning)
 from bench_runner import MARK, run_once  # noqa: E402
 from lit_lm.config import ModelConfig  # noqa: E402
-from lit_lm.estimate import Workload, estimate  # noqa: E402
+from lit_lm.planner.estimate import Workload, estimate  # noqa: E402
 from lit_lm.module import LanguageModel  # noqa: E402
 from lit_lm.resident import reset_peak, status_bytes  # noqa: E402
 from machine import describe, machine  # noqa: E402
-from strategies.host_malloc import DEFAULT, HUGE_PAGES, MODES, ask_huge_pages  # noqa: E402
-from strategies.zero_engine import model_state_bytes  # noqa: E402
+from lit_lm.strategies.host_malloc import DEFAULT, HUGE_PAGES, MODES, ask_huge_pages  # noqa: E402
+from lit_lm.strategies.zero_engine import model_state_bytes  # noqa: E402
 
 PRESETS = ["lm_ddp", "zero1", "zero2", "zero3", "tp"]
 SIZES = {"52M": dict(d_model=512, n_layers=6), "217M": dict(d_model=1024, n_layers=12),
@@ -162,14 +162,14 @@ def tree() -> dict[str, Any]:
     def git(*cmd: str) -> str:
         return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True).stdout.strip()
 
-    return {"commit": git("rev-parse", "HEAD"), "modified": git("status", "--porcelain", "strategies", "lit_lm")}
+    return {"commit": git("rev-parse", "HEAD"), "modified": git("status", "--porcelain", "lit_lm")}
 
 
 def rounds(args: argparse.Namespace) -> dict[str, Any]:
     """Every contender once per round, in an order shuffled per round (seeded); every round kept, the JSON
     rewritten after each run (a long run stopped half-way keeps what it measured)."""
     rng, done = random.Random(args.seed), []
-    ask_huge_pages()  # the contenders start as the `lit-lm` command starts its ranks (strategies/host_malloc.py)
+    ask_huge_pages()  # the contenders start as the `lit-lm` command starts its ranks (lit_lm/strategies/host_malloc.py)
     run = {"args": vars(args), "machine": machine(), "tree": tree(), HUGE_PAGES: os.environ.get(HUGE_PAGES),
            "runs": done}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ whatever F, B and W really take (printed). `both` (default) runs one, then the o
 A rank's bubble = 1 - busy / T, busy the time in its compute actions (waiting for a message is idle), T the
 pipeline's step from the first rank's start to the last rank's end; each step starts after a barrier, the first
 of `--steps` is a warm-up and the others are averaged. Theory: each schedule's bubble formula in the registry
-(`strategies/pp_schedules.py` SCHEDULES; `--schedules` picks some, by default all, a schedule with virtual stages
+(`lit_lm/strategies/pp_schedules.py` SCHEDULES; `--schedules` picks some, by default all, a schedule with virtual stages
 runs `--virtual-stages` chunks). Each action also pays a fixed ~1 ms here (a message's latency, Python);
 the default 50 ms sleep per layer makes that noise. Peak microbatches in flight per rank come from the schedule.
 `--plot FILE` draws the last measured step of every schedule as a per-rank timeline of its F, B and W actions
@@ -35,10 +35,10 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from machine import machine  # noqa: E402  (scripts/: where the figures were measured)
-from strategies.pp_runner import PipelineRunner  # noqa: E402
-from strategies.errors import ConfigError  # noqa: E402
-from strategies.pp_schedules import SCHEDULES, bubble_theory, build_schedule, schedule_spec  # noqa: E402
-from strategies.pp_split import split_layers  # noqa: E402
+from lit_lm.strategies.pp_runner import PipelineRunner  # noqa: E402
+from lit_lm.strategies.errors import ConfigError  # noqa: E402
+from lit_lm.strategies.pp_schedules import SCHEDULES, bubble_theory, build_schedule, schedule_spec  # noqa: E402
+from lit_lm.strategies.pp_split import split_layers  # noqa: E402
 
 KINDS = {"sleep": ("sleep",), "real": ("real",), "both": ("sleep", "real")}
 
@@ -265,7 +265,7 @@ def main() -> None:
 
     console = Console()
     if args.timeline:
-        from strategies.pp_schedules import print_timeline
+        from lit_lm.strategies.pp_schedules import print_timeline
 
         for name in args.schedules:
             print_timeline(build_schedule(name, args.stages, args.microbatches, _chunks(name, args)), console)

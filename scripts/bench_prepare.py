@@ -5,8 +5,9 @@ encode it, append EOS, write its ids to a .bin and its length to an index).
 
     python scripts/bench_prepare.py --mb 4 --rounds 5 --out docs/benchmarks/2026-12-prepare-cpu.json
 
-The corpus is the standard library's source (`lit_lm.data.stdlib_corpus`), one file per jsonl row; the tokenizer
-is lit-lm's BPE of 4096 tokens trained on it, saved as a `tokenizers` tokenizer.json (or --tokenizer_dir). Each
+The corpus is the standard library's source (`lit_lm.data.datamodule.stdlib_corpus`), one file per jsonl row; the
+tokenizer is lit-lm's BPE of 4096 tokens trained on it, saved as a `tokenizers` tokenizer.json (or --tokenizer_dir).
+Each
 contender runs in its own fresh process, alternated over shuffled rounds (scripts/bench_runner.py); the figure is
 the time of the work itself (the interpreter's start and imports excluded; prepare's pool start included).
 """
@@ -33,13 +34,13 @@ def one(name: str, corpus: Path, tokenizer_dir: str) -> dict:
     os.environ["RAYON_NUM_THREADS"] = "1"  # before the library's first parallel call: one thread per process
     import numpy as np
 
-    from lit_lm.tokenizer import load_tokenizer
+    from lit_lm.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer_dir)
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
         if name.startswith("prepare_w"):
-            from lit_lm.prepare import prepare
+            from lit_lm.data.prepare import prepare
 
             cores = int(name[len("prepare_w"):])
             tokens = prepare([str(corpus)], tokenizer_dir, str(Path(out) / "p"), workers=cores, chunk_mb=1.0,
@@ -68,8 +69,8 @@ def one(name: str, corpus: Path, tokenizer_dir: str) -> dict:
 
 
 def make_inputs(root: Path, mb: float, tokenizer_dir: str | None) -> tuple[Path, str]:
-    from lit_lm.data import stdlib_corpus
-    from lit_lm.tokenizer import BPETokenizer
+    from lit_lm.data.datamodule import stdlib_corpus
+    from lit_lm.data.tokenizer import BPETokenizer
 
     files = stdlib_corpus(mb)
     corpus = root / "corpus.jsonl"

@@ -20,7 +20,7 @@ processes, alternated over >= 5 rounds in an order shuffled per round (`bench_ru
 the rounds are `bench_ddp.py`'s dispatch.
 
 Allocator: the Trainer's strategy applies lit-lm's choice for glibc's malloc on a CPU rank (`LIT_LM_MALLOC`,
-strategies/host_malloc.py; default `large`: blocks from 8 MiB, 2 MiB under huge pages, mapped and returned when
+lit_lm/strategies/host_malloc.py; default `large`: blocks from 8 MiB, 2 MiB under huge pages, mapped and returned when
 freed); the plain loops and the references run on glibc's own malloc unless `--malloc` names a choice, which every
 contender then applies (its threshold from the start, the heap trimmed once before the first step), so that the
 loops differ by the loop alone. The engines' processes, both loops, start with torch's huge pages for big blocks, as
@@ -55,7 +55,7 @@ from bench_strategies import _env, add_run_args, footer, forwarded, model_config
 from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
 from lit_lm.resident import ResidentPeak  # noqa: E402
-from strategies.host_malloc import CHOICE, HUGE_PAGES, MODES, HostMalloc  # noqa: E402
+from lit_lm.strategies.host_malloc import CHOICE, HUGE_PAGES, MODES, HostMalloc  # noqa: E402
 
 REFERENCES = ["ddp", "zero_torch", "fsdp2"]
 KINDS = REFERENCES + ENGINES
@@ -169,7 +169,8 @@ def contenders(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 def huge_pages(args: argparse.Namespace, kind: str) -> bool:
-    """Whether `kind`'s processes start with torch's huge pages on (`--huge-pages`; strategies/host_malloc.py)."""
+    """Whether `kind`'s processes start with torch's huge pages on (`--huge-pages`;
+    lit_lm/strategies/host_malloc.py)."""
     return args.huge_pages == "all" or (args.huge_pages == "lit-lm" and kind not in REFERENCES)
 
 
@@ -203,8 +204,8 @@ def optimizer_step(reps: int = 7) -> None:
     """`--optimizer-step`: AdamW (foreach=False) over one rank's ZeRO-3 shards laid out as one flat tensor, per
     tensor, and as the flat step's pieces of 2^16, 2^18 and 2^20 elements; rank 0's CPU time per step (process time:
     what the load disturbs least), the layouts alternated in one process, median (min) of `reps`."""
-    import strategies.flat_step as flat_step
-    from strategies.flat_step import FlatShard
+    import lit_lm.strategies.flat_step as flat_step
+    from lit_lm.strategies.flat_step import FlatShard
 
     torch.set_num_threads(1)
     for name, sizes in {"4m": shard_layout(256, 4, 2048, 2), "44m": shard_layout(512, 8, 16000, 2)}.items():

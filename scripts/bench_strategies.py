@@ -17,14 +17,14 @@ each run's median steady step, shown with its min-max; the load average before e
 
 Per strategy: tokens/s and the ratio of its median to Lightning ddp's, model-state bytes per rank (params + grads
 + optimizer state, walked just before the last update) against theory, and the bytes each rank sent per step as
-the accounting layer (`strategies.comm`) recorded them, against theory (ddp and FSDP2 do not go through it: "-").
+the accounting layer (`lit_lm.strategies.comm`) recorded them, against theory (ddp and FSDP2 do not go through it: "-").
 Then the activation memory of one block under tp=1, tp=N and tp=N with SP: the bytes autograd saves in its
-forward (`strategies.tp_layers.SavedActivations`), norms and regions apart, against theory. Then the MoE rows
+forward (`lit_lm.strategies.tp_layers.SavedActivations`), norms and regions apart, against theory. Then the MoE rows
 (`bench_moe.py`): an MoE model vs a dense one with the same active parameters, and the bytes of the expert-parallel
 all-to-alls vs theory. Prints the tables and writes JSON (every round's raw numbers included).
 
 The composed layouts (`COMPOSED`: tp x pp, ZeRO-3 x tp, HSDP, ZeRO-1 dp x pp, dp x tp x pp) each run on exactly
-their world size. Their theory is the planner's estimator (`lit_lm.estimate.estimate`, the one place that knows
+their world size. Their theory is the planner's estimator (`lit_lm.planner.estimate.estimate`, the one place that knows
 what a layout allocates and sends): every rank's model-state bytes and sent bytes, in all and per group (tp, pp,
 dp_shard, dp_replicate, ...), beside the estimate for its pipeline stage; the table gives the largest over the
 ranks and the run names every rank and figure that differ.
@@ -57,16 +57,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runner import MARK, run_rounds, summarize, write_json  # noqa: E402
 from machine import describe  # noqa: E402
 from lit_lm.config import ModelConfig  # noqa: E402
-from lit_lm.estimate import Workload, estimate, rope_table_bytes  # noqa: E402
+from lit_lm.planner.estimate import Workload, estimate, rope_table_bytes  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
-from strategies.comm import COMM_LOG, wire_factor  # noqa: E402
-from strategies.composed import ComposedStrategy  # noqa: E402
-from strategies.ddp import DataParallelStrategy  # noqa: E402
-from strategies.layout import ParallelConfig, rank_grid  # noqa: E402
-from strategies.tp import TensorParallelStrategy  # noqa: E402
-from strategies.tp_layers import SavedActivations, TPGroup, parallelize_model  # noqa: E402
-from strategies.zero import ZeroStrategy  # noqa: E402
-from strategies.zero_engine import model_state_bytes  # noqa: E402
+from lit_lm.strategies.comm import COMM_LOG, wire_factor  # noqa: E402
+from lit_lm.strategies.composed import ComposedStrategy  # noqa: E402
+from lit_lm.strategies.ddp import DataParallelStrategy  # noqa: E402
+from lit_lm.strategies.layout import ParallelConfig, rank_grid  # noqa: E402
+from lit_lm.strategies.tp import TensorParallelStrategy  # noqa: E402
+from lit_lm.strategies.tp_layers import SavedActivations, TPGroup, parallelize_model  # noqa: E402
+from lit_lm.strategies.zero import ZeroStrategy  # noqa: E402
+from lit_lm.strategies.zero_engine import model_state_bytes  # noqa: E402
 
 STRATEGIES = ["ddp", "lm_ddp", "zero1", "zero2", "zero3", "fsdp2", "tp", "tp_sp"]
 # N-D layouts of `ComposedStrategy`, each run on exactly its world size (`--devices`): the strategy is built from
@@ -88,8 +88,8 @@ def tp_local_params(config: ModelConfig, n: int, sp: bool) -> int:
 
 
 def theory(name: str, config: ModelConfig, n: int, tokens: int) -> tuple[float, float]:
-    """(model-state bytes per rank, wire bytes per rank per step) for fp32 Adam (see strategies/zero_engine.py
-    and strategies/tp_layers.py)."""
+    """(model-state bytes per rank, wire bytes per rank per step) for fp32 Adam (see lit_lm/strategies/zero_engine.py
+    and lit_lm/strategies/tp_layers.py)."""
     phi = config.num_params()
     if name.startswith("tp"):  # tp over all n ranks: every rank sees the whole batch; per step (4L + 2)
         # activation all-reduces of tokens x d (or as many all-gather + reduce-scatter pairs under SP), the loss's
@@ -184,7 +184,7 @@ class LayoutProbe(Probe):
 
 def data_rank(strategy: Any, n: int, rank: int) -> tuple[int, int]:
     """(this rank's index among the ranks that split the batch, their number): tp and pp peers read the same
-    rows, so for our strategies it is the layout's dp group (`strategies/layout.py`); Lightning's ddp and FSDP2
+    rows, so for our strategies it is the layout's dp group (`lit_lm/strategies/layout.py`); Lightning's ddp and FSDP2
     make every rank a replica."""
     if not isinstance(strategy, ComposedStrategy):
         return rank, n
@@ -364,8 +364,8 @@ def _wire(comm: dict[str, int], sizes: dict[str, int], group: str | None = None)
 
 def composed_rows(table: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Per composed layout: tokens/s, and per rank model-state bytes, sent bytes in all and per group, each beside
-    the estimator's figure for that rank's pipeline stage (`lit_lm.estimate`); the rows give the largest over the
-    ranks, `differ` every rank and figure where measurement and estimate are not equal."""
+    the estimator's figure for that rank's pipeline stage (`lit_lm.planner.estimate`); the rows give the largest over
+    the ranks, `differ` every rank and figure where measurement and estimate are not equal."""
     work = Workload(model_config(args), args.seq_len, args.global_batch, args.precision)
     rows = []
     for name in (s for s in args.strategies if s in COMPOSED):

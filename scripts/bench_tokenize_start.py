@@ -31,8 +31,8 @@ from machine import describe, machine  # noqa: E402
 
 
 def make(root: Path, mb: float, files: int) -> None:
-    from lit_lm.data import stdlib_corpus
-    from lit_lm.tokenizer import BPETokenizer
+    from lit_lm.data.datamodule import stdlib_corpus
+    from lit_lm.data.tokenizer import BPETokenizer
 
     sources = stdlib_corpus(1e9)  # every file, in the seeded order
     root.mkdir(parents=True, exist_ok=True)
@@ -52,7 +52,7 @@ def make(root: Path, mb: float, files: int) -> None:
 def run(root: Path) -> dict:
     import lightning  # noqa: F401  (what `fit` has imported when its data module tokenizes)
 
-    from lit_lm.data import TextDataModule
+    from lit_lm.data.datamodule import TextDataModule
     from lit_lm.resident import ResidentPeak, status_bytes
 
     files = sorted(str(p) for p in root.glob("part*.txt"))

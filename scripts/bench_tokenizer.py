@@ -9,13 +9,14 @@ import json
 import time
 from pathlib import Path
 
-from lit_lm.data import stdlib_corpus
+from lit_lm.data.datamodule import stdlib_corpus
 from machine import machine  # scripts/: where the figures were measured
-from lit_lm.tokenizer import EOT, BPETokenizer
+from lit_lm.data.tokenizer import EOT, BPETokenizer
 
 
 def corpus_text(mb: float) -> str:
-    """The default training corpus (the stdlib's .py files, as `lit_lm.data` picks them) joined with <|endoftext|>."""
+    """The default training corpus (the stdlib's .py files, as `lit_lm.data.datamodule` picks them) joined with
+    <|endoftext|>."""
     return EOT.join(Path(p).read_text(encoding="utf-8", errors="replace") for p in stdlib_corpus(mb))
 
 

@@ -12,8 +12,8 @@ Contenders (each in its own fresh processes, alternated over >= 5 rounds in an o
   (optimizer state sharded, full gradients all-reduced, updated parameters broadcast): the reference for ZeRO-1/2;
 - `fsdp2`: torch FSDP2 (`fully_shard` per block and on the model, through Lightning's ModelParallelStrategy): the
   reference for ZeRO-3;
-- `zero1`, `zero2`, `zero3`: ours (`strategies/zero_engine.py`, the flat optimizer step of
-  `strategies/flat_step.py`);
+- `zero1`, `zero2`, `zero3`: ours (`lit_lm/strategies/zero_engine.py`, the flat optimizer step of
+  `lit_lm/strategies/flat_step.py`);
 - first all with the same AdamW (torch's default: on CPU a per-tensor loop), then each with its best setting
   (`--fused`: fused AdamW; torch DDP with `gradient_as_bucket_view` under ZeroRedundancyOptimizer);
 - `zero1_overlap`, `zero2_overlap`, `zero3_overlap`: the overlap measurement of `scripts/bench_ddp.py` (`AlternateComm`,
@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ddp import AlternateComm, CommAlone, _spread, bench_main, overlap_metrics  # noqa: E402
 from bench_runner import MARK  # noqa: E402
 from bench_strategies import _env, footer, forwarded, run_one  # noqa: E402
-from strategies import zero_engine  # noqa: E402
-from strategies.zero import ZeroStrategy  # noqa: E402
+from lit_lm.strategies import zero_engine  # noqa: E402
+from lit_lm.strategies.zero import ZeroStrategy  # noqa: E402
 
 SPEED = ["zero_torch", "zero1", "zero2", "fsdp2", "zero3"]
 KINDS = [*SPEED, "zero1_overlap", "zero2_overlap", "zero3_overlap"]

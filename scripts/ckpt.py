@@ -8,8 +8,8 @@ Every command takes any checkpoint a run writes: a single file (`make train`, Li
 sharded directory (lit-lm's strategies), and a Hugging Face model folder (config.json + safetensors). `inspect`
 reads no tensor data: a directory's DCP metadata, marker and meta.pt, a file memory-mapped, or the safetensors
 headers, so it is instant on any size; `convert` writes the whole state as one plain torch.save file
-(`strategies.checkpoint.to_single_file` for a directory) and needs it in CPU memory; `export-hf`
-is `lit_lm.hf_export.export_hf`. Errors are one line (`lit-lm: error: ...`, exit 2; `--debug` for a traceback).
+(`lit_lm.strategies.checkpoint.to_single_file` for a directory) and needs it in CPU memory; `export-hf`
+is `lit_lm.hf.exporter.export_hf`. Errors are one line (`lit-lm: error: ...`, exit 2; `--debug` for a traceback).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lit_lm.checkpoints import read_checkpoint, read_meta  # noqa: E402
 from lit_lm.errors import pop_debug_flag, reporting_errors  # noqa: E402
 from lit_lm.config import ModelConfig  # noqa: E402
-from lit_lm.hf_export import export_hf  # noqa: E402
-from lit_lm.hf_import import HFWeights, is_hf_folder  # noqa: E402
-from strategies.checkpoint import check_complete, is_sharded_checkpoint, to_single_file  # noqa: E402
-from strategies.safe_load import SafeFileSystemReader  # noqa: E402
+from lit_lm.hf.exporter import export_hf  # noqa: E402
+from lit_lm.hf.importer import HFWeights, is_hf_folder  # noqa: E402
+from lit_lm.strategies.checkpoint import check_complete, is_sharded_checkpoint, to_single_file  # noqa: E402
+from lit_lm.strategies.safe_load import SafeFileSystemReader  # noqa: E402
 
 
 def _tensors(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.dtype, list[int]]]:

@@ -33,10 +33,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_runner import MIN_ROUNDS  # noqa: E402
-from callbacks.compress import QAT, Pruning  # noqa: E402
-from callbacks.compress.qat import model_bytes  # noqa: E402
+from lit_lm.callbacks.compress import QAT, Pruning  # noqa: E402
+from lit_lm.callbacks.compress.qat import model_bytes  # noqa: E402
 from lit_lm.cli import DEFAULT_CONFIG, LitLMCLI  # noqa: E402
-from lit_lm.data import TextDataModule  # noqa: E402
+from lit_lm.data.datamodule import TextDataModule  # noqa: E402
 from lit_lm.module import LanguageModel  # noqa: E402
 from time_forward import forward_latency  # noqa: E402
 

@@ -22,14 +22,14 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import Tensor
 
-from kernels.attention import attention_reference, flash_attention
-from kernels.cross_entropy import IGNORE_INDEX, cross_entropy, cross_entropy_reference
-from kernels.gelu import gelu, gelu_reference
-from kernels.matmul import matmul, matmul_reference
-from kernels.rmsnorm import rmsnorm, rmsnorm_reference
-from kernels.rope import RotaryEmbedding, rope, rope_reference
-from kernels.softmax import softmax, softmax_reference
-from kernels.swiglu import swiglu, swiglu_reference
+from lit_lm.kernels.attention import attention_reference, flash_attention
+from lit_lm.kernels.cross_entropy import IGNORE_INDEX, cross_entropy, cross_entropy_reference
+from lit_lm.kernels.gelu import gelu, gelu_reference
+from lit_lm.kernels.matmul import matmul, matmul_reference
+from lit_lm.kernels.rmsnorm import rmsnorm, rmsnorm_reference
+from lit_lm.kernels.rope import RotaryEmbedding, rope, rope_reference
+from lit_lm.kernels.softmax import softmax, softmax_reference
+from lit_lm.kernels.swiglu import swiglu, swiglu_reference
 
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 EAGER_FACTOR = 2.0  # a kernel may be at most this many times less accurate than the reference in the same dtype

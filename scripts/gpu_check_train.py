@@ -20,14 +20,14 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from callbacks.throughput import peak_flops_for, synchronized_clock
-from kernels import KERNELS
+from lit_lm.callbacks.throughput import peak_flops_for, synchronized_clock
+from lit_lm.kernels import KERNELS
 from lit_lm.config import ModelConfig
-from lit_lm.estimate import flops_per_token
+from lit_lm.planner.estimate import flops_per_token
 from lit_lm.module import LanguageModel
-from strategies.compile import COMPILES
-from strategies.ddp import DataParallelStrategy
-from strategies.zero import ZeroStrategy
+from lit_lm.strategies.compile import COMPILES
+from lit_lm.strategies.ddp import DataParallelStrategy
+from lit_lm.strategies.zero import ZeroStrategy
 
 STRATEGIES: dict[str, Callable[[], Any]] = {
     "lm_ddp": DataParallelStrategy,
@@ -60,7 +60,7 @@ class StepTimer(L.Callback):
     (optimizer steps included), the device synchronised only at those two ends: no measured step waits for the
     device, as a run's steady state does not. Also each batch start on the host clock (`step_seconds`, unsynchronised:
     on CUDA the host may run ahead of the device, so one step's figure is indicative; the window's total is exact)
-    and what torch.compile did in each step (`strategies.compile.COMPILES`: graphs and seconds), so the compile
+    and what torch.compile did in each step (`lit_lm.strategies.compile.COMPILES`: graphs and seconds), so the compile
     time is reported apart and a compile inside the window shows."""
 
     def __init__(self, warmup: int) -> None:
@@ -218,7 +218,8 @@ def run_fits(report: Any, dry_run: bool, device: torch.device) -> str:
             print(f"  {name:>7} kernels {'on ' if kernels else 'off'}: "
                   f"{run.get('losses') or run.get('error')}", flush=True)
             report.update(runs=runs)
-    # the Triton kernels under torch.compile (`kernels.runtime.Op`: triton_op, launched from inductor's code on a GPU)
+    # the Triton kernels under torch.compile (`lit_lm.kernels.runtime.Op`: triton_op, launched from inductor's code on
+    # a GPU)
     compiled = "aot_eager" if dry_run else True
     try:
         runs.append(fit(config, "lm_ddp", True, precision, device=device, compile=compiled, **shape))
@@ -287,7 +288,7 @@ def run_mfu(report: Any, dry_run: bool, device: torch.device, peak_tflops: Optio
     if peak_tflops:
         peak, source = peak_tflops * 1e12, "--peak-tflops"
     elif peak_flops_for(name):
-        peak, source = peak_flops_for(name), "callbacks.throughput.PEAK_FLOPS"
+        peak, source = peak_flops_for(name), "lit_lm.callbacks.throughput.PEAK_FLOPS"
     elif dry_run:
         peak, source = 1e12, "dry-run nominal 1 TFLOP/s"
     else:
@@ -327,7 +328,7 @@ def peak_for(device: torch.device, dry_run: bool, peak_tflops: Optional[float]) 
     if peak_tflops:
         return peak_tflops * 1e12, "--peak-tflops", name
     if peak_flops_for(name):
-        return peak_flops_for(name), "callbacks.throughput.PEAK_FLOPS", name
+        return peak_flops_for(name), "lit_lm.callbacks.throughput.PEAK_FLOPS", name
     if dry_run:
         return 1e12, "dry-run nominal 1 TFLOP/s", name
     raise RuntimeError(f"no peak FLOP/s known for {name!r}: pass --peak-tflops")

@@ -17,7 +17,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from strategies.host_malloc import thp_mode
+from lit_lm.strategies.host_malloc import thp_mode
 
 # The flags (as /proc/cpuinfo spells them) that select different kernels in torch, oneDNN and fbgemm.
 FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16",

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lit_lm.checkpoints import check_config, data_from_checkpoint, read_checkpoint  # noqa: E402
 from lit_lm.config import ConfigError  # noqa: E402
-from lit_lm.data import TextDataModule  # noqa: E402
+from lit_lm.data.datamodule import TextDataModule  # noqa: E402
 from lit_lm.module import LanguageModel  # noqa: E402
+from lit_lm.moved import load_yaml  # noqa: E402
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
@@ -36,7 +36,7 @@ def data_module(ckpt: dict[str, Any], configs: Optional[list[Path]] = None) -> T
     agree with the checkpoint (else a one-line ConfigError names the field); its batch_size and data_dir apply."""
     overrides: dict[str, Any] = {}
     for path in configs or []:
-        config = yaml.safe_load(Path(path).read_text()) or {}
+        config = load_yaml(Path(path).read_text()) or {}
         check_config(ckpt, config, str(path))
         data = (config.get("data") or {}).get("init_args") or {}
         overrides.update({k: data[k] for k in ("batch_size", "data_dir") if k in data})

@@ -31,9 +31,9 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from callbacks.compress import QAT  # noqa: E402
-from callbacks.compress.ptq import METHODS, PTQ  # noqa: E402
-from lit_lm.data import TextDataModule  # noqa: E402
+from lit_lm.callbacks.compress import QAT  # noqa: E402
+from lit_lm.callbacks.compress.ptq import METHODS, PTQ  # noqa: E402
+from lit_lm.data.datamodule import TextDataModule  # noqa: E402
 from lit_lm.errors import pop_debug_flag, reporting_errors  # noqa: E402
 from lit_lm.module import LanguageModel  # noqa: E402
 from offline import batches, build_model, data_module, load_checkpoint, val_loss  # noqa: E402

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from callbacks.compress.core import DEFAULT_EXCLUDE, select  # noqa: E402
-from callbacks.compress.pruning import magnitude_masks  # noqa: E402
+from lit_lm.callbacks.compress.core import DEFAULT_EXCLUDE, select  # noqa: E402
+from lit_lm.callbacks.compress.pruning import magnitude_masks  # noqa: E402
 from lit_lm.errors import pop_debug_flag, reporting_errors  # noqa: E402
 from offline import batches, build_model, data_module, load_checkpoint, val_loss  # noqa: E402
-from strategies.base import whole_weights  # noqa: E402
+from lit_lm.strategies.base import whole_weights  # noqa: E402
 
 
 def plot_curves(results: dict[str, dict[float, float]], dense: float, path: Path) -> Path:

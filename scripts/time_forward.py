@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the pickled c
 from bench_runner import MARK, MIN_ROUNDS, summarize  # noqa: E402
 
 # the classes a pickled model holds, imported: load_result allows only classes of modules already imported
-import callbacks.compress.qat  # noqa: E402,F401
+import lit_lm.callbacks.compress.qat  # noqa: E402,F401
 import lit_lm.model  # noqa: E402,F401
 from lit_lm.spawn import load_result  # noqa: E402
 

@@ -24,7 +24,7 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lit_lm.checkpoints import DATA_SETTINGS, read_checkpoint  # noqa: E402
 from lit_lm.config import ModelConfig  # noqa: E402
-from lit_lm.data import TextDataModule  # noqa: E402
+from lit_lm.data.datamodule import TextDataModule  # noqa: E402
 from lit_lm.errors import pop_debug_flag, reporting_errors  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
 

@@ -17,14 +17,15 @@ from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
 from lit_lm.parity import TINY, rank_share, token_data
 from lit_lm.spawn import free_port, run_distributed
-from strategies.plan import step_loss_fn
+from lit_lm.strategies.plan import step_loss_fn
 
 __all__ = ["REFERENCE_TILES", "TINY", "Recorder", "TinyLM", "fit_tiny", "free_port", "rank_share", "run_distributed",
            "token_data"]
 
 # the ranks' environment for strategy runs under context parallelism: their attention tiles by the PyTorch reference,
-# the path `fit` takes on CPU (strategies/cp.py), not by the FlashAttention kernel in Triton's interpreter, which the
-# suite turns on for the kernel tests (conftest.py): there a 2-step cp2 run on 4 ranks took 43-72 s (every other
+# the path `fit` takes on CPU (lit_lm/strategies/cp.py), not by the FlashAttention kernel in Triton's interpreter,
+# which the suite turns on for the kernel tests (conftest.py): there a 2-step cp2 run on 4 ranks took 43-72 s (every
+# other
 # layout of test_estimate 0.3-2 s). The kernel's tiles under cp are checked against attention on the whole sequence
 # in test_cp's attention test (cp 2, forward and backward), the kernel itself in test_kernels.
 REFERENCE_TILES = {"TRITON_INTERPRET": "0"}

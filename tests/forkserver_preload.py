@@ -9,6 +9,7 @@ fails there with its traceback, where a failure in the server would stop it and 
 import contextlib
 import importlib
 
-for name in ("pytest", "dist_utils", "lit_lm.parity", "lit_lm.module", "strategies.composed", "strategies.registry"):
+for name in ("pytest", "dist_utils", "lit_lm.parity", "lit_lm.module", "lit_lm.strategies.composed",
+             "lit_lm.strategies.registry"):
     with contextlib.suppress(Exception):
         importlib.import_module(name)

@@ -1,6 +1,6 @@
-"""Activation checkpointing (strategies.ac): the same losses, gradients and MoE state as without it, and the
+"""Activation checkpointing (lit_lm.strategies.ac): the same losses, gradients and MoE state as without it, and the
 activation memory each mode leaves for the backward, measured and checked against the planner's per-block figures
-(`lit_lm.estimate.block_kept`)."""
+(`lit_lm.planner.estimate.block_kept`)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from dist_utils import TINY, run_distributed, token_data
 from lit_lm.config import ModelConfig
-from lit_lm.estimate import block_kept
+from lit_lm.planner.estimate import block_kept
 from lit_lm.model import Transformer
 from lit_lm.moe import moe_aux_loss, moe_layers, update_router_bias
 from lit_lm.parity import MOE, Case, assert_parity, run_parity
-from strategies.ac import ActivationMemory, Checkpointed, apply_activation_checkpointing, check_mode
-from strategies.cp import parallelize_context
-from strategies.layout import ParallelConfig
-from strategies.plan import find_block_model
-from strategies.zero import ZeroStrategy
+from lit_lm.strategies.ac import ActivationMemory, Checkpointed, apply_activation_checkpointing, check_mode
+from lit_lm.strategies.cp import parallelize_context
+from lit_lm.strategies.layout import ParallelConfig
+from lit_lm.strategies.plan import find_block_model
+from lit_lm.strategies.zero import ZeroStrategy
 
 BATCH, SEQ = 4, 16
 DEFAULT = dict(TINY, d_model=192, n_layers=4, n_heads=6, n_kv_heads=2)  # configs/default.yaml's blocks

@@ -27,7 +27,7 @@ from lit_lm.check.scale import scaled_config
 from lit_lm.cli import DEFAULT_CONFIG, LitLMCLI, main
 from lit_lm.config import ModelConfig
 from lit_lm.module import LanguageModel
-from strategies.layout import ParallelConfig
+from lit_lm.strategies.layout import ParallelConfig
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 MOE = ["--config", str(CONFIGS / "models" / "moe_tiny.yaml")]
@@ -102,7 +102,8 @@ MUTANTS_4 = {
     "hsdp_sampler_from_dp_shard": (mutants.sampler_from_dp_shard, _argv(
         "zero3", 4, "--trainer.strategy.init_args.data_parallel_replicate_size", "2"), r"read the same row"),
     # ZeRO's rows at another rank's offsets (the global rank wrapped into the group's range): its in-place
-    # collectives' chunk is not the rank's own, refused at launch (strategies/comm.py; gloo ran it, gradients differed)
+    # collectives' chunk is not the rank's own, refused at launch (lit_lm/strategies/comm.py; gloo ran it, gradients
+    # differed)
     "zero_global_rank": (mutants.zero_global_rank, _argv("dp_tp_zero", 4), r"in-place chunk .* not this rank's"),
 }
 

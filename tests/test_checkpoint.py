@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-import strategies.registry  # noqa: F401  (registers lm_ddp)
+import lit_lm.strategies.registry  # noqa: F401  (registers lm_ddp)
 from dist_utils import TinyLM, fit_tiny, run_distributed
 from test_cli import run_script
 from lit_lm.parity import MOE, Case, assert_parity, run_parity
-from strategies.zero import ZeroStrategy
-from strategies import safe_load
-from strategies.checkpoint import is_sharded_checkpoint
+from lit_lm.strategies.zero import ZeroStrategy
+from lit_lm.strategies import safe_load
+from lit_lm.strategies.checkpoint import is_sharded_checkpoint
 
 K = 4  # optimizer steps per epoch: checkpoint at the end of epoch 0, train to 2K
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lit_lm.checkpoints import read_checkpoint, read_meta
-from strategies import checkpoint as ckpt
-from strategies.safe_load import UnsafeCheckpointError
+from lit_lm.strategies import checkpoint as ckpt
+from lit_lm.strategies.safe_load import UnsafeCheckpointError
 from test_cli import run_cli, run_script
 
 REPO = Path(__file__).resolve().parent.parent

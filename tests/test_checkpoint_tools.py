@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from lit_lm import estimate
+from lit_lm.planner import estimate
 from lit_lm.checkpoints import DATA_SETTINGS, data_from_checkpoint, read_checkpoint, tokenizer_from
 from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
@@ -129,7 +129,7 @@ def test_upcycled_checkpoint_generates_alone_and_exports_as_mixtral(run, tmp_pat
                         "--temperature", "0", cwd=tmp_path)
     assert generated.returncode == 0 and generated.stdout.startswith("def "), generated.stderr[-3000:]
 
-    # every block MoE, softmax top-2 renormalised: a Mixtral (lit_lm.hf_families; logits: tests/test_hf_families.py)
+    # every block MoE, softmax top-2 renormalised: a Mixtral (lit_lm.hf.families; logits: tests/test_hf_families.py)
     export = script("ckpt.py", "export-hf", moe, tmp_path / "hf", cwd=tmp_path)
     assert export.returncode == 0, export.stderr[-3000:]
     assert json.loads((tmp_path / "hf/config.json").read_text())["model_type"] == "mixtral"

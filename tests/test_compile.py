@@ -25,24 +25,24 @@ from torch._inductor import config as inductor_config
 
 from lit_lm.parity import MOE, TINY, Case, _fit_cases, assert_parity, reference
 from lit_lm.spawn import run_distributed
-from strategies.composed import ComposedStrategy
-from strategies.ac import apply_activation_checkpointing
-from kernels.runtime import interpreting
-from strategies.compile import COMPILES, REFUSED, CompiledForward, compile_blocks
+from lit_lm.strategies.composed import ComposedStrategy
+from lit_lm.strategies.ac import apply_activation_checkpointing
+from lit_lm.kernels.runtime import interpreting
+from lit_lm.strategies.compile import COMPILES, REFUSED, CompiledForward, compile_blocks
 
 ONE_LAYER = dict(TINY, n_layers=1)
 STEPS = 5
 
 
 class CompileCount(L.Callback):
-    """Compiles so far in this process after each training batch (`strategies.compile.COMPILES`), and the blocks
+    """Compiles so far in this process after each training batch (`lit_lm.strategies.compile.COMPILES`), and the blocks
     of this rank and how many of them run compiled forwards. A block that recompiles past dynamo's limit fails the
     run (dynamo would otherwise run it eagerly and silently: a counter that stopped counting)."""
 
     def __init__(self) -> None:
         self.counts: list[int] = []
         self.blocks = self.compiled_blocks = 0
-        self.kernels: list[str] = []  # the `kernels/` modules in the blocks, and whether they ran Triton
+        self.kernels: list[str] = []  # the `lit_lm/kernels/` modules in the blocks, and whether they ran Triton
         self.triton = False
 
     def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
@@ -55,7 +55,7 @@ class CompileCount(L.Callback):
         self.compiled_blocks = sum(isinstance(b.__dict__.get("forward"), CompiledForward)
                                    for b in module.model.blocks.values())
         self.kernels = sorted({type(m).__name__ for m in module.model.blocks.modules()
-                               if type(m).__module__.startswith("kernels.")})
+                               if type(m).__module__.startswith("lit_lm.kernels.")})
         self.triton = interpreting()
 
     def __getstate__(self) -> dict[str, Any]:  # what travels back from a rank (Lightning binds `log` to callbacks)
@@ -120,8 +120,9 @@ INDUCTOR_2 = {
 }
 
 # every kernel `kernels.apply` swaps into a block (cross_entropy is the head's, outside the compiled blocks), run by
-# Triton's interpreter on the ranks: each launcher is a `torch.library` op (`kernels.runtime.op`), one opaque call in
-# the block's graph. Before, dynamo traced Triton's launch code and guarded on each kernel's argument count and block
+# Triton's interpreter on the ranks: each launcher is a `torch.library` op (`lit_lm.kernels.runtime.op`), one opaque
+# call in the block's graph. Before, dynamo traced Triton's launch code and guarded on each kernel's argument count and
+# block
 # sizes: 47 graphs in step 1 and one more in step 2 (one layer, one process; TORCH_LOGS=recompiles).
 BLOCK_KERNELS = ("rmsnorm", "swiglu", "rope", "attention")
 # One sequence per rank, 3 steps (the counter unchanged in steps 2 and 3): the interpreter runs each kernel's
@@ -163,7 +164,7 @@ def test_the_option_compiles_blocks_in_place_and_generation_stays_eager() -> Non
     from lit_lm.generate import generate
     from lit_lm.model import Transformer
     from lit_lm.config import ModelConfig
-    from strategies.compile import compile_backend, compile_blocks
+    from lit_lm.strategies.compile import compile_backend, compile_blocks
 
     assert compile_backend(True) == "inductor" and compile_backend(False) is None
     assert compile_backend("aot_eager") == "aot_eager"
@@ -187,7 +188,7 @@ def test_the_planner_plans_compile_with_checkpointing() -> None:
     from rich.console import Console
 
     from lit_lm.config import ConfigError
-    from lit_lm.plan_cli import _speed_options
+    from lit_lm.planner.cli import _speed_options
 
     console = Console(file=io.StringIO())
     compiled = {"model": {"init_args": {"compile": True, "fp8": "rowwise"}}}

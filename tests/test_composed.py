@@ -21,13 +21,13 @@ import torch
 from dist_utils import REFERENCE_TILES, TinyLM, token_data
 from lit_lm.parity import CLIP_ABOVE, MOE, TINY, Case, assert_parity, run_parity
 from lit_lm.spawn import run_distributed
-from strategies import plan
-from strategies.composed import ComposedStrategy
-from strategies.errors import ConfigError
-from strategies.ep import ExpertParallelStrategy
-from strategies.pp import PipelineStrategy
-from strategies.tp import TensorParallelStrategy
-from strategies.zero import ZeroStrategy
+from lit_lm.strategies import plan
+from lit_lm.strategies.composed import ComposedStrategy
+from lit_lm.strategies.errors import ConfigError
+from lit_lm.strategies.ep import ExpertParallelStrategy
+from lit_lm.strategies.pp import PipelineStrategy
+from lit_lm.strategies.tp import TensorParallelStrategy
+from lit_lm.strategies.zero import ZeroStrategy
 
 # MoE in every block and no Switch loss: a pipeline computes routing statistics per microbatch (as Megatron does),
 # so only per-token losses (z-loss) and the step-summed bias update can match a one-process run exactly
@@ -181,14 +181,15 @@ ENGINES = ["ac", "comm", "cp", "dp_engine", "experts", "grad_sync", "layout", "p
 
 def test_engines_import_without_lightning() -> None:
     """The engines are usable (and testable) without a Trainer: importing them must not import Lightning."""
-    code = ("import sys\n" + "".join(f"import strategies.{name}\n" for name in ENGINES) +
+    code = ("import sys\n" + "".join(f"import lit_lm.strategies.{name}\n" for name in ENGINES) +
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "[]", out.stdout
 
 
-# -- the loss seam: one rule (strategies.plan.StepLoss), kept where a strategy computes the step's loss itself ------
+# -- the loss seam: one rule (lit_lm.strategies.plan.StepLoss), kept where a strategy computes the step's loss itself
+# ------
 def test_step_loss_is_called_once_per_step_and_the_model_never_directly() -> None:
     model = torch.nn.Linear(2, 2)
     seam = plan.StepLoss(model, lambda x, y, **_: (model(x).sum(), y.sum()), "pipeline parallelism")
@@ -212,7 +213,7 @@ def test_step_loss_is_called_once_per_step_and_the_model_never_directly() -> Non
 
 
 class DirectLossLM(TinyLM):
-    """Calls `model.loss` itself, bypassing the strategy's loss seam (`strategies.plan.LossSeam`)."""
+    """Calls `model.loss` itself, bypassing the strategy's loss seam (`lit_lm.strategies.plan.LossSeam`)."""
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.model.loss(batch[0][:, :-1], batch[0][:, 1:])[0]

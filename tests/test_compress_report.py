@@ -11,13 +11,13 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from callbacks.compress import QAT
-from callbacks.compress.core import DEFAULT_EXCLUDE, select
-from callbacks.compress.qat import IntLinear
+from lit_lm.callbacks.compress import QAT
+from lit_lm.callbacks.compress.core import DEFAULT_EXCLUDE, select
+from lit_lm.callbacks.compress.qat import IntLinear
 from dist_utils import TINY, token_data
 from lit_lm.config import ModelConfig
 from lit_lm.module import LanguageModel
-from strategies.base import whole_weights
+from lit_lm.strategies.base import whole_weights
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 

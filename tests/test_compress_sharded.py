@@ -14,14 +14,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from callbacks.compress import QAT, KMeansQuantization, Pruning
-from callbacks.compress.core import local_part, owned_weights
+from lit_lm.callbacks.compress import QAT, KMeansQuantization, Pruning
+from lit_lm.callbacks.compress.core import local_part, owned_weights
 from dist_utils import TinyLM, rank_share, run_distributed, token_data
 from lit_lm.config import ConfigError
-from strategies.base import WeightShard
-from strategies.pp import PipelineStrategy
-from strategies.tp import TensorParallelStrategy
-from strategies.zero import ZeroStrategy
+from lit_lm.strategies.base import WeightShard
+from lit_lm.strategies.pp import PipelineStrategy
+from lit_lm.strategies.tp import TensorParallelStrategy
+from lit_lm.strategies.zero import ZeroStrategy
 
 
 class FrozenLM(TinyLM):
@@ -192,8 +192,8 @@ def test_shard_local_masks_differ_from_global() -> None:
     (columns) taking its own channel scale, is not the global answer when the shards' magnitudes differ."""
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(8, 16, generator=gen) * torch.tensor([1.0] * 4 + [3.0] * 4)[:, None]
-    from callbacks.compress.pruning import magnitude_masks
-    from callbacks.compress.qat import weight_scale
+    from lit_lm.callbacks.compress.pruning import magnitude_masks
+    from lit_lm.callbacks.compress.qat import weight_scale
 
     global_mask = magnitude_masks([w], 0.5)[0]
     local = torch.cat([magnitude_masks([part], 0.5)[0] for part in w.chunk(2, 0)])

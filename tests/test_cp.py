@@ -1,5 +1,5 @@
-"""Context parallelism (strategies/cp.py) against single-process attention and training, on gloo; an odd ring (cp=3)
-through the strategy in the parity harness, where a ring turned around is reported (cp=2 cannot tell)."""
+"""Context parallelism (lit_lm/strategies/cp.py) against single-process attention and training, on gloo; an odd ring
+(cp=3) through the strategy in the parity harness, where a ring turned around is reported (cp=2 cannot tell)."""
 
 from __future__ import annotations
 
@@ -18,17 +18,17 @@ from torch import nn
 
 from dist_utils import REFERENCE_TILES, TINY, run_distributed
 from lit_lm.parity import Case, assert_parity, run_parity
-from kernels.attention import attention_reference
+from lit_lm.kernels.attention import attention_reference
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.model import RotaryEmbedding, Transformer
-from strategies import cp as context
-from strategies.comm import COMM_LOG
-from strategies.composed import ComposedStrategy
-from strategies.cp import (METHODS, ContextParallelAttention, block_plan, comm_theory, context_attention,
+from lit_lm.strategies import cp as context
+from lit_lm.strategies.comm import COMM_LOG
+from lit_lm.strategies.composed import ComposedStrategy
+from lit_lm.strategies.cp import (METHODS, ContextParallelAttention, block_plan, comm_theory, context_attention,
                            parallelize_context, saved_bytes_theory, tile_mask, zigzag_batch, zigzag_gather,
                            zigzag_merge, zigzag_positions, zigzag_runs, zigzag_split)
-from strategies.tp_layers import SavedActivations, TPGroup, parallelize_model
-from strategies.zero_engine import ZeroEngine
+from lit_lm.strategies.tp_layers import SavedActivations, TPGroup, parallelize_model
+from lit_lm.strategies.zero_engine import ZeroEngine
 
 # (query heads, kv heads, sliding window): MHA, GQA, GQA with windows inside a chunk, across chunks, of one token;
 # window 6 at cp=4 leaves rows with no key in the first tile they meet (the merge must keep lse = −inf, not NaN)
@@ -94,7 +94,7 @@ def test_block_plan_tiles_exactly_the_pairs_attention_sees(cp: int) -> None:
 def test_zigzag_batch_stays_on_the_device_and_reuses_its_positions(monkeypatch: pytest.MonkeyPatch) -> None:
     """No host sync per step: the loss weight is a tensor (cp · local valid / all valid, 1 when nothing is valid),
     and the positions are one tensor across steps, so the model's RoPE tables for them are built once."""
-    import strategies.cp as context
+    import lit_lm.strategies.cp as context
 
     monkeypatch.setattr(context, "dist", type("FakeDist", (), {"get_rank": staticmethod(lambda group=None: 1),
                                                                "get_world_size": staticmethod(lambda group=None: 2)}))

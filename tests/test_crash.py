@@ -17,13 +17,13 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-import strategies.registry  # noqa: F401  (registers lm_ddp, zero2)
-from callbacks.nan_guard import NanGuard, NonFiniteError
+import lit_lm.strategies.registry  # noqa: F401  (registers lm_ddp, zero2)
+from lit_lm.callbacks.nan_guard import NanGuard, NonFiniteError
 from dist_utils import fit_tiny, free_port, run_distributed
 from test_cli import run_script
-from strategies import checkpoint as ckpt
-from strategies import safe_load
-from strategies.ddp import DataParallelStrategy
+from lit_lm.strategies import checkpoint as ckpt
+from lit_lm.strategies import safe_load
+from lit_lm.strategies.ddp import DataParallelStrategy
 
 TESTS = Path(__file__).resolve().parent
 

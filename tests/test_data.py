@@ -9,7 +9,7 @@ import torch
 from lightning.fabric.utilities.types import _Stateful
 
 from lit_lm.config import ConfigError
-from lit_lm.data import TextDataModule
+from lit_lm.data.datamodule import TextDataModule
 
 TEXT = "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n" * 40
 

@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from lit_lm.tokenizer import BPETokenizer
+from lit_lm.data.tokenizer import BPETokenizer
 
 CHILD = r"""
 import json, sys
 from pathlib import Path
-import lit_lm.corpus, lit_lm.token_file
-from lit_lm.data import TextDataModule
+import lit_lm.data.corpus, lit_lm.data.token_file
+from lit_lm.data.datamodule import TextDataModule
 
-lit_lm.corpus.PIECE_CHARS = 1 << 14
-lit_lm.token_file.BATCH_CHARS = 1 << 16
+lit_lm.data.corpus.PIECE_CHARS = 1 << 14
+lit_lm.data.token_file.BATCH_CHARS = 1 << 16
 def status(key):
     line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key + ":"))
     return int(line.split()[1]) * 1024
@@ -31,11 +31,11 @@ dm.prepare_data()
 meta = json.loads((dm.cache_dir / "tokens.json").read_text())
 out = {"growth": status("VmHWM") - before, "peak": status("VmHWM"), "tokens": meta["n_tokens"]}
 
-import lit_lm.prepare
-lit_lm.prepare.WORKER_BATCH_CHARS = 1 << 16
+import lit_lm.data.prepare
+lit_lm.data.prepare.WORKER_BATCH_CHARS = 1 << 16
 Path("/proc/self/clear_refs").write_text("5")
 before = status("VmRSS")
-index = lit_lm.prepare.prepare(files, tok, data_dir + "/prepared", workers=1, chunk_mb=0.0625, progress=False)
+index = lit_lm.data.prepare.prepare(files, tok, data_dir + "/prepared", workers=1, chunk_mb=0.0625, progress=False)
 out["prepare"] = {"growth": status("VmHWM") - before, "peak": status("VmHWM"), "tokens": index["tokens"]}
 print(json.dumps(out))
 """

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from lit_lm.config import ConfigError, ModelConfig
-from lit_lm.data import TextDataModule
-from lit_lm.mixture import BLOCK, MixtureWindows, ShardWindows, apportion
+from lit_lm.data.datamodule import TextDataModule
+from lit_lm.data.mixture import BLOCK, MixtureWindows, ShardWindows, apportion
 from lit_lm.module import LanguageModel
-from lit_lm.prepare import prepare
-from lit_lm.tokenizer import BPETokenizer
+from lit_lm.data.prepare import prepare
+from lit_lm.data.tokenizer import BPETokenizer
 
 WEIGHTS = {"web": 0.5, "code": 0.3, "books": 0.2}
 

@@ -12,14 +12,14 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
 
-import strategies.registry  # noqa: F401  (registers lm_ddp)
-from callbacks.clip import GlobalNormClip
+import lit_lm.strategies.registry  # noqa: F401  (registers lm_ddp)
+from lit_lm.callbacks.clip import GlobalNormClip
 from dist_utils import TinyLM, run_distributed
 from lit_lm.parity import CLIP_ABOVE, Case, assert_parity, run_parity
-from strategies.comm import COMM_LOG
-from strategies.ddp import DataParallelStrategy
-from strategies.grad_sync import GradSync, _bucketize
-from strategies.zero_engine import model_state_bytes
+from lit_lm.strategies.comm import COMM_LOG
+from lit_lm.strategies.ddp import DataParallelStrategy
+from lit_lm.strategies.grad_sync import GradSync, _bucketize
+from lit_lm.strategies.zero_engine import model_state_bytes
 
 
 # -- engine ------------------------------------------------------------------------------------------------------

@@ -23,13 +23,13 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from callbacks.compress import PTQ, QAT, KMeansQuantization
-from callbacks.compress.core import pack_bits, select, unpack_bits
-from callbacks.compress.kmeans import kmeans_1d
-from callbacks.compress.pruning import UnitGroup, magnitude_masks, nm_mask
-from callbacks.compress.ptq import choose_range
-from callbacks.compress.qat import IntLinear
-from strategies.base import whole_weights
+from lit_lm.callbacks.compress import PTQ, QAT, KMeansQuantization
+from lit_lm.callbacks.compress.core import pack_bits, select, unpack_bits
+from lit_lm.callbacks.compress.kmeans import kmeans_1d
+from lit_lm.callbacks.compress.pruning import UnitGroup, magnitude_masks, nm_mask
+from lit_lm.callbacks.compress.ptq import choose_range
+from lit_lm.callbacks.compress.qat import IntLinear
+from lit_lm.strategies.base import whole_weights
 
 
 def _linears(device: str | torch.device = "cpu") -> nn.ModuleDict:

@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PAGES = sorted([REPO / "README.md", REPO / "tests" / "README.md", *(REPO / "docs").rglob("*.md")])
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-# a path in backticks that starts at a top-level folder of the repository, e.g. `strategies/pp_schedules.py`
+# a path in backticks that starts at a top-level folder of the repository, e.g. `lit_lm/strategies/pp_schedules.py`
 REPO_PATH = re.compile(r"`((?:configs|scripts|strategies|kernels|lit_lm|callbacks|tests|docs)/[\w./-]*[\w/])`")
 
 

@@ -1,5 +1,5 @@
-"""Expert parallelism (`strategies.experts`): the dispatch engine on its own, then `ep` and dp x ep (with ZeRO-1/2)
-against one process, and checkpoints resumed across ZeRO stages."""
+"""Expert parallelism (`lit_lm.strategies.experts`): the dispatch engine on its own, then `ep` and dp x ep (with
+ZeRO-1/2) against one process, and checkpoints resumed across ZeRO stages."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ from lit_lm.config import ModelConfig
 from lit_lm.module import LanguageModel
 from lit_lm.model import Transformer
 from lit_lm.moe import GroupedExperts, moe_layers
-from strategies import safe_load
-from strategies.checkpoint import to_single_file
-from strategies.comm import COMM_LOG
-from strategies.ep import ExpertParallelStrategy
-from strategies.experts import ExpertShard, check_expert_parallel
-from strategies.layout import ParallelDims, ParallelLayout
+from lit_lm.strategies import safe_load
+from lit_lm.strategies.checkpoint import to_single_file
+from lit_lm.strategies.comm import COMM_LOG
+from lit_lm.strategies.ep import ExpertParallelStrategy
+from lit_lm.strategies.experts import ExpertShard, check_expert_parallel
+from lit_lm.strategies.layout import ParallelDims, ParallelLayout
 
 STEPS = 5  # odd: the sign updates cannot cancel to a zero bias
 

@@ -1,4 +1,4 @@
-"""The estimator (`lit_lm.estimate`) against measurement: real strategies on 4 gloo ranks, per rank model-state
+"""The estimator (`lit_lm.planner.estimate`) against measurement: real strategies on 4 gloo ranks, per rank model-state
 bytes (exact), saved activations (within 10%) and communication (exact, from the accounting layer); and its
 figures against the textbook theory."""
 
@@ -25,17 +25,17 @@ from torch.utils.data import DataLoader, TensorDataset
 from dist_utils import REFERENCE_TILES, TINY, TinyLM, rank_share, run_distributed, token_data
 from lit_lm.check.meter import CONTROL
 from lit_lm.config import ModelConfig
-from lit_lm.estimate import GLOO_STAGING, Workload, estimate, flops_per_token, peak_in_flight
+from lit_lm.planner.estimate import GLOO_STAGING, Workload, estimate, flops_per_token, peak_in_flight
 from lit_lm.model import Transformer
 from lit_lm.resident import ResidentPeak
-from strategies.comm import COMM_LOG
-from strategies.composed import ComposedStrategy
-from strategies.cp import METHODS, comm_theory
-import strategies.host_malloc as host_malloc
-from strategies.host_malloc import CHOICE, HostMalloc
-from strategies.layout import ParallelConfig
-from strategies.pp_schedules import build_schedule
-from strategies.zero_engine import ZeroEngine, model_state_bytes
+from lit_lm.strategies.comm import COMM_LOG
+from lit_lm.strategies.composed import ComposedStrategy
+from lit_lm.strategies.cp import METHODS, comm_theory
+import lit_lm.strategies.host_malloc as host_malloc
+from lit_lm.strategies.host_malloc import CHOICE, HostMalloc
+from lit_lm.strategies.layout import ParallelConfig
+from lit_lm.strategies.pp_schedules import build_schedule
+from lit_lm.strategies.zero_engine import ZeroEngine, model_state_bytes
 
 # uneven rows on purpose: 61 vocabulary rows split 16/16/16/13 over 4 ZeRO ranks, 31/30 over 2 tp ranks
 MODEL = dict(TINY, vocab_size=61, vocab_multiple_of=1, n_layers=4)
@@ -331,7 +331,7 @@ def test_saved_activations_of_one_process(precision: str, moe: bool) -> None:
 @pytest.mark.parametrize("method", METHODS)
 def test_cp_wire_bytes_follow_the_attention_theory(method: str) -> None:
     """The estimate's cp records (per op, as the accounting layer counts them) send on the wire what
-    `strategies.cp.comm_theory` says one attention call sends, once per layer; under the ring each send has its
+    `lit_lm.strategies.cp.comm_theory` says one attention call sends, once per layer; under the ring each send has its
     recv (which puts nothing more on the wire)."""
     cfg, cp = ModelConfig(**dict(MODEL, max_seq_len=SEQ)), 4
     est = estimate(Workload(cfg, SEQ, GLOBAL_BATCH, "bf16-mixed"), ParallelConfig(dp_shard=2, cp=cp, cp_method=method))
@@ -448,8 +448,9 @@ class StepResident(L.Callback):
 
 
 def _step_resident(malloc: str) -> Any:
-    # the strategy applies `malloc` on a CPU rank (strategies/host_malloc.py): `fixed` maps every block from 128 KiB
-    # and unmaps it when freed, so resident memory follows the tensors the step makes and frees (`trim`, the default,
+    # the strategy applies `malloc` on a CPU rank (lit_lm/strategies/host_malloc.py): `fixed` maps every block from
+    # 128 KiB and unmaps it when freed, so resident memory follows the tensors the step makes and frees (`trim`, the
+    # default,
     # leaves the heap's fragmentation within the step: not held here)
     os.environ[CHOICE] = malloc
     probe = StepResident()
@@ -510,7 +511,7 @@ def test_cpu_ranks_return_freed_blocks_to_the_system() -> None:
     default, once a mapped block is freed, blocks below its size come from the heap and stay resident when freed
     (32 MiB of freed 4 MiB blocks here; 7-26% over the estimate at 52M-217M parameters). `HostMalloc`, which every
     lit-lm strategy applies on a CPU rank, returns them with `trim` and `fixed`, and with `large` (the default)
-    those from 8 MiB, which it maps, from 2 MiB under torch's huge pages (strategies/host_malloc.py)."""
+    those from 8 MiB, which it maps, from 2 MiB under torch's huge pages (lit_lm/strategies/host_malloc.py)."""
     def retained(mode: str, at: str = "step", mib: int = 4, huge: bool = False) -> tuple[str, int]:
         env = {k: v for k, v in {**os.environ, CHOICE: mode}.items()
                if k not in ("MALLOC_MMAP_THRESHOLD_", host_malloc.HUGE_PAGES)}
@@ -544,7 +545,7 @@ def test_host_malloc_leaves_a_chosen_allocator_setting(monkeypatch: pytest.Monke
 HUGE_PAGE_PROBE = """
 import sys
 import torch
-from strategies import host_malloc
+from lit_lm.strategies import host_malloc
 if sys.argv[1] == "entry":  # the lit-lm command: its entry, then the CLI (help only)
     from lit_lm.__main__ import main
     try:

@@ -8,7 +8,7 @@ import torch
 
 from lit_lm.checkpoints import model_state_dict, read_checkpoint, tokenizer_from
 from lit_lm.config import ConfigError, ModelConfig
-from lit_lm.hf_export import check_exportable, export_hf
+from lit_lm.hf.exporter import check_exportable, export_hf
 from lit_lm.model import Transformer
 from test_cli import run_cli, run_script, tiny_args
 

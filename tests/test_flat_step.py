@@ -1,4 +1,4 @@
-"""The flat optimizer step (`strategies/flat_step.py`) against the per-parameter step it replaces, engines only.
+"""The flat optimizer step (`lit_lm/strategies/flat_step.py`) against the per-parameter step it replaces, engines only.
 
 Per engine (ZeRO stages 1-3, and `GradSync`, lm_ddp's), on 2 gloo ranks: the same training (two param groups with
 different lr and weight decay, a frozen weight inside the decay group, gradient accumulation, zero_grad to None and
@@ -20,12 +20,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import strategies.flat_step as flat_step
+import lit_lm.strategies.flat_step as flat_step
 from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
-from strategies.dp_engine import bind_optimizer
-from strategies.grad_sync import GradSync
-from strategies.zero_engine import ZeroEngine, model_state_bytes
+from lit_lm.strategies.dp_engine import bind_optimizer
+from lit_lm.strategies.grad_sync import GradSync
+from lit_lm.strategies.zero_engine import ZeroEngine, model_state_bytes
 from tests.dist_utils import TINY, run_distributed, token_data
 
 FROZEN = "blocks.0.attn.wq.weight"

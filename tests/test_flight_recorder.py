@@ -9,8 +9,8 @@ from pathlib import Path
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from dist_utils import fit_tiny, run_distributed
-from strategies.comm import COMM_LOG, format_history
-from strategies.ddp import DataParallelStrategy
+from lit_lm.strategies.comm import COMM_LOG, format_history
+from lit_lm.strategies.ddp import DataParallelStrategy
 
 
 def _train_and_save(ckpt_dir: str) -> dict:
@@ -36,7 +36,7 @@ def test_recorder_names_every_kind_of_collective(tmp_path: Path) -> None:
 def test_records_accumulate_only_after_a_reset(monkeypatch) -> None:
     """A training run that never measures keeps only the bounded history (no list growing by a record per
     collective); a reset starts counting."""
-    from strategies import comm
+    from lit_lm.strategies import comm
 
     monkeypatch.setattr(comm.dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(comm, "group_name", lambda group: "dp")

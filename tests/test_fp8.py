@@ -1,4 +1,4 @@
-"""`--model.init_args.fp8 tensorwise|rowwise` (strategies/fp8.py): the FP8 GEMMs within the formats' error bound,
+"""`--model.init_args.fp8 tensorwise|rowwise` (lit_lm/strategies/fp8.py): the FP8 GEMMs within the formats' error bound,
 the swap limited to the blocks' linears with fp32 masters, FP8 under tp2 (+sp) equal to FP8 in one process with the
 scales reduced over tp (a mutant with local scales fails), ZeRO-3 gathering the weights in FP8 (bit for bit the
 one-process cast, half bf16's bytes, as the planner counts them; per-shard scales fail), and a short run ending near
@@ -19,16 +19,16 @@ from torch.utils.data import DataLoader
 from dist_utils import run_distributed
 from lit_lm.check.meter import Meter
 from lit_lm.config import ModelConfig
-from lit_lm.estimate import Workload, estimate
+from lit_lm.planner.estimate import Workload, estimate
 from lit_lm.model import Transformer
 from lit_lm.module import LanguageModel
 from lit_lm.parity import MOE, TINY, Case, assert_parity, run_parity
-from strategies import fp8, zero_engine
-from strategies.comm import COMM_LOG
-from strategies.composed import ComposedStrategy
-from strategies.experts import shard_experts
-from strategies.layout import ParallelConfig
-from strategies.zero_engine import ZeroEngine
+from lit_lm.strategies import fp8, zero_engine
+from lit_lm.strategies.comm import COMM_LOG
+from lit_lm.strategies.composed import ComposedStrategy
+from lit_lm.strategies.experts import shard_experts
+from lit_lm.strategies.layout import ParallelConfig
+from lit_lm.strategies.zero_engine import ZeroEngine
 
 # the error of one element cast to a format: relative 2^-(mantissa bits + 1) for normal values, and below the
 # smallest normal an absolute half-spacing of the subnormals (in the scaled units: amax lands on the format's max)
@@ -90,7 +90,7 @@ def test_fp8_swaps_the_block_linears_only() -> None:
 def local_scales(monkeypatch: Any) -> None:
     """Mutant: the FP8 scales of tp-split tensors are not reduced over tp (each rank's own amax)."""
     apply = fp8.apply_fp8
-    monkeypatch.setattr("strategies.composed.apply_fp8",
+    monkeypatch.setattr("lit_lm.strategies.composed.apply_fp8",
                         lambda model, recipe, splits, group: apply(model, recipe, splits, None))
 
 
@@ -315,7 +315,7 @@ def test_zero3_gathers_fp8_weights_and_experts_exactly_at_half_the_bf16_bytes() 
                 assert est.get(("dp_shard", op), 0) == sum(n for o, _, n in sent if o == op), (model, recipe, op)
 
     # `lit-lm plan` reads the model's option
-    from lit_lm.plan_cli import workload_from
+    from lit_lm.planner.cli import workload_from
 
     config = {"model": {"init_args": {"fp8": "tensorwise"}}, "data": {"init_args": {"vocab_size": 64, "seq_len": 16}}}
     assert workload_from(config, argparse.Namespace(precision=None, global_batch=None), 2).fp8 == "tensorwise"

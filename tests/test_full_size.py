@@ -25,7 +25,7 @@ from lit_lm.check.full_size_real import against_real, real_run
 from lit_lm.check.meter import Meter
 from lit_lm.cli import DEFAULT_CONFIG, LitLMCLI
 from lit_lm.config import ModelConfig
-from lit_lm.estimate import estimate
+from lit_lm.planner.estimate import estimate
 from lit_lm.model import Transformer
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -47,7 +47,7 @@ def _plan(tmp_path: Path, layout: str, *configs: str) -> object:
 def _strategy(devices: int, nodes: int = 1, **args: object) -> str:
     init = "".join(f"\n      {k}: {v}" for k, v in args.items())
     return (f"trainer:\n  devices: {devices}\n  num_nodes: {nodes}\n  strategy:\n    class_path: "
-            f"strategies.composed.ComposedStrategy\n    init_args:{init or ' {}'}\n")
+            f"lit_lm.strategies.composed.ComposedStrategy\n    init_args:{init or ' {}'}\n")
 
 
 def _rows(role: dict) -> dict[str, dict]:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from lit_lm.estimate import flops_per_token
+from lit_lm.planner.estimate import flops_per_token
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ["kernels", "kernel_speed", "fits", "sync_debug", "mfu", "speed"]

@@ -1,4 +1,4 @@
-"""The families of `lit_lm.hf_families` in and out: Qwen3 (per-head QK-norm, its own head_dim, tied), a Mistral
+"""The families of `lit_lm.hf.families` in and out: Qwen3 (per-head QK-norm, its own head_dim, tied), a Mistral
 with head_dim != hidden / heads (Mistral-Nemo's shape), and the MoE families Mixtral (renormalised top-2),
 Qwen3-MoE (norm_topk_prob, a first dense layer) and OLMoE (QK-norm over the whole projection, raw top-k gates):
 tiny random models made with `transformers` (no network).
@@ -26,14 +26,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from lit_lm.config import ConfigError  # noqa: E402
-from lit_lm.hf_export import export_hf  # noqa: E402
-from lit_lm.hf_families import FAMILIES as ENTRIES  # noqa: E402
-from lit_lm.hf_import import INDEX, HFWeights, as_checkpoint, config_from_hf, load_model, model_config  # noqa: E402
+from lit_lm.hf.exporter import export_hf  # noqa: E402
+from lit_lm.hf.families import FAMILIES as ENTRIES  # noqa: E402
+from lit_lm.hf.importer import INDEX, HFWeights, as_checkpoint, config_from_hf, load_model, model_config  # noqa: E402
 from lit_lm.parity import Case, assert_parity, run_parity  # noqa: E402
-from strategies.composed import ComposedStrategy  # noqa: E402
-from strategies.ep import ExpertParallelStrategy  # noqa: E402
-from strategies.tp import TensorParallelStrategy  # noqa: E402
-from strategies.zero import ZeroStrategy  # noqa: E402
+from lit_lm.strategies.composed import ComposedStrategy  # noqa: E402
+from lit_lm.strategies.ep import ExpertParallelStrategy  # noqa: E402
+from lit_lm.strategies.tp import TensorParallelStrategy  # noqa: E402
+from lit_lm.strategies.zero import ZeroStrategy  # noqa: E402
 from test_hf_import import SHAPE, BytesRead, save_hf  # noqa: E402
 
 NO_IDS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)  # greedy decoding never stops early
@@ -263,7 +263,7 @@ def test_generate_command_on_an_moe_folder_matches_transformers_greedy(tmp_path,
     """`lit-lm generate --ckpt_path <Qwen3-MoE folder>` (its `main`, in this process: the command's own subprocess
     is tests/test_hf_import.py's) decodes transformers' greedy tokens, one for one."""
     from lit_lm.generate import load, main
-    from lit_lm.tokenizer import prompt_ids
+    from lit_lm.data.tokenizer import prompt_ids
     from test_cli import CORPUS
     from test_hf_import import hf_folder_with_tokenizer
 
@@ -287,7 +287,7 @@ def test_head_dim_apart_from_d_model_through_the_config_users():
     from lit_lm.check.scale import scaled_config
     from lit_lm.config import ModelConfig
     from lit_lm.model import Transformer
-    from strategies.layout import ParallelConfig
+    from lit_lm.strategies.layout import ParallelConfig
 
     for extra in ({}, dict(qk_norm=True), dict(qk_norm=True, qk_norm_scope="all", qkv_bias=True)):
         cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, **extra)

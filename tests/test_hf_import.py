@@ -1,4 +1,4 @@
-"""Hugging Face models in (`lit_lm.hf_import`, `LanguageModel(init_from=...)`): tiny random Llama, Mistral and Qwen2
+"""Hugging Face models in (`lit_lm.hf.importer`, `LanguageModel(init_from=...)`): tiny random Llama, Mistral and Qwen2
 models made with `transformers` in a temporary folder (no network).
 
 - logits equal transformers' (fp32, 1e-5) per family and feature: Llama 3 rope scaling, Mistral's sliding window
@@ -24,14 +24,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from lit_lm.config import ConfigError, ModelConfig  # noqa: E402
-from lit_lm.hf_import import HFWeights, load_model, model_config  # noqa: E402
+from lit_lm.hf.importer import HFWeights, load_model, model_config  # noqa: E402
 from lit_lm.module import LanguageModel  # noqa: E402
 from lit_lm.parity import TINY, Case, _fit_cases, assert_parity, run_parity  # noqa: E402
 from lit_lm.resident import ResidentPeak, reset_peak  # noqa: E402
 from lit_lm.spawn import run_distributed  # noqa: E402
-from strategies.pp import PipelineStrategy  # noqa: E402
-from strategies.tp import TensorParallelStrategy  # noqa: E402
-from strategies.zero import ZeroStrategy  # noqa: E402
+from lit_lm.strategies.pp import PipelineStrategy  # noqa: E402
+from lit_lm.strategies.tp import TensorParallelStrategy  # noqa: E402
+from lit_lm.strategies.zero import ZeroStrategy  # noqa: E402
 
 SHAPE = dict(vocab_size=TINY["vocab_size"], hidden_size=TINY["d_model"], intermediate_size=48,
              num_hidden_layers=TINY["n_layers"], num_attention_heads=TINY["n_heads"],
@@ -105,15 +105,14 @@ def test_logits_equal_transformers(hf_dirs, family):
 
 def test_kernels_keep_rope_scaling_and_window(hf_dirs):
     """The kernel drop-ins (rope, attention) take the reference's scaled frequencies and window."""
-    import kernels
-
+    from lit_lm import kernels
     for family in ("llama3 rope scaling", "mistral window 5"):
         ours = load_model(hf_dirs[family])
         ids = torch.randint(0, SHAPE["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(2))
         with torch.no_grad():
             expected = ours(ids)
             kernels.apply(ours, ["rope", "attention"], backend="reference")
-            assert type(ours.blocks["0"].attn.rope).__module__ == "kernels.rope"
+            assert type(ours.blocks["0"].attn.rope).__module__ == "lit_lm.kernels.rope"
             torch.testing.assert_close(ours(ids), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -224,7 +223,7 @@ def hf_folder_with_tokenizer(folder: Path, corpus: str, make=transformers.LlamaC
 def test_generate_from_hf_folder_matches_transformers_greedy(tmp_path):
     """`lit-lm generate --ckpt_path <HF folder>` continues a prompt with transformers' greedy tokens, one for one."""
     from lit_lm.generate import generate, load
-    from lit_lm.tokenizer import prompt_ids
+    from lit_lm.data.tokenizer import prompt_ids
     from test_cli import CORPUS, run_cli
 
     folder, theirs = hf_folder_with_tokenizer(tmp_path / "hf", CORPUS)

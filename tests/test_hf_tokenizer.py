@@ -16,9 +16,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from lit_lm.checkpoints import DATA_SETTINGS, model_state_dict, read_checkpoint, tokenizer_from
 from lit_lm.config import ConfigError, ModelConfig
-from lit_lm.data import TextDataModule
+from lit_lm.data.datamodule import TextDataModule
 from lit_lm.model import Transformer
-from lit_lm.tokenizer import (EOT, BPETokenizer, HFTokenizer, document_ids, load_tokenizer, prompt_ids,
+from lit_lm.data.tokenizer import (EOT, BPETokenizer, HFTokenizer, document_ids, load_tokenizer, prompt_ids,
                               tokenizer_from_state)
 from test_cli import CORPUS, run_cli, tiny_args
 from test_tokenizer import RANGES
@@ -211,7 +211,7 @@ def test_fit_with_a_library_tokenizer_then_generate_and_export_decode_with_it(tm
     assert out.stdout == library.decode(ids, skip_special_tokens=False) + "\n"
 
     transformers = pytest.importorskip("transformers")
-    from lit_lm.hf_export import export_hf
+    from lit_lm.hf.exporter import export_hf
 
     export_hf(checkpoint, tmp_path / "hf")
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")

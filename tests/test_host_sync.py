@@ -9,8 +9,9 @@ this costs anything, so nothing would notice a new one; this test does.
 
 `SyncCounter` is a `TorchFunctionMode`: every torch call made in Python while it is active (the backward's Python
 code too) passes through it, and each call of that kind is recorded with its call site, the innermost frame in the
-project's packages (lit_lm/, strategies/, callbacks/, kernels/) or, if none, in Lightning or torch. `CountSteps`
-switches it on at the start of each training batch that does not log (Lightning's `should_update_logs`) and off at
+project's packages (lit_lm/, lit_lm/strategies/, lit_lm/callbacks/, lit_lm/kernels/) or, if none, in Lightning or
+torch. `CountSteps` switches it on at the start of each training batch that does not log (Lightning's
+`should_update_logs`) and off at
 the start of the next batch, so the whole step is covered: forward, backward, the strategy's gradient sync,
 clipping, the optimizer step and every `on_train_batch_end`. Runs (one pair of gloo processes): lm_ddp and zero3
 (dense) and ep (MoE, dropless and with a capacity), `LanguageModel` with NanGuard, Throughput, the progress line,
@@ -43,16 +44,16 @@ from torch.utils.data import DataLoader
 
 from dist_utils import TINY, rank_share, run_distributed, token_data
 from lit_lm.parity import MOE
-from callbacks.nan_guard import NanGuard
-from callbacks.progress import StepProgress
-from callbacks.throughput import Throughput
+from lit_lm.callbacks.nan_guard import NanGuard
+from lit_lm.callbacks.progress import StepProgress
+from lit_lm.callbacks.throughput import Throughput
 from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
 from lit_lm.module import LanguageModel
 from lit_lm.moe import moe_layers
 
 ROOT = Path(__file__).resolve().parents[1]
-PROJECT = tuple(str(ROOT / p) + os.sep for p in ("lit_lm", "strategies", "callbacks", "kernels"))
+PROJECT = (str(ROOT / "lit_lm") + os.sep,)
 
 # Tensor methods that copy a value to the host, whatever the call.
 READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__", "numpy", "cpu"}
@@ -158,15 +159,15 @@ class Allowed:
 
 
 ALLOWED = (  # Lightning's per-step SIGTERM broadcast (a device copy and an item) runs after logging steps: base.py
-    Allowed("strategies/flat_step.py (flat_step) <- torch/optim/optimizer.py (_get_value): item",
+    Allowed("lit_lm/strategies/flat_step.py (flat_step) <- torch/optim/optimizer.py (_get_value): item",
             "not a device sync: torch's optimizers keep `step` a CPU tensor (unless capturable or fused) and read "
             "it for the bias correction, once per flat shard", None),
-    Allowed("strategies/preemption.py (agreed): item",
+    Allowed("lit_lm/strategies/preemption.py (agreed): item",
             "not a device sync: the preemption flag is a CPU tensor all-reduced on its own gloo group, posted a step "
             "earlier (async) and read once per step (docs/reliability.md)", 1),
-    Allowed("callbacks/nan_guard.py (on_before_optimizer_step): tolist",
+    Allowed("lit_lm/callbacks/nan_guard.py (on_before_optimizer_step): tolist",
             "NanGuard decides on the host whether to skip the step: opt-in, one read of both flags per step", 1),
-    Allowed("strategies/experts.py (_dispatch): tolist",
+    Allowed("lit_lm/strategies/experts.py (_dispatch): tolist",
             "dropless expert parallelism: all_to_all takes its split sizes as Python lists (torchtitan and "
             "Megatron read them too); one read per MoE layer (one MoE layer here)", 1, moe=True),
 )
@@ -207,7 +208,7 @@ def _fit(strategy_name: str, config: dict, log_dir: str) -> dict:
 
 def _fit_all(log_dir: str) -> dict[str, dict]:
     """Every case in one pair of processes (a spawn costs more than a tiny fit)."""
-    import strategies.registry  # noqa: F401  (registers lm_ddp, zero3, ep in this process)
+    import lit_lm.strategies.registry  # noqa: F401  (registers lm_ddp, zero3, ep in this process)
 
     return {name: _fit(strategy, config, f"{log_dir}/{name}") for name, (strategy, config) in CASES.items()}
 

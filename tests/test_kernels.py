@@ -13,7 +13,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (kernels 
 
 import pytest
 
-from kernels.runtime import interpreting
+from lit_lm.kernels.runtime import interpreting
 
 if not interpreting():  # triton was imported before this line, in compiled mode (`import lightning` does that)
     pytest.skip("needs TRITON_INTERPRET=1 before triton is imported: set it in the environment or tests/conftest.py",
@@ -21,19 +21,19 @@ if not interpreting():  # triton was imported before this line, in compiled mode
 
 import torch
 
-from kernels import matmul as matmul_module
-from kernels import rmsnorm as rmsnorm_module
-from kernels.attention import _attn_bwd_delta, _grid, _launch_config, _program, _strides, attention_reference, \
+from lit_lm.kernels import matmul as matmul_module
+from lit_lm.kernels import rmsnorm as rmsnorm_module
+from lit_lm.kernels.attention import _attn_bwd_delta, _grid, _launch_config, _program, _strides, attention_reference, \
     flash_attention
-from kernels.cross_entropy import cross_entropy, cross_entropy_reference
-from kernels.gelu import gelu, gelu_reference
-from kernels.matmul import matmul, matmul_reference
-from kernels.rmsnorm import rmsnorm, rmsnorm_reference
-from kernels.rope import RotaryEmbedding, rope, rope_reference
-from kernels.runtime import cdiv, dot_precision
-from kernels.softmax import softmax, softmax_reference
-from kernels.swiglu import swiglu, swiglu_reference
-from strategies.cp import block_backward, block_backward_reference, block_forward, block_forward_reference
+from lit_lm.kernels.cross_entropy import cross_entropy, cross_entropy_reference
+from lit_lm.kernels.gelu import gelu, gelu_reference
+from lit_lm.kernels.matmul import matmul, matmul_reference
+from lit_lm.kernels.rmsnorm import rmsnorm, rmsnorm_reference
+from lit_lm.kernels.rope import RotaryEmbedding, rope, rope_reference
+from lit_lm.kernels.runtime import cdiv, dot_precision
+from lit_lm.kernels.softmax import softmax, softmax_reference
+from lit_lm.kernels.swiglu import swiglu, swiglu_reference
+from lit_lm.strategies.cp import block_backward, block_backward_reference, block_forward, block_forward_reference
 
 TOLERANCE = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
@@ -83,8 +83,8 @@ def test_rmsnorm_wide_rows(d: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("d", [37, 4096, 12288, 16000, 16384, 20000])
 def test_rmsnorm_launch_config_fits_a_gpu_block(d: int) -> None:
     """Warps a GPU block can hold (at most 32, 1024 threads), a power-of-2 block covering the row in whole chunks,
-    16 columns per thread at wide rows (the register budget in kernels/rmsnorm.py); rows up to 16384 are one block
-    forward, rows past 4096 are chunked backward."""
+    16 columns per thread at wide rows (the register budget in lit_lm/kernels/rmsnorm.py); rows up to 16384 are one
+    block forward, rows past 4096 are chunked backward."""
     for max_block in (rmsnorm_module.FORWARD_MAX_BLOCK, rmsnorm_module.BACKWARD_MAX_BLOCK):
         cfg = rmsnorm_module._launch_config(d, max_block)
         block, warps = cfg["BLOCK"], cfg["num_warps"]
@@ -169,7 +169,7 @@ def test_flash_attention(b: int, hq: int, hkv: int, t: int, d: int, causal: bool
 ])
 def test_flash_attention_tile_matches_the_cp_reference(m: int, n: int, offset: int, window: int) -> None:
     """A context-parallel tile (queries `offset` positions after the first key) with its log-sum-exp, and its
-    backward from a given lse/delta, as strategies/cp.py runs them, against its PyTorch reference."""
+    backward from a given lse/delta, as lit_lm/strategies/cp.py runs them, against its PyTorch reference."""
     gen = torch.Generator().manual_seed(m * n + offset)
     q, do = torch.randn(2, 1, 2, 2, m, 16, generator=gen)  # (B, Hkv, G, M, D): 2 query heads per kv head
     k, v = torch.randn(2, 1, 2, n, 16, generator=gen)

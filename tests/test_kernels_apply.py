@@ -10,7 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (kernels 
 
 import pytest
 
-from kernels.runtime import interpreting
+from lit_lm.kernels.runtime import interpreting
 
 if not interpreting():  # triton was imported before this line, in compiled mode (`import lightning` does that)
     pytest.skip("needs TRITON_INTERPRET=1 before triton is imported: set it in the environment or tests/conftest.py",
@@ -18,8 +18,8 @@ if not interpreting():  # triton was imported before this line, in compiled mode
 
 import torch
 
-import kernels
-from kernels import runtime
+from lit_lm import kernels
+from lit_lm.kernels import runtime
 from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
 

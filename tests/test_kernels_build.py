@@ -1,5 +1,5 @@
 """The kernels as a GPU would build them, checked on CPU: Triton's compiler and NVIDIA's ptxas (shipped in the
-Triton wheel) need no GPU, so `kernels/ttir.py` builds every kernel for sm_90 (H100/H200) in a subprocess (the
+Triton wheel) need no GPU, so `lit_lm/kernels/ttir.py` builds every kernel for sm_90 (H100/H200) in a subprocess (the
 compiler is unavailable where TRITON_INTERPRET=1) and these tests read the result:
   - every integer product in a kernel is 64-bit (an int32 `index * stride` wraps past 2^31 elements, and a
     test that allocates 2^31 elements does not fit here; the interpreter wraps int32 too but cannot be given such
@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton without its NVIDIA back end")
 
-from kernels import rmsnorm  # noqa: E402  (after the skip)
+from lit_lm.kernels import rmsnorm  # noqa: E402  (after the skip)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PTXAS_CASES = [f"rmsnorm_{name}_{d}" for name, max_block in (("fwd", rmsnorm.FORWARD_MAX_BLOCK),
@@ -31,10 +31,10 @@ DOT_PRECISION = re.compile(r"inputPrecision = (\w+)")  # printed only when not t
 
 @pytest.fixture(scope="module")
 def built() -> dict:
-    """{"ttir": {case: IR text}, "ptxas": {case: registers and spills}} for `kernels.ttir.cases()`; ~10-30 s."""
+    """{"ttir": {case: IR text}, "ptxas": {case: registers and spills}} for `lit_lm.kernels.ttir.cases()`; ~10-30 s."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(OMP_NUM_THREADS="1", TRITON_DEFAULT_FP_FUSION="1")  # the latter: Triton 3.9 warns when unset
-    run = subprocess.run([sys.executable, "-m", "kernels.ttir", "--ptxas", *PTXAS_CASES], cwd=ROOT, env=env,
+    run = subprocess.run([sys.executable, "-m", "lit_lm.kernels.ttir", "--ptxas", *PTXAS_CASES], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout)
@@ -73,7 +73,7 @@ def test_fp32_dots_are_ieee_and_16_bit_dots_are_not_forced(built: dict) -> None:
 def test_rmsnorm_blocks_fit_in_registers(built: dict) -> None:
     """The widest single block and the chunked loop, each direction, fp32: no spills, and registers within what
     the block's threads may each have (65,536 per SM shared by 32 * num_warps threads, 255 at most)."""
-    from kernels.ttir import cases
+    from lit_lm.kernels.ttir import cases
 
     all_cases = cases()
     assert sorted(built["ptxas"]) == sorted(PTXAS_CASES)

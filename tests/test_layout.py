@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import run_distributed
-from strategies import comm
-from strategies.errors import ConfigError
-from strategies.layout import DIMS, GROUPS, REFUSED, ParallelConfig, ParallelDims, ParallelLayout, rank_grid
+from lit_lm.strategies import comm
+from lit_lm.strategies.errors import ConfigError
+from lit_lm.strategies.layout import DIMS, GROUPS, REFUSED, ParallelConfig, ParallelDims, ParallelLayout, rank_grid
 
 
 def test_dp2_tp2() -> None:
@@ -164,7 +164,7 @@ def _group_timeouts(timeout_s: float) -> dict:
     from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning.pytorch.accelerators import CPUAccelerator
 
-    from strategies.composed import ComposedStrategy
+    from lit_lm.strategies.composed import ComposedStrategy
 
     strategy = ComposedStrategy(tensor_parallel_size=2, timeout=timeout_s, accelerator=CPUAccelerator(),
                                 parallel_devices=[torch.device("cpu")] * 4, cluster_environment=LightningEnvironment())

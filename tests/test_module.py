@@ -6,6 +6,7 @@ import lightning as L
 import pytest
 import torch
 
+from lit_lm.callbacks.throughput import Throughput
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.module import LanguageModel, warmup_cosine
 from lit_lm.moe import moe_metrics
@@ -97,15 +98,16 @@ class _MoEStats(L.Callback):
 
 def test_interval_metrics_are_means_over_the_logging_interval(monkeypatch: pytest.MonkeyPatch) -> None:
     """With log_every_n_steps=2: the MoE statistics logged at a logging step are the mean of the interval's two
-    batches (read once), and tokens/s (the Throughput callback LanguageModel adds) is the interval's tokens over its
-    (synchronised) clock, 1 s a read here."""
+    batches (read once), and tokens/s (the Throughput callback the lit-lm command adds) is the interval's tokens over
+    its (synchronised) clock, 1 s a read here."""
     clock = iter(float(t) for t in range(100))
-    monkeypatch.setattr("callbacks.throughput.synchronized_clock", lambda device: next(clock))
+    monkeypatch.setattr("lit_lm.callbacks.throughput.synchronized_clock", lambda device: next(clock))
     config = ModelConfig(**{**CFG.__dict__, "n_layers": 2, "moe_experts": 4, "moe_top_k": 2, "moe_d_ff": 16,
                             "moe_first_dense": 1})
     logger, stats = _Metrics(), _MoEStats()
-    trainer = L.Trainer(accelerator="cpu", max_steps=4, log_every_n_steps=2, logger=logger, callbacks=[stats],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, log_every_n_steps=2, logger=logger,
+                        callbacks=[stats, Throughput()], enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
     trainer.fit(LanguageModel(config, warmup_steps=1), torch.utils.data.DataLoader(torch.randint(0, 61, (8, 17)),
                                                                                    batch_size=2))
     names = moe_metrics(trainer.lightning_module.model)[0]

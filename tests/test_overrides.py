@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 
-from strategies.base import BaseStrategy
-from strategies.composed import ComposedStrategy
-from strategies.ddp import DataParallelStrategy
-from strategies.ep import ExpertParallelStrategy
-from strategies.pp import PipelineStrategy
-from strategies.tp import TensorParallelStrategy
-from strategies.zero import ZeroStrategy
+from lit_lm.strategies.base import BaseStrategy
+from lit_lm.strategies.composed import ComposedStrategy
+from lit_lm.strategies.ddp import DataParallelStrategy
+from lit_lm.strategies.ep import ExpertParallelStrategy
+from lit_lm.strategies.pp import PipelineStrategy
+from lit_lm.strategies.tp import TensorParallelStrategy
+from lit_lm.strategies.zero import ZeroStrategy
 
 
 def _function(attr: object) -> object:

@@ -21,13 +21,13 @@ from typing import Any, Hashable, Optional
 import pytest
 import torch
 
-import strategies.cp as context
+import lit_lm.strategies.cp as context
 from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
-from strategies import comm
-from strategies.pp_runner import PipelineRunner
-from strategies.pp_schedules import SCHEDULES, Schedule, build_schedule, is_message
-from strategies.pp_split import split_layers
+from lit_lm.strategies import comm
+from lit_lm.strategies.pp_runner import PipelineRunner
+from lit_lm.strategies.pp_schedules import SCHEDULES, Schedule, build_schedule, is_message
+from lit_lm.strategies.pp_split import split_layers
 
 
 # -- the model ------------------------------------------------------------------------------------------------------
@@ -110,7 +110,7 @@ _DONE = SimpleNamespace(wait=lambda: True)  # the handle of an op the recorders 
 
 
 class _Recorder:
-    """Stands in for torch.distributed and for `comm.p2p_batch` under `strategies.cp`: cp rank `rank` of a group
+    """Stands in for torch.distributed and for `comm.p2p_batch` under `lit_lm.strategies.cp`: cp rank `rank` of a group
     whose global ranks are `ranks`; every batch is recorded as `Op`s (what: the payload's dtype, which tells K/V
     from the fp32 dK/dV accumulator) and completes at once, its recvs zero-filled."""
 
@@ -137,7 +137,7 @@ class _Recorder:
 
 def ring_streams(cp: int, monkeypatch: pytest.MonkeyPatch) -> tuple[Streams, Streams]:
     """(forward, backward) batches each rank of a cp ring issues through `comm.p2p_batch`: one attention call of
-    bf16 K/V, ring_forward and ring_backward of strategies/cp.py run for each rank in turn. The group's global
+    bf16 K/V, ring_forward and ring_backward of lit_lm/strategies/cp.py run for each rank in turn. The group's global
     ranks are not 0..cp-1, so a group rank passed where a global one belongs shows up as a peer nobody is."""
     ranks = [3 + 2 * r for r in range(cp)]
     forward, backward = {}, {}

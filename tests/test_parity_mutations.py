@@ -41,17 +41,17 @@ from torch import Tensor
 
 from dist_utils import REFERENCE_TILES
 from lit_lm.parity import BF16_TRUE_RTOL, CLIP_ABOVE, MOE, TINY, Case, assert_parity, bf16_true_case, run_parity
-from callbacks.clip import GlobalNormClip
-from strategies import clip, comm, grad_sync, params, zero_engine
-from strategies import cp as context
-from strategies.base import BaseStrategy
-from strategies.composed import ComposedStrategy
-from strategies.ddp import DataParallelStrategy
-from strategies.ep import ExpertParallelStrategy
-from strategies.flat_step import FlatStep
-from strategies.layout import ParallelConfig
-from strategies.pp import PipelineStrategy
-from strategies.zero import ZeroStrategy
+from lit_lm.callbacks.clip import GlobalNormClip
+from lit_lm.strategies import clip, comm, grad_sync, params, zero_engine
+from lit_lm.strategies import cp as context
+from lit_lm.strategies.base import BaseStrategy
+from lit_lm.strategies.composed import ComposedStrategy
+from lit_lm.strategies.ddp import DataParallelStrategy
+from lit_lm.strategies.ep import ExpertParallelStrategy
+from lit_lm.strategies.flat_step import FlatStep
+from lit_lm.strategies.layout import ParallelConfig
+from lit_lm.strategies.pp import PipelineStrategy
+from lit_lm.strategies.zero import ZeroStrategy
 from test_checkpoint import MOE_RESUME
 from test_composed import DP2_TP2, FOUR_RANKS, NORMS_AND_MLPS
 from test_zero import assert_zero_subgroups, zero_subgroups
@@ -152,8 +152,8 @@ def flat_step_wrong_group(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def clip_uncapped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`clip_grad_norm_`'s coefficient max_norm / norm no longer capped at 1 (strategies/clip.py): a limit above the
-    norm scales the gradients up."""
+    """`clip_grad_norm_`'s coefficient max_norm / norm no longer capped at 1 (lit_lm/strategies/clip.py): a limit
+    above the norm scales the gradients up."""
     monkeypatch.setattr(clip, "torch", SimpleNamespace(**{**vars(torch), "clamp": lambda coef, **_: coef}))
 
 
@@ -292,7 +292,7 @@ def test_harness_reports_every_mutant_on_four_ranks() -> None:
 
 def test_zero_in_a_subgroup_refuses_the_global_rank_mutant() -> None:
     """ZeRO over two dp groups of 2 in a world of 4 (test_zero.py's engine test) with the global rank as group rank:
-    its in-place collectives put this rank's rows in another rank's chunk, which `strategies.comm` refuses at the
+    its in-place collectives put this rank's rows in another rank's chunk, which `lit_lm.strategies.comm` refuses at the
     first launch (NCCL's rule)."""
     with pytest.raises(Exception, match=r"in-place chunk is at byte \d+ of the whole, not this rank's"):
         zero_subgroups(zero_global_rank)

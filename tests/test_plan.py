@@ -11,14 +11,15 @@ import pytest
 import yaml
 
 from lit_lm.config import ConfigError, ModelConfig
-from lit_lm.estimate import Workload, estimate
-from lit_lm.plan import USABLE_MEMORY, Cluster, Ranked, _divisors, _estimate, fitting, layouts, plan, strategy_yaml
-from lit_lm.plan_cli import quantity
-from strategies.composed import ComposedStrategy
-from strategies.layout import ParallelConfig
+from lit_lm.planner.estimate import Workload, estimate
+from lit_lm.planner.plan import USABLE_MEMORY, Cluster, Ranked, _divisors, _estimate, fitting, layouts, plan, \
+    strategy_yaml
+from lit_lm.planner.cli import quantity
+from lit_lm.strategies.composed import ComposedStrategy
+from lit_lm.strategies.layout import ParallelConfig
 from test_cli import CORPUS, REPO, read_metrics, run_cli
 
-STRATEGIES = {"strategies.composed.ComposedStrategy"}
+STRATEGIES = {"lit_lm.strategies.composed.ComposedStrategy"}
 
 
 def tiny_config(tmp_path: Path) -> Path:

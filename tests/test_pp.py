@@ -19,13 +19,13 @@ from dist_utils import TINY, fit_tiny, run_distributed
 from lit_lm.parity import MOE, Case, assert_parity, run_parity
 from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
-from strategies import pp_runner
-from strategies.comm import COMM_LOG
-from strategies.errors import ConfigError
-from strategies.pp import PipelineStrategy
-from strategies.pp_runner import PipelineRunner
-from strategies.pp_schedules import SCHEDULES, Action, bubble_theory, build_schedule, print_timeline
-from strategies.pp_split import split_layers
+from lit_lm.strategies import pp_runner
+from lit_lm.strategies.comm import COMM_LOG
+from lit_lm.strategies.errors import ConfigError
+from lit_lm.strategies.pp import PipelineStrategy
+from lit_lm.strategies.pp_runner import PipelineRunner
+from lit_lm.strategies.pp_schedules import SCHEDULES, Action, bubble_theory, build_schedule, print_timeline
+from lit_lm.strategies.pp_split import split_layers
 
 
 def _cases(p: int) -> list[tuple[str, int, int]]:
@@ -184,7 +184,7 @@ def _fit_pp(devices: int, pp: int, schedule: str, ckpt_dir: str | None, resume: 
     dist_utils.TINY.update(TIED_ODD)
     # fit_tiny shards a global batch over all ranks as DP does, but the stages of one pipeline must see the same
     # rows: ask for 8 x pp rows a step (a rank's loader batch is then 8 / dp), keep the first 8 of each global
-    # batch and shard them over dp only (rank = pp_rank * dp + dp_rank, see strategies.layout)
+    # batch and shard them over dp only (rank = pp_rank * dp + dp_rank, see lit_lm.strategies.layout)
     dp_share, dp = dist_utils.rank_share, devices // pp
 
     def share(data: torch.Tensor, batch: int, rank: int, world: int) -> torch.Tensor:

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import lit_lm.prepare as prepare_module
+import lit_lm.data.prepare as prepare_module
 from lit_lm.config import ConfigError
-from lit_lm.data import TextDataModule
-from lit_lm.prepare import PreparedSource, prepare
-from lit_lm.tokenizer import BPETokenizer, load_tokenizer
+from lit_lm.data.datamodule import TextDataModule
+from lit_lm.data.prepare import PreparedSource, prepare
+from lit_lm.data.tokenizer import BPETokenizer, load_tokenizer
 
 
 def words(n_lines: int, seed: int) -> str:

@@ -1,5 +1,6 @@
-"""lit-lm's strategy names are data (strategies/presets.py): every row is registered with Lightning as its class and
-arguments, a preset class built with no argument is its row's strategy, and every yaml in configs/strategies/ names
+"""lit-lm's strategy names are data (lit_lm/strategies/presets.py): every row is registered with Lightning as its
+class and arguments, a preset class built with no argument is its row's strategy, and every yaml in configs/strategies/
+names
 a preset's class and builds with its init_args."""
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import pytest
 import yaml
 from lightning.pytorch.strategies import StrategyRegistry
 
-import strategies.registry  # noqa: F401  (registers the names, as lit-lm's CLI does)
-from strategies.base import BaseStrategy
-from strategies.presets import PRESETS
-from strategies.registry import preset_class
+import lit_lm.strategies.registry  # noqa: F401  (registers the names, as lit-lm's CLI does)
+from lit_lm.strategies.base import BaseStrategy
+from lit_lm.strategies.presets import PRESETS
+from lit_lm.strategies.registry import preset_class
 
 REPO = Path(__file__).resolve().parents[1]
 HOME = ("lm_parallel", "lm_ddp", "zero2", "tp", "pp", "ep")  # the row whose arguments are its class's defaults

@@ -13,8 +13,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from callbacks.compress import QAT, KMeansQuantization, Pruning, SparsitySchedule
-from callbacks.compress.pruning import magnitude_masks, nm_mask
+from lit_lm.callbacks.compress import QAT, KMeansQuantization, Pruning, SparsitySchedule
+from lit_lm.callbacks.compress.pruning import magnitude_masks, nm_mask
 from dist_utils import TinyLM, fit_tiny
 from lit_lm.config import ConfigError
 

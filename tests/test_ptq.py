@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from callbacks.compress.ptq import METHODS, PTQ, candidate_ranges, choose_range, mse_weight_scale
-from callbacks.compress.qat import ACT_QMAX, IntLinear, export_act, fake_quant_weight, weight_scale
+from lit_lm.callbacks.compress.ptq import METHODS, PTQ, candidate_ranges, choose_range, mse_weight_scale
+from lit_lm.callbacks.compress.qat import ACT_QMAX, IntLinear, export_act, fake_quant_weight, weight_scale
 from dist_utils import TinyLM, token_data
 from lit_lm.config import ConfigError
 from test_qat import assert_no_pair_saturates

@@ -17,13 +17,13 @@ import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 
-from callbacks.compress import QAT, KMeansQuantization
-from callbacks.compress.core import DEFAULT_EXCLUDE, select
-from callbacks.compress.qat import ACT_QMAX, IntLinear, act_qparams, binary_codes, export_act, fake_quant_act, \
+from lit_lm.callbacks.compress import QAT, KMeansQuantization
+from lit_lm.callbacks.compress.core import DEFAULT_EXCLUDE, select
+from lit_lm.callbacks.compress.qat import ACT_QMAX, IntLinear, act_qparams, binary_codes, export_act, fake_quant_act, \
     fake_quant_weight, model_bytes, quantize_act, quantize_weight, ttq_codes, twn_codes, weight_scale
 from dist_utils import TinyLM, fit_tiny, token_data
 from lit_lm.config import ConfigError
-from strategies.base import whole_weights
+from lit_lm.strategies.base import whole_weights
 
 
 @pytest.mark.parametrize("bits, group_size", [(8, None), (4, 8), (3, 4)])
@@ -266,7 +266,7 @@ def test_ternary_and_binary_export_packs_and_matches_fake_quant(kwargs: dict, mo
 def test_qat_fragments_build(name: str) -> None:
     cfg = yaml.safe_load((Path(__file__).parent.parent / "configs" / "compress" / f"{name}.yaml").read_text())
     (callback,) = cfg["trainer"]["callbacks+"]
-    assert callback["class_path"] == "callbacks.compress.QAT"
+    assert callback["class_path"] == "lit_lm.callbacks.compress.QAT"
     assert QAT(**callback["init_args"]).bits == {"qat_int8": 8, "qat_int4": 4, "qat_ternary": 2, "qat_binary": 1}[name]
 
 

@@ -1,4 +1,4 @@
-"""The one table of refused combinations (`strategies.layout.REFUSED`): the strategy raises every entry with its
+"""The one table of refused combinations (`lit_lm.strategies.layout.REFUSED`): the strategy raises every entry with its
 text, docs/parallelism.md lists exactly the table, and no other page keeps a copy. (That the planner never
 proposes a refused configuration is tests/test_plan.py's.)"""
 
@@ -17,9 +17,9 @@ from dist_utils import TinyLM, run_distributed, token_data
 from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
 from lit_lm.parity import MOE
-from strategies.composed import ComposedStrategy
-from strategies.errors import ConfigError
-from strategies.layout import REFUSED, ParallelConfig, Refusal
+from lit_lm.strategies.composed import ComposedStrategy
+from lit_lm.strategies.errors import ConfigError
+from lit_lm.strategies.layout import REFUSED, ParallelConfig, Refusal
 
 REPO = Path(__file__).resolve().parents[1]
 HEADING = "## Combinations the engines do not compose"

@@ -21,11 +21,11 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint import FileSystemWriter
 
-import strategies.registry  # noqa: F401  (registers lm_ddp, zero3)
+import lit_lm.strategies.registry  # noqa: F401  (registers lm_ddp, zero3)
 from dist_utils import fit_tiny, run_distributed
 from lit_lm.retention import RetainingCheckpoint
-from strategies import checkpoint as ckpt
-from strategies.async_save import AsyncSaver
+from lit_lm.strategies import checkpoint as ckpt
+from lit_lm.strategies.async_save import AsyncSaver
 from test_crash import _launch
 
 
@@ -132,7 +132,7 @@ def _fill_the_disk_at_save(ckpt_dir: str, failing: str, background: bool) -> str
         return real_write(self, plan, planner)
 
     FileSystemWriter.write_data = write_data
-    from strategies.ddp import DataParallelStrategy
+    from lit_lm.strategies.ddp import DataParallelStrategy
 
     try:
         fit_tiny(DataParallelStrategy(async_checkpoint=background), devices=1, max_steps=6,

@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from dist_utils import REFERENCE_TILES, TINY, Recorder, TinyLM, run_distributed, token_data
-from strategies.checkpoint import read_whole
-from strategies.composed import ComposedStrategy
+from lit_lm.strategies.checkpoint import read_whole
+from lit_lm.strategies.composed import ComposedStrategy
 
 K, MORE, GLOBAL_BATCH = 2, 2, 8  # save at step K, resume for MORE steps
 

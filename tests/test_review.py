@@ -35,15 +35,15 @@ from lit_lm.check.report import render
 from lit_lm.check.scale import scaled_config
 from lit_lm.cli import DEFAULT_CONFIG, LitLMCLI
 from lit_lm.config import ConfigError, ModelConfig
-from lit_lm.hf_import import model_config
+from lit_lm.hf.importer import model_config
 from lit_lm import moe
 from lit_lm.moe import GROUP_ROWS, grouped_linear
 from lit_lm.module import LanguageModel
 from lit_lm.parity import TINY, case_tokens
 from lit_lm.spawn import free_port
-from lit_lm.tokenizer.hf import HFTokenizer
-from strategies import comm
-from strategies.layout import ParallelConfig
+from lit_lm.data.tokenizer.hf import HFTokenizer
+from lit_lm.strategies import comm
+from lit_lm.strategies.layout import ParallelConfig
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
@@ -297,19 +297,19 @@ def test_grouped_linear_aligns_every_group_and_matches_a_loop(monkeypatch: pytes
 
 # -- 7. deprecated aliases -----------------------------------------------------------------------------------
 def test_the_moved_engine_names_still_work_with_a_warning_naming_the_new_one() -> None:
-    import strategies.ddp as ddp
-    from strategies import grad_sync
+    import lit_lm.strategies.ddp as ddp
+    from lit_lm.strategies import grad_sync
 
     for name in ("GradSync", "broadcast_parameters", "flat_step"):
         with pytest.warns(DeprecationWarning,
-                          match=f"strategies.ddp.{name} is deprecated.*strategies.grad_sync.{name}"):
+                          match=f"lit_lm.strategies.ddp.{name} is deprecated.*lit_lm.strategies.grad_sync.{name}"):
             old = getattr(ddp, name)
         assert old is getattr(grad_sync, name) or issubclass(old, grad_sync.GradSync)
     with pytest.raises(AttributeError):
         ddp.NoSuchName  # noqa: B018
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        from strategies.ddp import DataParallelStrategy  # noqa: F401 - the preset's class path: no warning
+        from lit_lm.strategies.ddp import DataParallelStrategy  # noqa: F401 - the preset's class path: no warning
 
 
 def test_the_documented_plain_loop_with_the_old_names_runs(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -322,7 +322,7 @@ def test_the_documented_plain_loop_with_the_old_names_runs(monkeypatch: pytest.M
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         with pytest.warns(DeprecationWarning):
-            from strategies.ddp import GradSync
+            from lit_lm.strategies.ddp import GradSync
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 3)
         expected = torch.nn.Linear(4, 3)
@@ -347,7 +347,7 @@ def test_a_small_corpus_trains_its_tokenizer_without_a_pool(monkeypatch: pytest.
     is counted inline, with the same merges. Several tasks still go to the pool (tests/test_tokenizer.py)."""
     import multiprocessing
 
-    from lit_lm.tokenizer.bpe import BPETokenizer
+    from lit_lm.data.tokenizer.bpe import BPETokenizer
 
     text = "def main(argv):\n    return [a.upper() for a in argv]\n" * 40
     inline = BPETokenizer.train([text], vocab_size=300, num_workers=1)

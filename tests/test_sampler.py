@@ -2,7 +2,7 @@
 
 import pytest
 
-from lit_lm.sampler import ResumableSampler
+from lit_lm.data.sampler import ResumableSampler
 
 
 def global_stream(n: int, replicas: int, batch: int, passes: int, start: int = 0, seed: int = 0) -> list[int]:

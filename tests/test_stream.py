@@ -1,4 +1,4 @@
-"""A stream source (`lit_lm.stream`): shards read in order by a background worker, tokenized on the fly, served to
+"""A stream source (`lit_lm.data.stream`): shards read in order by a background worker, tokenized on the fly, served to
 each rank with its position in the checkpoint; read errors and stalls are one-line data errors on that rank."""
 
 import json
@@ -11,13 +11,13 @@ import pytest
 import torch
 from test_data_mixture import FakeTrainer, words
 
-from lit_lm import stream
+from lit_lm.data import stream
 from lit_lm.config import ConfigError, ModelConfig
-from lit_lm.data import TextDataModule, TokenWindows
+from lit_lm.data.datamodule import TextDataModule, TokenWindows
 from lit_lm.module import LanguageModel
-from lit_lm.stream import StreamError
-from lit_lm.token_file import DocumentPart, encode_documents
-from lit_lm.tokenizer import BPETokenizer, load_tokenizer
+from lit_lm.data.stream import StreamError
+from lit_lm.data.token_file import DocumentPart, encode_documents
+from lit_lm.data.tokenizer import BPETokenizer, load_tokenizer
 
 SEQ, B = 8, 2
 

@@ -1,5 +1,5 @@
 """The Throughput callback: the FLOPs formula by hand, the peak table, the keys it logs in a real CPU fit, and that
-it is the one measure of tokens/s (LanguageModel adds it, once)."""
+it is the one measure of tokens/s (the lit-lm command adds it, once)."""
 
 from types import SimpleNamespace
 
@@ -8,7 +8,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from callbacks.throughput import Throughput, flops_per_token, peak_flops_for
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lit_lm.callbacks.progress import StepProgress
+from lit_lm.callbacks.throughput import Throughput, flops_per_token, peak_flops_for
+from lit_lm.cli import add_throughput
 from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
 from lit_lm.module import LanguageModel
@@ -63,16 +67,21 @@ def test_logs_throughput_keys(peak_flops: float) -> None:
 
 
 @pytest.mark.parametrize("given", [False, True])
-def test_language_model_measures_tokens_once(given: bool) -> None:
-    """LanguageModel brings one Throughput callback; a trainer that has one (e.g. with a peak) keeps it, alone."""
-    mine = Throughput(peak_flops=1e12)
+def test_the_command_measures_tokens_once(given: bool) -> None:
+    """The lit-lm command brings one Throughput callback, before the checkpoint callbacks (where Lightning puts a
+    module's own, so a checkpoint sees this step's tokens/s); a config that has one (e.g. with a peak) keeps it,
+    alone."""
+    mine, progress, ckpt = Throughput(peak_flops=1e12), StepProgress(), ModelCheckpoint()
+    callbacks = [progress, mine, ckpt] if given else [progress, ckpt]
+    add_throughput(callbacks)
+    found = [c for c in callbacks if isinstance(c, Throughput)]
+    assert len(found) == 1 and (found[0] is mine) == given
+    assert callbacks[0] is progress and callbacks.index(found[0]) == 1 and callbacks[2] is ckpt
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
-                        callbacks=[mine] if given else [])
+                        callbacks=found)
     trainer.fit(LanguageModel(ModelConfig(**CONFIG), warmup_steps=1),
                 DataLoader(torch.randint(0, 64, (4, 17)), batch_size=2))
-    found = [c for c in trainer.callbacks if isinstance(c, Throughput)]
-    assert len(found) == 1 and (found[0] is mine) == given
     assert ("throughput/mfu" in trainer.callback_metrics) == given and "tokens_per_s" in trainer.callback_metrics
 
 
@@ -80,8 +89,8 @@ def test_tokens_are_counted_per_data_parallel_replica(monkeypatch: pytest.Monkey
     """dp2 x tp2 on 4 ranks: 2 replicas read different tokens, the tp peers of each the same ones. A rank that
     processed 2 x 16 tokens in 1 s reports 2 replicas x 32 tokens/s, and MFU divides by all 4 devices."""
     clock = iter([10.0, 11.0])
-    monkeypatch.setattr("callbacks.throughput.time.perf_counter", lambda: next(clock))
-    monkeypatch.setattr("callbacks.throughput.logs_this_batch", lambda trainer: True)  # a logging step
+    monkeypatch.setattr("lit_lm.callbacks.throughput.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("lit_lm.callbacks.throughput.logs_this_batch", lambda trainer: True)  # a logging step
     logged: dict = {}
     strategy = SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": 0})
     trainer = SimpleNamespace(strategy=strategy, world_size=4)

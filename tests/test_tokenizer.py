@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 import regex
 
-from lit_lm.tokenizer import bpe as tokenizer_module
-from lit_lm.tokenizer import EOT, BPETokenizer
+from lit_lm.data.tokenizer import bpe as tokenizer_module
+from lit_lm.data.tokenizer import EOT, BPETokenizer
 
 # The spec's pattern, copied rather than imported so the reference below is independent of the module.
 PATTERN = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")

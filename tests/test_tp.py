@@ -25,10 +25,10 @@ from dist_utils import TINY, Recorder, TinyLM, run_distributed
 from lit_lm.parity import Case, assert_bf16_parity, assert_parity, bf16_cases, run_parity
 from lit_lm.config import ModelConfig
 from lit_lm.model import LMLoss, SwiGLU, Transformer
-from strategies.comm import COMM_LOG
-from strategies.plan import TensorParallel as TP
-from strategies.tp import TensorParallelStrategy
-from strategies.tp_layers import (ColumnParallelLinear, RowParallelLinear, SavedActivations, TPGroup,
+from lit_lm.strategies.comm import COMM_LOG
+from lit_lm.strategies.plan import TensorParallel as TP
+from lit_lm.strategies.tp import TensorParallelStrategy
+from lit_lm.strategies.tp_layers import (ColumnParallelLinear, RowParallelLinear, SavedActivations, TPGroup,
                                   VocabParallelEmbedding, VocabParallelHead, VocabParallelLoss, parallelize_model)
 
 
@@ -257,7 +257,7 @@ def _assert_same(run: dict, ref: dict, first: int = 0, rtol: float = 1e-5, param
 
 
 def _expected_comm(run: str, dp: int = 1, zero: bool = False) -> dict[str, tuple[int, int]]:
-    """{op: (calls, elements)} over tp per step on one rank, from the theory of `strategies.tp_layers`."""
+    """{op: (calls, elements)} over tp per step on one rank, from the theory of `lit_lm.strategies.tp_layers`."""
     sp, config, trainer_kwargs = RUNS[run]
     n_layers, act = config["n_layers"], GLOBAL_BATCH // dp * TINY["max_seq_len"] * config["d_model"]
     tokens = act // config["d_model"]

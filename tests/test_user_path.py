@@ -17,7 +17,7 @@ from lit_lm.checkpoints import model_state_dict, read_checkpoint, tokenizer_from
 from lit_lm.config import ModelConfig
 from lit_lm.model import Transformer
 from lit_lm.module import LanguageModel
-from strategies.checkpoint import is_sharded_checkpoint
+from lit_lm.strategies.checkpoint import is_sharded_checkpoint
 from test_cli import REPO, read_metrics, run_cli, run_script, tiny_args
 
 

@@ -21,11 +21,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from dist_utils import Recorder, TinyLM, rank_share, run_distributed, token_data
 from lit_lm.parity import (BF16_TRUE_RTOL, Case, assert_bf16_parity, assert_parity, bf16_cases, bf16_true_case,
                            reference, run_parity)
-from strategies import comm
-from strategies.comm import COMM_LOG, GLOO_CHOICE
-from strategies.base import _unwrap
-from strategies.zero import ZeroStrategy
-from strategies.zero_engine import ZeroEngine, model_state_bytes
+from lit_lm.strategies import comm
+from lit_lm.strategies.comm import COMM_LOG, GLOO_CHOICE
+from lit_lm.strategies.base import _unwrap
+from lit_lm.strategies.zero import ZeroStrategy
+from lit_lm.strategies.zero_engine import ZeroEngine, model_state_bytes
 
 STEPS = 20
 PLAIN: dict[str, Any] = {}
@@ -513,7 +513,7 @@ def test_unknown_stage_is_explained() -> None:
 
 
 def test_registered_names_select_the_stage() -> None:
-    import strategies.registry  # noqa: F401  (registers the presets' names, as lit-lm's CLI does)
+    import lit_lm.strategies.registry  # noqa: F401  (registers the presets' names, as lit-lm's CLI does)
     for stage in (1, 2, 3):
         trainer = L.Trainer(accelerator="cpu", devices=2, strategy=f"zero{stage}", logger=False)
         assert isinstance(trainer.strategy, ZeroStrategy) and trainer.strategy.config.zero_stage == stage
@@ -540,7 +540,7 @@ def _resident_peak(kind: str) -> int | None:
     from lit_lm.config import ModelConfig
     from lit_lm.model import Transformer
     from lit_lm.resident import ResidentPeak
-    from strategies.dp_engine import bind_optimizer
+    from lit_lm.strategies.dp_engine import bind_optimizer
 
     peak = ResidentPeak()
     if not peak.supported:

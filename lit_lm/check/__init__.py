@@ -4,6 +4,6 @@
     scale.py    the scaled-down model that keeps every feature that decides the split
     meter.py    what each rank measures besides gradients (bytes per group, state bytes, seconds)
     compare.py  the harness's records -> per-parameter agreement, the first disagreement, its likely cause
-    costs.py    communication and memory against the planner (lit_lm/estimate.py), time per step
+    costs.py    communication and memory against the planner (lit_lm/planner/estimate.py), time per step
     report.py   the table, the verdict, JSON
 """

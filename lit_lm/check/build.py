@@ -34,15 +34,15 @@ from lightning.pytorch.callbacks import (Checkpoint, DeviceStatsMonitor, EarlySt
 from lit_lm.check.meter import Meter
 from lit_lm.check.scale import model_args, scaled_config
 from lit_lm.config import ConfigError, ModelConfig
-from lit_lm.data import TextDataModule, model_vocab_size
+from lit_lm.data.datamodule import TextDataModule, model_vocab_size
 from lit_lm.module import LanguageModel
 from lit_lm.parity import Case
-from strategies.composed import ComposedStrategy
-from strategies.layout import ParallelConfig
+from lit_lm.strategies.composed import ComposedStrategy
+from lit_lm.strategies.layout import ParallelConfig
 
 # callbacks that do not change a step: dropped (they write files or draw bars)
 WATCHERS = (Checkpoint, ProgressBar, LearningRateMonitor, ModelSummary, EarlyStopping, Timer, DeviceStatsMonitor)
-WATCHER_PATHS = ("callbacks.progress.", "callbacks.throughput.")
+WATCHER_PATHS = ("lit_lm.callbacks.progress.", "lit_lm.callbacks.throughput.")
 TRAINER_KEYS = ("accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm")
 MODEL_ARGS_DROPPED = ("config", "init_from")  # the config goes in scaled; weights are not loaded
 
@@ -78,7 +78,7 @@ def parse(argv: list[str], cli_class: type, defaults: list[str]) -> Namespace:
 
     with mock.patch.object(sys, "argv", sys.argv[:1]):  # the args are given: Lightning warns when sys.argv has more
         cli = Parsed(LanguageModel, TextDataModule, subclass_mode_model=True, subclass_mode_data=True, run=False,
-                     args=argv, parser_kwargs={"default_config_files": defaults})
+                     args=argv, parser_kwargs=cli_class.parser_kwargs(defaults))
     return cli.config
 
 

@@ -1,5 +1,5 @@
-"""What the check's ranks measured against the planner's figures (`lit_lm.estimate`) for the same model and layout:
-communication bytes per (group, op) of one optimizer step, model-state bytes per rank, seconds per step; and the
+"""What the check's ranks measured against the planner's figures (`lit_lm.planner.estimate`) for the same model and
+layout: communication bytes per (group, op) of one optimizer step, model-state bytes per rank, seconds per step; and the
 planner's figures for the user's full-size model, which is what the cluster will see."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Optional
 from lit_lm.check.build import CheckPlan
 from lit_lm.check.meter import Meter
 from lit_lm.config import ConfigError
-from lit_lm.estimate import PRECISIONS, Workload, estimate
+from lit_lm.planner.estimate import PRECISIONS, Workload, estimate
 
 
 def costs(plan: CheckPlan, run: dict[str, Any]) -> dict[str, Any]:

@@ -4,8 +4,8 @@ A `TorchDispatchMode` sees every tensor an op returns. Each new storage is recor
 (torch keeps one Python object per storage for as long as the storage lives, so a finalizer on it runs exactly when
 the storage is freed), its size and a tag: the phase that allocated it ("forward", "backward" when autograd's engine
 runs the op, or what the caller set in `phase`), or "comm" once a collective of a data-parallel group read or wrote
-it (the engines' send and receive buffers: the group is the one `strategies.comm` just recorded; a tp, cp, ep or pp
-collective moves activations, which keep their tag). Running totals per tag are kept up to date at each record,
+it (the engines' send and receive buffers: the group is the one `lit_lm.strategies.comm` just recorded; a tp, cp, ep
+or pp collective moves activations, which keep their tag). Running totals per tag are kept up to date at each record,
 free and resize, so an op costs O(its outputs): the peak, each tag's maximum, and (`HELD`) the most bytes of
 forward ("forward", and "recompute": a checkpointed block's forward run again inside the backward) live while a
 backward runs: what the forwards left for it, plus the block being recomputed. What was live at the peak is found
@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from strategies.comm import COMM_LOG
+from lit_lm.strategies.comm import COMM_LOG
 
 SETUP, FORWARD, BACKWARD, RECOMPUTE = "setup", "forward", "backward", "recompute"
 COMM, GATHER = "comm", "gather"

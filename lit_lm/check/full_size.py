@@ -1,5 +1,5 @@
 """`lit-lm check --full-size`: the user's model at its real size on its real world size, one process per rank role,
-on fake ranks (`full_size_rank.py`), its memory and bytes beside the planner's (`lit_lm.estimate`).
+on fake ranks (`full_size_rank.py`), its memory and bytes beside the planner's (`lit_lm.planner.estimate`).
 
     lit-lm check --full-size --config configs/default.yaml --config configs/models/llama3_8b.yaml \
         --config my_layout.yaml --trainer.devices 8 --trainer.num_nodes 8
@@ -47,8 +47,8 @@ from lit_lm.check.fake_memory import COMM, GATHER, HELD
 from lit_lm.check.full_size_rank import RankJob, measure_rank
 from lit_lm.check.report import _count, _plain
 from lit_lm.config import ConfigError
-from lit_lm.estimate import PRECISIONS, Estimate, Workload, estimate
-from strategies.pp_split import split_layers
+from lit_lm.planner.estimate import PRECISIONS, Estimate, Workload, estimate
+from lit_lm.strategies.pp_split import split_layers
 
 TOLERANCE = 0.05
 MEMORY_FLOOR = 0.01

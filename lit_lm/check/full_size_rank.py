@@ -15,7 +15,7 @@ read of a step, is answered as balanced (what the planner assumes).
 
 Measured by `LiveBytes` (lit_lm/check/fake_memory.py) over the last step (the first creates the optimizer state):
 the peak of live bytes and what it is made of, each kind's own maximum, and the model state at the optimizer step;
-by the accounting layer (`strategies.comm.COMM_LOG`) the bytes per (group, op) of the last step.
+by the accounting layer (`lit_lm.strategies.comm.COMM_LOG`) the bytes per (group, op) of the last step.
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from lit_lm.check.build import _import, build_strategy
 from lit_lm.check.fake_memory import LiveBytes
 from lit_lm.check.meter import CONTROL
 from lit_lm.config import ModelConfig
-from strategies.comm import COMM_LOG
-from strategies.dp_engine import bind_optimizer
-from strategies.layout import ParallelLayout
-from strategies.params import ModelSplit
+from lit_lm.strategies.comm import COMM_LOG
+from lit_lm.strategies.dp_engine import bind_optimizer
+from lit_lm.strategies.layout import ParallelLayout
+from lit_lm.strategies.params import ModelSplit
 
 BACKEND = "cpu:fake,meta:fake"  # meta tensors' collectives and point-to-point batches on the fake backend
 

@@ -9,9 +9,9 @@ from typing import Any
 import lightning as L
 import torch
 
-from strategies.base import BaseStrategy
-from strategies.comm import COMM_LOG
-from strategies.zero_engine import model_state_bytes
+from lit_lm.strategies.base import BaseStrategy
+from lit_lm.strategies.comm import COMM_LOG
+from lit_lm.strategies.zero_engine import model_state_bytes
 
 # collectives of a few bytes that are not model traffic (metric sync, MoE load counts through the strategy's
 # reduce; the clipping norm; cp's loss): the planner does not count them

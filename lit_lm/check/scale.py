@@ -17,7 +17,7 @@ from dataclasses import asdict, replace
 from typing import Optional
 
 from lit_lm.config import ModelConfig, round_up
-from strategies.layout import ParallelConfig
+from lit_lm.strategies.layout import ParallelConfig
 
 SMALL_PARAMS = 300_000  # at most this many parameters, and
 SMALL_SEQ = 64  # at most this many positions: the user's model itself is trained

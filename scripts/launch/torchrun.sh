@@ -24,7 +24,7 @@ ckpt_args=()
 [[ -n "$CKPT_DIR" ]] && ckpt_args=(--trainer.callbacks.dirpath "$CKPT_DIR")
 
 # Preemption (SLURM's --signal=USR1 before the time limit, SIGTERM): the workers save a checkpoint at a step they
-# all agree on and exit 0 (strategies/preemption.py); this script exits with 75 (REQUEUE_EXIT_CODE) so that
+# all agree on and exit 0 (lit_lm/strategies/preemption.py); this script exits with 75 (REQUEUE_EXIT_CODE) so that
 # slurm.sbatch requeues the job, which resumes with --ckpt_path last. The torchrun agent ignores both signals: it
 # would shut the workers down (SIGTERM) or die (SIGUSR1) before they save. SLURM signals every process of the
 # step, workers included; a signal sent to this script alone is passed on to the workers (the agent's children).

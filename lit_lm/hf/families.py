@@ -1,0 +1,126 @@
+"""The Hugging Face model families lit-lm reads and writes, as data: one `Family` entry each, used both ways by
+`lit_lm.hf.importer` (config.json -> `ModelConfig`, tensor names -> parameters) and `lit_lm.hf.exporter` (back).
+
+A family is what its `config.json` keys mean in `ModelConfig` fields (`fields`: the first key present wins; the
+exporter writes the first), the values transformers assumes when a key is absent (`defaults`), the `ModelConfig`
+fields the family fixes (`sets`: Qwen2's q/k/v biases, Qwen3's per-head QK-norm), the keys whose truthy value
+lit-lm cannot express (`refuse`: refused in one line naming the key), the constant keys the export writes
+(`writes`) and, for a Mixture-of-Experts family, how it stores an MoE layer (`Experts`: one tensor per expert and
+projection; lit-lm stacks them over a leading expert dim, so an expert-parallel rank reads its experts' tensors
+only). The next family is one entry here and a test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from lit_lm.config import ModelConfig
+
+# config.json key(s) -> ModelConfig field, for every family (the first key present is read; the export writes it)
+COMMON_FIELDS: dict[str, tuple[str, ...]] = {
+    "vocab_size": ("vocab_size",), "d_model": ("hidden_size",), "d_ff": ("intermediate_size",),
+    "n_layers": ("num_hidden_layers",), "n_heads": ("num_attention_heads",), "n_kv_heads": ("num_key_value_heads",),
+    "head_dim": ("head_dim",), "norm_eps": ("rms_norm_eps",), "tie_embeddings": ("tie_word_embeddings",)}
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+NO_BIAS = (("attention_bias", "lit-lm's projections have no biases (but Qwen2's q/k/v ones)"),
+           ("mlp_bias", "lit-lm's MLP has no biases"))
+NO_LAYER_WINDOWS = (("use_sliding_window", "lit-lm windows every layer or none (Mistral), not per layer"),)
+
+# lit-lm module (under blocks.<i>.) -> Hugging Face module (under model.layers.<i>.), every family
+BLOCK = {"attn_norm": "input_layernorm", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
+         "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj", "attn.q_norm": "self_attn.q_norm",
+         "attn.k_norm": "self_attn.k_norm", "mlp_norm": "post_attention_layernorm", "mlp.w_gate": "mlp.gate_proj",
+         "mlp.w_up": "mlp.up_proj", "mlp.w_down": "mlp.down_proj"}
+TOP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"}
+
+
+@dataclass(frozen=True)
+class Experts:
+    """How a family stores an MoE layer (names under model.layers.<i>.): the router's linear, and expert e's
+    gate, up and down projections as `{prefix}.{e}.{gate|up|down}.weight` (lit-lm's stacked w_gate/w_up/w_down)."""
+
+    router: str = "mlp.gate"
+    prefix: str = "mlp.experts"
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+
+    def names(self, layer: str, param: str, n_experts: int) -> Union[str, list[str]]:
+        """The Hugging Face name(s) of MoE parameter `param` (relative to the block's mlp) of layer `layer`."""
+        if param == "router.weight":
+            return f"model.layers.{layer}.{self.router}.weight"
+        proj = {"experts.w_gate": self.gate, "experts.w_up": self.up, "experts.w_down": self.down}.get(param)
+        if proj is None:
+            raise KeyError(param)
+        return [f"model.layers.{layer}.{self.prefix}.{e}.{proj}.weight" for e in range(n_experts)]
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str  # transformers' class, config.json `architectures`
+    fields: dict[str, tuple[str, ...]] = field(default_factory=dict)  # beyond COMMON_FIELDS
+    defaults: dict[str, Any] = field(default_factory=dict)  # config.json key -> transformers' value when absent
+    sets: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields the family fixes
+    refuse: tuple[tuple[str, str], ...] = ()  # (config.json key, why) refused when truthy
+    writes: dict[str, Any] = field(default_factory=dict)  # constant config.json keys of the export
+    experts: Optional[Experts] = None  # an MoE family's layer names
+
+    @property
+    def all_fields(self) -> dict[str, tuple[str, ...]]:
+        return {**COMMON_FIELDS, **self.fields}
+
+    def hf_name(self, name: str, config: ModelConfig) -> Union[str, list[str]]:
+        """lit-lm's parameter name -> the Hugging Face one (blocks.3.attn.wq.bias -> model.layers.3.self_attn.q_proj
+        .bias), or the per-expert names of a stacked expert weight (in expert order)."""
+        module, _, kind = name.rpartition(".")
+        if not module.startswith("blocks."):
+            return f"{TOP[module]}.{kind}"
+        _, layer, rest = module.split(".", 2)
+        if rest in BLOCK:
+            return f"model.layers.{layer}.{BLOCK[rest]}.{kind}"
+        if self.experts is not None and rest.startswith("mlp."):
+            try:
+                return self.experts.names(layer, name.split(".", 3)[3], config.moe_experts)
+            except KeyError:
+                pass
+        raise KeyError(f"parameter {name} has no name in a {self.model_type} checkpoint")
+
+
+MOE_FIELDS = {"moe_top_k": ("num_experts_per_tok",)}
+DEFAULT = {"num_key_value_heads": None, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "head_dim": None}
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("llama", "LlamaForCausalLM", refuse=NO_BIAS, writes={"attention_bias": False, "mlp_bias": False}),
+    Family("mistral", "MistralForCausalLM", fields={"sliding_window": ("sliding_window",)}),
+    Family("qwen2", "Qwen2ForCausalLM", sets={"qkv_bias": True}, refuse=NO_LAYER_WINDOWS,
+           writes={"use_sliding_window": False}),
+    Family("qwen3", "Qwen3ForCausalLM", defaults={"head_dim": 128}, sets={"qk_norm": True, "qk_norm_scope": "head"},
+           refuse=NO_BIAS[:1] + NO_LAYER_WINDOWS, writes={"attention_bias": False, "use_sliding_window": False}),
+    Family("mixtral", "MixtralForCausalLM",
+           fields={"sliding_window": ("sliding_window",), "moe_experts": ("num_local_experts", "num_experts"),
+                   "moe_d_ff": ("intermediate_size",), **MOE_FIELDS},
+           defaults={"rms_norm_eps": 1e-5}, sets={"moe_norm_topk": True},
+           refuse=(("router_jitter_noise", "lit-lm's router has no input jitter"),),
+           experts=Experts(router="block_sparse_moe.gate", prefix="block_sparse_moe.experts", gate="w1", up="w3",
+                           down="w2")),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM",
+           fields={"moe_experts": ("num_experts", "num_local_experts"), "moe_d_ff": ("moe_intermediate_size",),
+                   "moe_norm_topk": ("norm_topk_prob",), **MOE_FIELDS},
+           defaults={"norm_topk_prob": False}, sets={"qk_norm": True, "qk_norm_scope": "head"},
+           refuse=NO_BIAS[:1] + NO_LAYER_WINDOWS,
+           writes={"attention_bias": False, "use_sliding_window": False, "decoder_sparse_step": 1},
+           experts=Experts()),
+    Family("olmoe", "OlmoeForCausalLM",
+           fields={"moe_experts": ("num_experts", "num_local_experts"), "moe_d_ff": ("intermediate_size",),
+                   "moe_norm_topk": ("norm_topk_prob",), **MOE_FIELDS},
+           defaults={"norm_topk_prob": False, "rms_norm_eps": 1e-5}, sets={"qk_norm": True, "qk_norm_scope": "all"},
+           refuse=NO_BIAS[:1] + (("clip_qkv", "lit-lm does not clip q, k and v"),), writes={"attention_bias": False},
+           experts=Experts()),
+)}
+
+# families recognised but refused, with the config.json key that lit-lm cannot express
+REFUSED = {"qwen2_moe": ("shared_expert_intermediate_size",
+                         "Qwen2-MoE's shared expert is scaled by a sigmoid gate (shared_expert_gate), which lit-lm's "
+                         "shared experts do not have")}

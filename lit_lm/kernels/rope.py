@@ -1,0 +1,121 @@
+"""Rotary position embedding (rotate-half convention) for q and k of shape (B, T, H, D), in one pass each.
+
+Position t rotates the pair (x_i, x_{i+D/2}) by angle t * theta^(-2i/D). A rotation is orthogonal, so the
+backward is the same kernel rotating the output gradient by the opposite angle (sin -> -sin): nothing but the
+cos/sin tables is saved.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lit_lm.kernels.runtime import check_backend, jit, launch, next_power_of_2, op, use_triton
+
+tl: Any = None  # triton.language, bound by `lit_lm.kernels.runtime.jit` at the first launch
+
+
+def rope_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x (B, T, H, D) with cos/sin tables (T, D/2), computing in fp32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
+
+
+@jit
+def _rope(x_ptr, cos_ptr, sin_ptr, y_ptr, seq_len, n_heads, half,
+          INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # one (batch, position) row: all heads at once; int64 before any product
+    t = row % seq_len
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < n_heads) & (cols < half)
+    cos = tl.load(cos_ptr + t * half + cols, mask=cols < half, other=0.0)
+    sin = tl.load(sin_ptr + t * half + cols, mask=cols < half, other=0.0)
+    if INVERSE:
+        sin = -sin
+    offs = (row * n_heads + heads) * 2 * half + cols
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, (x1 * cos - x2 * sin).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + offs + half, (x1 * sin + x2 * cos).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@op("rope")
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
+    x = x.contiguous()
+    b, t, h, d = x.shape
+    y = torch.empty_like(x)
+    launch(_rope, (b * t,), x, cos, sin, y, t, h, d // 2, INVERSE=inverse,
+           BLOCK_H=next_power_of_2(h), BLOCK_D=next_power_of_2(d // 2))
+    return y
+
+
+class RoPEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(q, cos, sin, False), _rotate(k, cos, sin, False)
+
+    @staticmethod
+    def backward(ctx, dq: Tensor, dk: Tensor) -> tuple[Tensor, Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        return _rotate(dq, cos, sin, True), _rotate(dk, cos, sin, True), None, None
+
+
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Triton rotation of q (B, T, Hq, D) and k (B, T, Hkv, D) by fp32 tables cos, sin (T, D/2)."""
+    return RoPEFunction.apply(q, k, cos.contiguous(), sin.contiguous())
+
+
+class RotaryEmbedding(nn.Module):
+    """Drop-in for `lit_lm.model.RotaryEmbedding`: no parameters, the same tables, `rope(q, k)` interface."""
+
+    def __init__(self, head_dim: int, theta: float = 10000.0, backend: str = "auto") -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
+        self.backend = check_backend(backend)
+        self._cache: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
+        self._at: Optional[tuple[Tensor, torch.device, tuple[Tensor, Tensor]]] = None  # see cos_sin_at
+
+    @classmethod
+    def from_reference(cls, ref: nn.Module, backend: str) -> "RotaryEmbedding":
+        rope = cls(ref.head_dim, ref.theta, backend)
+        rope.inv_freq = ref.inv_freq  # the reference's frequencies, Llama 3's scaling included
+        return rope
+
+    def cos_sin(self, seq_len: int, device: torch.device, offset: int = 0) -> tuple[Tensor, Tensor]:
+        """fp32 (T, D/2) tables for positions offset..offset+T-1, built in fp64 and cached per device (in a compiled
+        graph: computed there, as `lit_lm.model.RotaryEmbedding` does; a lookup that fills the cache recompiles)."""
+        if torch.compiler.is_compiling():
+            return self.tables(torch.arange(offset, offset + seq_len), device)
+        key = (seq_len, offset, device)
+        if key not in self._cache:
+            self._cache[key] = self.cos_sin_at(torch.arange(offset, offset + seq_len), device)
+        return self._cache[key]
+
+    def cos_sin_at(self, positions: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The tables for arbitrary token positions (T,) (a context-parallel rank's chunks), as `cos_sin`; the
+        last ones kept against the positions tensor itself, as `lit_lm.model.RotaryEmbedding.cos_sin_at` does."""
+        if torch.compiler.is_compiling():
+            return self.tables(positions, device)
+        if self._at is not None and self._at[0] is positions and self._at[1] == device:
+            return self._at[2]
+        tables = self.tables(positions, device)
+        self._at = (positions, device, tables)
+        return tables
+
+    def tables(self, positions: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
+        angles = torch.outer(positions.to("cpu", torch.float64), self.inv_freq)
+        return angles.cos().float().to(device), angles.sin().float().to(device)
+
+    def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        cos, sin = self.cos_sin(q.shape[1], q.device) if positions is None else self.cos_sin_at(positions, q.device)
+        if use_triton(self.backend, q):
+            return rope(q, k, cos, sin)
+        return rope_reference(q, cos, sin), rope_reference(k, cos, sin)

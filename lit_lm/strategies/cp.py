@@ -1,0 +1,457 @@
+"""Context parallelism: each of `cp` ranks holds T/cp tokens of every sequence, so activations fall as 1/cp;
+attention, the only op that mixes tokens, exchanges keys/values between the ranks.
+
+Load-balanced (zigzag) split: the sequence is cut into 2·cp chunks of c = T/(2·cp) tokens and rank i holds chunks
+i and 2·cp−1−i, so under a causal mask every rank has the same work (an early chunk with few keys, a late one
+with many). Inputs, targets and RoPE positions are split alike (`zigzag_batch`).
+
+Two ways to attend over the whole sequence (`METHODS`), one autograd function:
+- `ring`: K/V blocks travel around the ring (rank r sends to r+1); while the next block is in flight the rank
+  attends to the block in hand, and merges the partial outputs by their log-sum-exp (online softmax):
+      lse = logaddexp(lse_a, lse_b),  o = exp(lse_a − lse)·o_a + exp(lse_b − lse)·o_b.
+  Backward sends K/V around again, with a dK/dV accumulator travelling beside each block; after a full turn plus
+  one hop every block's gradient is home. Blocks no query of this rank may see (causally or outside the sliding
+  window) are skipped: with the zigzag split, every step but the first is exactly half a block.
+- `allgather` (Llama 3): all-gather K/V (small under GQA), attend locally, reduce-scatter dK/dV in backward
+  (K/V are gathered again there rather than kept, so saved activations stay 1/cp).
+Grouped-query attention folds the query heads sharing a kv head into the rows of one matmul: K/V are never
+repeated. Attention runs in tiles of consecutive positions (`block_plan`), each by lit-lm's FlashAttention kernel
+(`lit_lm.kernels.attention.flash_attention_lse`) on CUDA tensors or under TRITON_INTERPRET=1, else by the PyTorch
+reference here (fp32 scores): `block_forward`/`block_backward` are that seam.
+
+Plain torch.distributed through `lit_lm.strategies.comm`; no Lightning.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lit_lm.kernels.attention import flash_attention_lse, flash_attention_lse_backward
+from lit_lm.kernels.runtime import check_backend, use_triton
+from lit_lm.strategies import comm
+from lit_lm.strategies.errors import ConfigError
+from lit_lm.strategies.plan import ContextParallelModel
+
+METHODS = ("ring", "allgather")
+
+
+# -- the zigzag split ---------------------------------------------------------------------------------------
+def check_seq_len(seq_len: int, cp: int) -> int:
+    """The chunk length c = T / (2·cp); refuses a T the split cannot cut evenly."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"context parallelism cp={cp} needs the sequence length divisible by 2·cp={2 * cp}, "
+                         f"got {seq_len}: change data.seq_len (or cp)")
+    return seq_len // (2 * cp)
+
+
+Runs = tuple[tuple[int, int], ...]  # (first position, count) per run of consecutive positions, in the tokens' order
+
+
+def zigzag_runs(seq_len: int, rank: int, cp: int) -> Runs:
+    """The positions cp rank `rank` holds, as runs: chunks `rank` and 2·cp−1−`rank` (one run when they touch,
+    cp = 1). Plain integers from (seq_len, rank, cp) alone: the step plans its tiles without reading a tensor."""
+    c = check_seq_len(seq_len, cp)
+    first, second = rank * c, (2 * cp - 1 - rank) * c
+    return ((first, 2 * c),) if second == first + c else ((first, c), (second, c))
+
+
+def zigzag_positions(seq_len: int, rank: int, cp: int) -> Tensor:
+    """The sequence positions (2c,) that cp rank `rank` holds: chunks `rank` and 2·cp−1−`rank`, in that order."""
+    return torch.cat([torch.arange(first, first + n) for first, n in zigzag_runs(seq_len, rank, cp)])
+
+
+@functools.lru_cache(maxsize=64)
+def _positions_on(seq_len: int, rank: int, cp: int, device: torch.device) -> Tensor:
+    """`zigzag_positions` on `device`, made once: the same tensor every step, so the model's RoPE tables for it
+    are built once (they are cached against it) rather than per layer per step. Never modify it in place."""
+    return zigzag_positions(seq_len, rank, cp).to(device)
+
+
+def zigzag_split(x: Tensor, rank: int, cp: int, dim: int = 1) -> Tensor:
+    """This rank's share of `x` along `dim` (the sequence dimension)."""
+    c = check_seq_len(x.shape[dim], cp)
+    return torch.cat((x.narrow(dim, rank * c, c), x.narrow(dim, (2 * cp - 1 - rank) * c, c)), dim=dim)
+
+
+def zigzag_merge(shares: Tensor, dim: int) -> Tensor:
+    """The inverse: `shares` stacks every rank's share along dim 0 (rank order); returns the whole sequence."""
+    cp = shares.shape[0]
+    chunks: list[Tensor] = [torch.empty(0)] * (2 * cp)
+    for r in range(cp):
+        chunks[r], chunks[2 * cp - 1 - r] = shares[r].chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)
+
+
+def zigzag_gather(x: Tensor, group: Optional[dist.ProcessGroup] = None, dim: int = 1) -> Tensor:
+    """Every rank's share of a sequence-split tensor, put back in sequence order (on every rank)."""
+    cp = dist.get_world_size(group)
+    shares = x.new_empty((cp * x.shape[0], *x.shape[1:]))  # gloo wants the concatenation along dim 0
+    comm.all_gather(shares, x.contiguous(), group)
+    return zigzag_merge(shares.view(cp, *x.shape), dim)
+
+
+def zigzag_batch(inputs: Tensor, targets: Tensor, group: Optional[dist.ProcessGroup] = None
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A cp rank's (inputs, targets, positions, loss_weight) from the whole (B, T) batch every cp peer was given,
+    all on the batch's device (no host sync: the weight stays a tensor, the positions are cached).
+
+    A rank's loss is the mean over its own valid targets; times `loss_weight` (cp · local valid / all valid),
+    the mean over the cp ranks is the mean over the whole sequence, even when some targets are ignored (-100),
+    and so is the gradient once the data-parallel sync averages it over the cp ranks too. (No valid target at
+    all: weight 1.)"""
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    local_targets = zigzag_split(targets, rank, cp)
+    valid = (targets != -100).sum()
+    local_valid = (local_targets != -100).sum()
+    weight = torch.where(valid > 0, cp * local_valid / valid.clamp(min=1), 1.0)
+    positions = _positions_on(inputs.shape[1], rank, cp, inputs.device)
+    return zigzag_split(inputs, rank, cp), local_targets, positions, weight
+
+
+# -- blockwise attention with log-sum-exp (the PyTorch reference; the kernel seam) -------------------------------
+def tile_mask(n_q: int, n_k: int, offset: int, window: int, device: torch.device) -> Optional[Tensor]:
+    """Which (query i, key j) pairs of a tile attend: 0 <= offset + i − j < window (None: all of them)."""
+    if offset - (n_k - 1) >= 0 and offset + n_q - 1 < window:
+        return None
+    distance = offset + torch.arange(n_q, device=device)[:, None] - torch.arange(n_k, device=device)[None, :]
+    return (distance >= 0) & (distance < window)
+
+
+def block_forward_reference(q: Tensor, k: Tensor, v: Tensor, offset: int, window: int) -> tuple[Tensor, Tensor]:
+    """Causal attention of grouped queries q (B, Hkv, G, M, D) on k, v (B, Hkv, N, D) -> (out fp32, lse fp32),
+    query row i sitting `offset` positions after key 0 (see `tile_mask`).
+
+    A row with no key gets out 0 and lse −inf, which the merge weighs by exp(−inf) = 0."""
+    b, hk, g, m, d = q.shape
+    s = torch.matmul(q.reshape(b, hk, g * m, d), k.transpose(-1, -2)).float().view(b, hk, g, m, -1) * d ** -0.5
+    mask = tile_mask(m, k.shape[-2], offset, window, q.device)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
+    out = torch.matmul(p.view(b, hk, g * m, -1).to(v.dtype), v).float().view(b, hk, g, m, d)
+    return out, lse
+
+
+def block_backward_reference(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
+                             offset: int, window: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (fp32) of one tile given the *final* lse and delta = rowsum(dO ∘ O) of the merged output:
+    P = exp(S − lse), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − delta), dQ = dS K / √D, dK = dSᵀ Q / √D (FlashAttention-2)."""
+    b, hk, g, m, d = q.shape
+    scale = d ** -0.5
+    qf, dof = q.reshape(b, hk, g * m, d).float(), do.reshape(b, hk, g * m, d).float()
+    kf, vf = k.float(), v.float()
+    s = torch.matmul(qf, kf.transpose(-1, -2)).view(b, hk, g, m, -1) * scale
+    mask = tile_mask(m, k.shape[-2], offset, window, q.device)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - lse.unsqueeze(-1))
+    ds = p * (torch.matmul(dof, vf.transpose(-1, -2)).view(b, hk, g, m, -1) - delta.unsqueeze(-1))
+    p, ds = p.view(b, hk, g * m, -1), ds.view(b, hk, g * m, -1)
+    dq = torch.matmul(ds, kf).view(b, hk, g, m, d) * scale
+    return dq, torch.matmul(ds.transpose(-1, -2), qf) * scale, torch.matmul(p.transpose(-1, -2), dof)
+
+
+def block_forward(q: Tensor, k: Tensor, v: Tensor, offset: int, window: int, backend: str = "auto"
+                  ) -> tuple[Tensor, Tensor]:
+    """The kernel seam: lit-lm's FlashAttention where `lit_lm.kernels.runtime.use_triton(backend, q)` says ("auto": CUDA
+    tensors, or CPU under TRITON_INTERPRET=1), else the reference."""
+    if not use_triton(backend, q):
+        return block_forward_reference(q, k, v, offset, window)
+    b, hk, g, m, d = q.shape
+    out, lse = flash_attention_lse(q.reshape(b, hk * g, m, d), k, v, offset, window)
+    return out.float().view(b, hk, g, m, d), lse.view(b, hk, g, m)
+
+
+def block_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, offset: int,
+                   window: int, backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+    """The kernel seam of the backward, as `block_forward`."""
+    if not use_triton(backend, q):
+        return block_backward_reference(q, k, v, do, lse, delta, offset, window)
+    b, hk, g, m, d = q.shape
+    dq, dk, dv = flash_attention_lse_backward(q.reshape(b, hk * g, m, d), k, v, do.reshape(b, hk * g, m, d),
+                                              lse.reshape(b, hk * g, m), delta.reshape(b, hk * g, m), offset, window)
+    return dq.float().view(b, hk, g, m, d), dk.float(), dv.float()
+
+
+def block_plan(q_runs: Runs, k_runs: Runs, window: int, chunk: int) -> Iterator[tuple[slice, slice, int]]:
+    """The tiles to compute, (query rows, keys, offset), for each piece of at most `chunk` query rows of a run:
+    within each run of keys, the keys some row of the piece sees (causal, within `window`), so both sides of a
+    tile are consecutive positions and query row i sits `offset` + i positions after its first key. Pieces that
+    see no key of a run are skipped (causal block skipping). Key runs must increase in position.
+
+    Integer arithmetic on the runs only: nothing here reads a tensor, so planning a tile never waits for the
+    device. A piece of rows at positions [p, p + n) sees key positions [p − window + 1, p + n − 1]."""
+    row = 0
+    for q_first, q_len in q_runs:
+        for start in range(0, q_len, chunk):
+            n, p = min(chunk, q_len - start), q_first + start
+            key = 0
+            for k_first, k_len in k_runs:
+                lo, hi = max(k_first, p - window + 1), min(k_first + k_len, p + n)  # seen positions [lo, hi)
+                if lo < hi:
+                    yield slice(row + start, row + start + n), slice(key + lo - k_first, key + hi - k_first), p - lo
+                key += k_len
+        row += q_len
+
+
+def merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
+    """The online-softmax merge, in place: two softmax-normalised partial outputs over disjoint key sets become
+    the output over their union. Rows that have seen no key yet on either side stay at out 0, lse −inf."""
+    new = torch.logaddexp(lse, block_lse)
+    finite = torch.where(new.isinf(), 0.0, new)
+    out.mul_(torch.exp(lse - finite).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - finite).unsqueeze(-1))
+    lse.copy_(new)
+
+
+@dataclass(frozen=True)
+class Call:
+    """What every step of one attention call needs: the cp group, the whole sequence's length, the window (the
+    sequence length when there is none) and the kernel backend (`lit_lm.kernels.runtime.BACKENDS`)."""
+
+    group: Optional[dist.ProcessGroup]
+    seq_len: int
+    window: int
+    backend: str = "auto"
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def cp(self) -> int:
+        return dist.get_world_size(self.group)
+
+
+def attend(q: Tensor, kv: Tensor, q_pos: Runs, k_pos: Runs, call: Call, out: Tensor, lse: Tensor) -> None:
+    """Merge the attention of queries q at `q_pos` on kv = stack(k, v) at `k_pos` into (out, lse), tile by tile."""
+    for rows, keys, offset in block_plan(q_pos, k_pos, call.window, q.shape[-2] // 2):
+        block_out, block_lse = block_forward(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], offset,
+                                             call.window, call.backend)
+        merge_into(out[..., rows, :], lse[..., rows], block_out, block_lse)
+
+
+def attend_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor, q_pos: Runs, k_pos: Runs,
+                    call: Call, dq: Tensor, dkv: Tensor) -> None:
+    """Add this (queries, keys) pair's gradients to dq and dkv = stack(dk, dv), tile by tile."""
+    for rows, keys, offset in block_plan(q_pos, k_pos, call.window, q.shape[-2] // 2):
+        dq_b, dk_b, dv_b = block_backward(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :],
+                                          do[..., rows, :], lse[..., rows], delta[..., rows], offset, call.window,
+                                          call.backend)
+        dq[..., rows, :] += dq_b
+        dkv[0][..., keys, :] += dk_b
+        dkv[1][..., keys, :] += dv_b
+
+
+# -- the ring ---------------------------------------------------------------------------------------------
+def _ring_pass(t: Tensor, group: Optional[dist.ProcessGroup]) -> tuple[Tensor, list[dist.Work]]:
+    """Start sending `t` to the next rank of the ring and receiving the previous rank's into a new buffer (on
+    t's device), as ONE batch: posted as a lone send then a lone recv, every rank's send would wait on NCCL for
+    a recv queued behind its neighbour's own send (`comm.p2p_batch`; tests/test_p2p_order.py replays it)."""
+    ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    me = ranks.index(dist.get_rank())
+    received = torch.empty_like(t)
+    works = comm.p2p_batch([comm.P2P("send", t, ranks[(me + 1) % len(ranks)]),
+                            comm.P2P("recv", received, ranks[me - 1])], group, "cp ring")
+    return received, works
+
+
+def _wait(works: list[dist.Work]) -> None:
+    for w in works:
+        w.wait()
+
+
+def ring_forward(q: Tensor, kv: Tensor, call: Call) -> tuple[Tensor, Tensor]:
+    """q (B, Hkv, G, L, D), kv = stack(k, v) (2, B, Hkv, L, D) of this rank -> (out, lse) over the whole ring."""
+    rank, cp = call.rank, call.cp
+    q_pos = zigzag_runs(call.seq_len, rank, cp)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+    for step in range(cp):
+        if step < cp - 1:
+            next_kv, works = _ring_pass(kv, call.group)
+        attend(q, kv, q_pos, zigzag_runs(call.seq_len, (rank - step) % cp, cp), call, out, lse)
+        if step < cp - 1:
+            _wait(works)
+            kv = next_kv
+    return out, lse
+
+
+def ring_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor, call: Call
+                  ) -> tuple[Tensor, Tensor]:
+    """(dq, dkv) fp32: K/V go around the ring again, each with the dK/dV accumulator of the ranks it has visited;
+    the accumulator makes one extra hop to come home."""
+    rank, cp = call.rank, call.cp
+    q_pos = zigzag_runs(call.seq_len, rank, cp)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    in_flight: Optional[tuple[Tensor, list[dist.Work]]] = None  # a dK/dV accumulator on its way to this rank
+    for step in range(cp):
+        if step < cp - 1:
+            next_kv, kv_works = _ring_pass(kv, call.group)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        attend_backward(q, kv, do, lse, delta, q_pos, zigzag_runs(call.seq_len, (rank - step) % cp, cp), call,
+                        dq, dkv)
+        if in_flight is not None:  # what the ranks before added to this block's gradient
+            _wait(in_flight[1])
+            dkv += in_flight[0]
+        if cp > 1:
+            in_flight = _ring_pass(dkv, call.group)
+        if step < cp - 1:
+            _wait(kv_works)
+            kv = next_kv
+    if in_flight is None:
+        return dq, dkv
+    _wait(in_flight[1])  # the last hop brings this rank's own block's gradient home
+    return dq, in_flight[0]
+
+
+# -- all-gather -------------------------------------------------------------------------------------------
+def allgather_forward(q: Tensor, kv: Tensor, call: Call) -> tuple[Tensor, Tensor]:
+    full = zigzag_gather(kv, call.group, dim=-2)  # stack(k, v) of the whole sequence
+    q_pos = zigzag_runs(call.seq_len, call.rank, call.cp)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+    attend(q, full, q_pos, ((0, call.seq_len),), call, out, lse)
+    return out, lse
+
+
+def allgather_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor, call: Call
+                       ) -> tuple[Tensor, Tensor]:
+    rank, cp = call.rank, call.cp
+    full = zigzag_gather(kv, call.group, dim=-2)  # stack(k, v) of the whole sequence
+    q_pos = zigzag_runs(call.seq_len, rank, cp)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv_full = torch.zeros(full.shape, dtype=torch.float32, device=q.device)
+    attend_backward(q, full, do, lse, delta, q_pos, ((0, call.seq_len),), call, dq, dkv_full)
+    shares = torch.cat([zigzag_split(dkv_full, r, cp, dim=-2) for r in range(cp)])  # rank r's share r-th
+    dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
+    comm.reduce_scatter(dkv, shares, call.group)
+    return dq, dkv
+
+
+_FORWARD = {"ring": ring_forward, "allgather": allgather_forward}
+_BACKWARD = {"ring": ring_backward, "allgather": allgather_backward}
+
+
+class ContextAttentionFunction(torch.autograd.Function):
+    """Causal attention of this rank's zigzag share of q, k, v over the whole sequence held by the cp group.
+    Saves only local tensors (q, k, v, out, lse): activation memory per rank is 1/cp of the whole."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, method: str, call: Call) -> Tensor:
+        b, hq, length, d = q.shape
+        q5 = q.reshape(b, k.shape[1], hq // k.shape[1], length, d)
+        kv = torch.stack((k, v))
+        out, lse = _FORWARD[method](q5, kv, call)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q5, kv, out, lse)
+        ctx.method, ctx.call = method, call
+        return out.view(b, hq, length, d)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        q5, kv, out, lse = ctx.saved_tensors
+        do = grad.reshape(q5.shape)
+        delta = (do.float() * out.float()).sum(-1)
+        dq, dkv = _BACKWARD[ctx.method](q5, kv, do, lse, delta, ctx.call)
+        b, hk, g, length, d = q5.shape
+        return dq.to(q5.dtype).view(b, hk * g, length, d), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None
+
+
+def context_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup] = None,
+                      method: str = "ring", window: Optional[int] = None, backend: str = "auto") -> Tensor:
+    """q (B, Hq, L, D), k/v (B, Hkv, L, D): this rank's zigzag share (L = 2c tokens) -> its share of the output of
+    causal attention over the whole sequence of L·cp tokens; `window` as `CausalAttention.sliding_window`;
+    `backend` picks the tile kernel as in `kernels.apply`."""
+    if method not in METHODS:
+        raise ValueError(f"unknown cp_method {method!r}: choose one of {', '.join(METHODS)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"kv heads ({k.shape[1]}) must divide query heads ({q.shape[1]})")
+    cp = dist.get_world_size(group)
+    seq_len = q.shape[2] * cp
+    check_seq_len(seq_len, cp)
+    return ContextAttentionFunction.apply(q, k, v, method, Call(group, seq_len, window or seq_len,
+                                                                check_backend(backend)))
+
+
+class ContextParallelAttention(nn.Module):
+    """Drop-in for a causal attention core `forward(q, k, v)` (no parameters), attending over the cp group."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, method: str = "ring",
+                 sliding_window: Optional[int] = None, backend: str = "auto") -> None:
+        super().__init__()
+        if method not in METHODS:
+            raise ValueError(f"unknown cp_method {method!r}: choose one of {', '.join(METHODS)}")
+        self.group, self.method, self.sliding_window = group, method, sliding_window
+        self.backend = check_backend(backend)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return context_attention(q, k, v, self.group, self.method, self.sliding_window, self.backend)
+
+
+def parallelize_context(root: nn.Module, group: Optional[dist.ProcessGroup] = None, method: str = "ring",
+                        backend: str = "auto") -> int:
+    """Swap, in place, every attention core the model names in `context_parallel_plan()` for a
+    `ContextParallelAttention` over `group`; returns how many. The caller feeds each rank `zigzag_batch` data."""
+    model = next((m for m in root.modules() if isinstance(m, ContextParallelModel)), None)
+    if model is None:
+        raise TypeError(f"{type(root).__name__} has no context_parallel_plan(): it cannot be context-parallel")
+    plan = model.context_parallel_plan()
+    for name, spec in plan.items():
+        parent, _, child = name.rpartition(".")
+        core = ContextParallelAttention(group, method, spec.sliding_window, backend)
+        setattr(model.get_submodule(parent), child, core)
+    return len(plan)
+
+
+def check_data_seq_len(module: nn.Module, cp: int) -> None:
+    """The LightningModule's data's sequence length against the zigzag split, refused at setup, not at step 1."""
+    seq_len = getattr(getattr(getattr(module, "_trainer", None), "datamodule", None), "seq_len", None)
+    if isinstance(seq_len, int) and seq_len % (2 * cp):
+        raise ConfigError(f"context_parallel_size={cp} splits each sequence into 2·cp={2 * cp} zigzag chunks, but "
+                          f"seq_len is {seq_len} (data.init_args.seq_len); use a multiple of {2 * cp}, or another cp")
+
+
+def context_loss(model: nn.Module, group: Optional[dist.ProcessGroup] = None
+                 ) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """The step's loss under context parallelism: `model.loss(inputs, targets)` of the whole (B, T) sequences run on
+    this cp rank's zigzag share (with its positions, for RoPE). Autograd sees this rank's loss times the share of
+    valid targets it holds (`zigzag_batch`), whose gradients the dp x cp mean makes the whole batch's; the VALUE
+    returned, and the cross-entropy, are the cp group's mean, so what the step logs is the whole sequences' loss."""
+    cp = dist.get_world_size(group)
+
+    def loss_fn(inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        share, share_targets, positions, weight = zigzag_batch(inputs, targets, group)
+        loss, ce = model.loss(share, share_targets, positions)
+        loss, ce = loss * weight, ce * weight
+        mean = torch.stack((loss.detach(), ce.detach()))
+        comm.all_reduce(mean, group, label="cp loss")
+        mean /= cp
+        return loss + (mean[0] - loss.detach()), mean[1]
+
+    return loss_fn
+
+
+# -- communication theory (per rank, per attention call), for tests and benchmarks -----------------------------
+def comm_theory(method: str, cp: int, kv_numel: int, element_size: int) -> dict[str, float]:
+    """Wire bytes one rank sends for one attention call (as `comm.CommRecord.wire_bytes` counts them), for its share
+    of stack(k, v) of `kv_numel` elements. Both methods move (cp−1) shares of K/V forward and again backward; the
+    dK/dV (fp32) make cp hops around the ring, (cp−1)/cp of cp shares in the reduce-scatter."""
+    if method not in METHODS:
+        raise ValueError(f"unknown cp_method {method!r}: choose one of {', '.join(METHODS)}")
+    kv = (cp - 1) * kv_numel * element_size
+    dkv_hops = cp if method == "ring" and cp > 1 else cp - 1
+    return {"forward": float(kv), "backward": float(kv + dkv_hops * kv_numel * 4)}
+
+
+def saved_bytes_theory(batch: int, q_heads: int, kv_heads: int, head_dim: int, local_len: int,
+                       element_size: int) -> int:
+    """Bytes `ContextAttentionFunction` saves for backward on one rank: its own q, k, v and output (the model
+    dtype) and the fp32 log-sum-exp per query row; 1/cp of the whole sequence's, whatever the method."""
+    return batch * local_len * ((2 * q_heads + 2 * kv_heads) * head_dim * element_size + q_heads * 4)
