@@ -42,10 +42,11 @@ _DATA_FIELDS = tuple(inspect.signature(TextDataModule.__init__).parameters)[1:]
 
 class LitLMCLI(LightningCLI):
     @staticmethod
-    def parser_kwargs(defaults: list[str]) -> dict[str, Any]:
-        """A subcommand's parser: `defaults` read first; old class paths in any yaml read as today's
-        (`lit_lm.moved`)."""
-        return {"default_config_files": defaults, "parser_mode": parser_mode()}
+    def parser_kwargs(defaults: list[str], subcommands: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The parsers' settings: `defaults` read first; old class paths in any yaml read as today's (`lit_lm.moved`,
+        set on the main parser too: it loads the subcommands' values in its own mode)."""
+        one = {"default_config_files": defaults, "parser_mode": parser_mode()}
+        return {"parser_mode": parser_mode(), **{cmd: one for cmd in subcommands}} if subcommands else one
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # One vocabulary and one context length: the data decides (a given tokenizer's size), the model follows.
@@ -186,7 +187,7 @@ def main(args: Optional[list[str]] = None) -> None:
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={cmd: LitLMCLI.parser_kwargs(defaults) for cmd in SUBCOMMANDS},
+            parser_kwargs=LitLMCLI.parser_kwargs(defaults, SUBCOMMANDS),
             args=args,
         )
 

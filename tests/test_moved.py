@@ -23,7 +23,7 @@ OLD_YAML = """\
 trainer:
   strategy:
     class_path: strategies.composed.ComposedStrategy
-    init_args: {data_parallel_shard_size: 2}
+    init_args: {zero_stage: 1}
   callbacks:
     - class_path: callbacks.progress.StepProgress
 data:
@@ -114,14 +114,14 @@ def test_fit_parses_an_old_yaml_and_an_old_command_line(tmp_path: Path) -> None:
     old = tmp_path / "old.yaml"
     old.write_text(OLD_YAML)
     done = subprocess.run([sys.executable, "-m", "lit_lm", "fit", "--config", str(old), "--trainer.callbacks+",
-                           "callbacks.clip.GlobalNormClip", "--trainer.callbacks+.init_args.max_norm", "1.0",
-                           "--print_config"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                           "callbacks.nan_guard.NanGuard", "--print_config"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     for new in ("lit_lm.strategies.composed.ComposedStrategy", "lit_lm.callbacks.progress.StepProgress",
-                "lit_lm.data.datamodule.TextDataModule", "lit_lm.callbacks.clip.GlobalNormClip"):
+                "lit_lm.callbacks.nan_guard.NanGuard", "lit_lm.data.datamodule.TextDataModule"):
         assert f"class_path: {new}" in done.stdout
     warned = [line for line in done.stderr.splitlines() if "FutureWarning" in line]
     assert len(warned) == 4, done.stderr
     for old_path in ("strategies.composed.ComposedStrategy", "callbacks.progress.StepProgress",
-                     "lit_lm.data.TextDataModule", "callbacks.clip.GlobalNormClip"):
+                     "callbacks.nan_guard.NanGuard", "lit_lm.data.TextDataModule"):
         assert sum(f" {old_path} is deprecated: use lit_lm." in line for line in warned) == 1, done.stderr
