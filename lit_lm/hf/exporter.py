@@ -6,7 +6,7 @@ lit-lm's Transformer is Llama's architecture with the same conventions (rotate-h
 statistics, SwiGLU, separate q/k/v projections), so the export is a renaming of tensors through the family's
 entry in `lit_lm.hf.families` (the one map the import reads too; stacked expert weights are written one tensor
 per expert, as the family stores them), and `config.json` is the import backwards. The family is the first of
-`hf_families.FAMILIES` whose config, imported again, is the model's own (`export_family`): Llama, Mistral when
+`families.FAMILIES` whose config, imported again, is the model's own (`export_family`): Llama, Mistral when
 windowed, Qwen2 with q/k/v biases, Qwen3 with per-head QK-norm, Mixtral / Qwen3-MoE / OLMoE for MoE models; a
 model no family holds (shared experts, sigmoid routing, ...) is refused naming the field. A model imported from
 Hugging Face comes back tensor for tensor (the same names, shapes and values). The embedding keeps its padded
