@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 # rank with its traceback, where in the server it would stop the server and every later call with an EOFError
 # (the suite appends tests/forkserver_preload.py, which imports its ranks' own modules and skips one that fails)
 PRELOAD = ["torch", "lightning", "torch.distributed.checkpoint"]
-OWN_PACKAGES = ("lit_lm", "strategies", "kernels", "callbacks")  # whose classes a rank's result may hold
+OWN_PACKAGES = ("lit_lm",)  # whose classes a rank's result may hold
 
 
 def free_port() -> int:
