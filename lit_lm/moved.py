@@ -22,7 +22,6 @@ from jsonargparse import get_loader, set_loader
 UNTIL = "lit-lm 0.3"
 PARSER_MODE = "lit_lm"  # jsonargparse's yaml, with old paths rewritten: `parser_mode()`
 ROOT = Path(__file__).resolve().parent  # lit_lm/
-PACKAGES = ("strategies", "kernels", "callbacks")  # the old top-level packages: also words of file names
 # old module -> new module (a path under an old module moves with it)
 MOVED = {
     "strategies": "lit_lm.strategies",
@@ -43,6 +42,7 @@ MOVED = {
     "lit_lm.plan": "lit_lm.planner.plan",
     "lit_lm.plan_cli": "lit_lm.planner.cli",
 }
+PACKAGES = tuple(old for old in MOVED if "." not in old)  # the old top-level packages: words of file names too
 DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")  # as Lightning's rank_zero_only reads
 _warned: set[str] = set()
