@@ -7,10 +7,8 @@ encode it, append EOS, write its ids to a .bin and its length to an index).
 
 The corpus is the standard library's source (`lit_lm.data.datamodule.stdlib_corpus`), one file per jsonl row; the
 tokenizer is lit-lm's BPE of 4096 tokens trained on it, saved as a `tokenizers` tokenizer.json (or --tokenizer_dir).
-Each
-contender runs in its own fresh process, alternated over shuffled rounds (scripts/bench_runner.py); the figure is
-the time of the work itself (the interpreter's start and imports excluded; prepare's pool start included).
-"""
+Each contender runs in its own fresh process, alternated over shuffled rounds (scripts/bench_runner.py); the figure is
+the time of the work itself (the interpreter's start and imports excluded; prepare's pool start included)."""
 
 from __future__ import annotations
 

@@ -218,8 +218,8 @@ def run_fits(report: Any, dry_run: bool, device: torch.device) -> str:
             print(f"  {name:>7} kernels {'on ' if kernels else 'off'}: "
                   f"{run.get('losses') or run.get('error')}", flush=True)
             report.update(runs=runs)
-    # the Triton kernels under torch.compile (`lit_lm.kernels.runtime.Op`: triton_op, launched from inductor's code on
-    # a GPU)
+    # the Triton kernels under torch.compile (`lit_lm.kernels.runtime.Op`: triton_op, launched from inductor's code
+    # on a GPU)
     compiled = "aot_eager" if dry_run else True
     try:
         runs.append(fit(config, "lm_ddp", True, precision, device=device, compile=compiled, **shape))

@@ -25,9 +25,8 @@ __all__ = ["REFERENCE_TILES", "TINY", "Recorder", "TinyLM", "fit_tiny", "free_po
 # the ranks' environment for strategy runs under context parallelism: their attention tiles by the PyTorch reference,
 # the path `fit` takes on CPU (lit_lm/strategies/cp.py), not by the FlashAttention kernel in Triton's interpreter,
 # which the suite turns on for the kernel tests (conftest.py): there a 2-step cp2 run on 4 ranks took 43-72 s (every
-# other
-# layout of test_estimate 0.3-2 s). The kernel's tiles under cp are checked against attention on the whole sequence
-# in test_cp's attention test (cp 2, forward and backward), the kernel itself in test_kernels.
+# other layout of test_estimate 0.3-2 s). The kernel's tiles under cp are checked against attention on the whole
+# sequence in test_cp's attention test (cp 2, forward and backward), the kernel itself in test_kernels.
 REFERENCE_TILES = {"TRITON_INTERPRET": "0"}
 
 

@@ -122,8 +122,7 @@ INDUCTOR_2 = {
 # every kernel `kernels.apply` swaps into a block (cross_entropy is the head's, outside the compiled blocks), run by
 # Triton's interpreter on the ranks: each launcher is a `torch.library` op (`lit_lm.kernels.runtime.op`), one opaque
 # call in the block's graph. Before, dynamo traced Triton's launch code and guarded on each kernel's argument count and
-# block
-# sizes: 47 graphs in step 1 and one more in step 2 (one layer, one process; TORCH_LOGS=recompiles).
+# block sizes: 47 graphs in step 1 and one more in step 2 (one layer, one process; TORCH_LOGS=recompiles).
 BLOCK_KERNELS = ("rmsnorm", "swiglu", "rope", "attention")
 # One sequence per rank, 3 steps (the counter unchanged in steps 2 and 3): the interpreter runs each kernel's
 # programs one by one in numpy (rope and rmsnorm launch one per token row), ~1 s per step per rank at 4 sequences.

@@ -189,7 +189,6 @@ def test_engines_import_without_lightning() -> None:
 
 
 # -- the loss seam: one rule (lit_lm.strategies.plan.StepLoss), kept where a strategy computes the step's loss itself
-# ------
 def test_step_loss_is_called_once_per_step_and_the_model_never_directly() -> None:
     model = torch.nn.Linear(2, 2)
     seam = plan.StepLoss(model, lambda x, y, **_: (model(x).sum(), y.sum()), "pipeline parallelism")

@@ -450,8 +450,7 @@ class StepResident(L.Callback):
 def _step_resident(malloc: str) -> Any:
     # the strategy applies `malloc` on a CPU rank (lit_lm/strategies/host_malloc.py): `fixed` maps every block from
     # 128 KiB and unmaps it when freed, so resident memory follows the tensors the step makes and frees (`trim`, the
-    # default,
-    # leaves the heap's fragmentation within the step: not held here)
+    # default, leaves the heap's fragmentation within the step: not held here)
     os.environ[CHOICE] = malloc
     probe = StepResident()
     data = rank_share(token_data(2) % RESIDENT_MODEL["vocab_size"], 2, int(os.environ["LOCAL_RANK"]), 2)

@@ -11,11 +11,10 @@ this costs anything, so nothing would notice a new one; this test does.
 code too) passes through it, and each call of that kind is recorded with its call site, the innermost frame in the
 project's packages (lit_lm/, lit_lm/strategies/, lit_lm/callbacks/, lit_lm/kernels/) or, if none, in Lightning or
 torch. `CountSteps` switches it on at the start of each training batch that does not log (Lightning's
-`should_update_logs`) and off at
-the start of the next batch, so the whole step is covered: forward, backward, the strategy's gradient sync,
-clipping, the optimizer step and every `on_train_batch_end`. Runs (one pair of gloo processes): lm_ddp and zero3
-(dense) and ep (MoE, dropless and with a capacity), `LanguageModel` with NanGuard, Throughput, the progress line,
-a CSV logger and gradient clipping.
+`should_update_logs`) and off at the start of the next batch, so the whole step is covered: forward, backward, the
+strategy's gradient sync, clipping, the optimizer step and every `on_train_batch_end`. Runs (one pair of gloo
+processes): lm_ddp and zero3 (dense) and ep (MoE, dropless and with a capacity), `LanguageModel` with NanGuard,
+Throughput, the progress line, a CSV logger and gradient clipping.
 
 The sites found must be exactly `ALLOWED` (each with its reason and calls per step), so a new sync fails with its
 file:line, and an allowed one that disappears asks for the list to shrink. `test_the_counter_sees_a_sync` shows

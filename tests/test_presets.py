@@ -1,7 +1,6 @@
 """lit-lm's strategy names are data (lit_lm/strategies/presets.py): every row is registered with Lightning as its
 class and arguments, a preset class built with no argument is its row's strategy, and every yaml in configs/strategies/
-names
-a preset's class and builds with its init_args."""
+names a preset's class and builds with its init_args."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ The base owns the plumbing; a parallel kind (DDP, ZeRO, TP, PP) overrides a few 
 What the base does
     launcher        always `_SubprocessScriptLauncher`: spawns the local ranks under plain `python`, does nothing
                     under torchrun/SLURM but still checks `devices x num_nodes` against the cluster's world size.
-    layout          `self.layout`: the cached `ParallelLayout` (lit_lm/strategies/layout.py: `.group(name)`,
-    `.rank(name)`,
+    layout          `self.layout`: the cached `ParallelLayout` (layout.py: `.group(name)`, `.rank(name)`,
                     `.size(name)`, `.dp_group`..., `.device_mesh(type)`), built in `setup_environment` after the
                     default group from `parallel_dims(world)` (a hook; the base is data parallel only), which
                     `_configure_launcher` validates first.
@@ -28,9 +27,8 @@ What the base does
                     `<path>.tmp-<id>`, marked `COMPLETE` (step, world size, strategy, dp/tp/pp) after a barrier
                     and published by rename; any directory without the marker is refused on load, naming it.
                     `remove_checkpoint` (save_top_k retention) also clears what crashed saves left in the folder.
-                    During fit a save is written in the background (`lit_lm/strategies/async_save.py`: the step waits
-                    only for a host copy; at most one in flight; removals wait for its publish);
-                    `async_checkpoint=False`
+                    During fit a save is written in the background (`async_save.py`: the step waits only for a
+                    host copy; at most one in flight; removals wait for its publish); `async_checkpoint=False`
                     writes in the step. `wait_for_checkpoints()` returns once the save in flight is published.
     preemption      SIGUSR1/SIGTERM during fit: every rank saves `last.ckpt` at the end of the same step (flags
                     all-reduced asynchronously on a gloo group, one step late) and stops; `preempted` says so
@@ -219,8 +217,7 @@ class BaseStrategy(ParallelStrategy):
         self._layout: Optional[ParallelLayout] = None
         self._described = False
         self._sync_enabled = True
-        # checkpoints saved during fit are written in the background (lit_lm/strategies/async_save.py); False: in the
-        # step
+        # checkpoints saved during fit are written in the background (async_save.py); False: in the step
         self._saver = AsyncSaver(self._timeout) if async_checkpoint else None
         self._preemption: Optional[Preemption] = None
         self._host_malloc: Optional[HostMalloc] = None  # a CPU rank's (setup_environment)

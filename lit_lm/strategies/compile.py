@@ -25,8 +25,7 @@ and a dense and an MoE block compile as different code (`block_kind`): nothing c
 
 The Triton kernels of `kernels.apply` are `torch.library` operators (`lit_lm.kernels.runtime.Op`): one opaque call
 each in the block's graph (a `triton_op` inductor launches on a GPU, a `custom_op` under the interpreter), so
-`fullgraph`
-holds with them and nothing is guarded on their launch arguments.
+`fullgraph` holds with them and nothing is guarded on their launch arguments.
 
 A call that passes something other than tensors (generation's KV cache, whose length changes every token) runs the
 block's eager forward: the compiled graphs serve training and validation at their fixed shapes only, so generation
@@ -141,9 +140,8 @@ def _collectives_run_eagerly() -> None:
 
 # what compile refuses, '<combination>: <why>; <instead>' as `lit_lm.strategies.layout.REFUSED` reads (a module
 # option, so checked when the strategy applies its engines, not at its construction): activation checkpointing mode ->
-# message.
-# Empty in torch 2.13: `full` and `selective` both trace (dynamo's checkpoint higher-order op, the selective policy
-# applied by AOTAutograd's partitioner), tests/test_compile.py
+# message. Empty in torch 2.13: `full` and `selective` both trace (dynamo's checkpoint higher-order op, the selective
+# policy applied by AOTAutograd's partitioner), tests/test_compile.py
 REFUSED: dict[str, str] = {}
 
 

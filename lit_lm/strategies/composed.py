@@ -12,8 +12,7 @@ order (the one description of it; other pages point here):
                      schedule runs as the step's loss (`pp_step.PipelineStep`)
     5. materialise   a model built on the meta device (pp, ZeRO-3) gets its values one parameter at a time, each
                      initialised whole from its global name and sliced to this rank's placement (`placement.py`)
-    6. FP8           with the module's `fp8` option, the blocks' linears compute in FP8 (`lit_lm/strategies/fp8.py`),
-    the
+    6. FP8           with the module's `fp8` option, the blocks' linears compute in FP8 (`fp8.py`), the
                      scales of tp-split tensors reduced over tp (the tp placements recorded in step 1)
        activation checkpointing of every block the stage keeps (`lit_lm/strategies/ac.py`)
     7. data parallel `GradSync` (all-reduce over dp, dp x cp under cp) or the ZeRO engine (stage 1-3 over dp_shard

@@ -1,6 +1,5 @@
 """`zero1`, `zero2`, `zero3`: ZeRO data parallelism (`lit_lm/strategies/zero_engine.py`) as presets of
-`ComposedStrategy`
-(`lit_lm/strategies/presets.py`).
+`ComposedStrategy` (`lit_lm/strategies/presets.py`).
 
 Lightning builds the user's optimizer as usual; the strategy then points its param groups at the fp32 master
 shards in place, so any torch optimizer, its param groups and LR schedulers keep working on shards. ZeRO-3 builds
