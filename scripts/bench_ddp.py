@@ -10,7 +10,8 @@ Contenders (each in its own fresh processes, alternated over >= 5 rounds in an o
 - `ddp`: torch `DistributedDataParallel` through Lightning's `ddp`; `ddp_view`: the same with
   `gradient_as_bucket_view=True` (its gradients live in its buckets, as ours do);
 - `lm_ddp`: `lit_lm.strategies.grad_sync.GradSync` at `--bucket-cap-mb`: asynchronous all-reduces launched from
-  the gradient hooks, overlapped with backward (the path every NCCL user runs; on the CPU over gloo, torch DDP's transport too);
+  the gradient hooks, overlapped with backward (the path every NCCL user runs; on the CPU over gloo, torch DDP's
+  transport too);
 - with the same AdamW for all (torch's default: on CPU a per-tensor loop), then each with its best setting
   (`--fused`: fused AdamW; torch DDP with bucket views);
 - `lm_ddp_overlap` at `--bucket-cap-mb` and each `--sweep` cap: the overlap measurement (below).
