@@ -103,7 +103,7 @@ def unknown_keys(config_files: Sequence[str | Path], argv: Sequence[str]) -> lis
     for arg in argv:
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
             continue
-        path = tuple(arg[2:].split("=", 1)[0].removesuffix("+").split("."))
+        path = tuple(key.removesuffix("+") for key in arg[2:].split("=", 1)[0].split("."))  # `callbacks+.init_args.x`
         for depth in range(len(path)):
             known = _known(path[:depth], {})
             if known is None:
