@@ -12,7 +12,10 @@ models made with `transformers` in a temporary folder (no network).
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
 import warnings
 from functools import partial
 from pathlib import Path
@@ -24,7 +27,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from lit_lm.config import ConfigError, ModelConfig  # noqa: E402
-from lit_lm.hf.importer import HFWeights, load_model, model_config  # noqa: E402
+from lit_lm.hf.importer import INDEX, HFWeights, load_model, model_config  # noqa: E402
 from lit_lm.module import LanguageModel  # noqa: E402
 from lit_lm.parity import TINY, Case, _fit_cases, assert_parity, run_parity  # noqa: E402
 from lit_lm.resident import ResidentPeak, reset_peak  # noqa: E402
@@ -305,3 +308,52 @@ def test_zero3_import_peak_memory_stays_below_the_model(tmp_path):
     ranks = run_distributed(_fit_cases, 4, [case], 4, [None], init_process_group=False)
     peaks = [r[0]["callbacks"][0].peak for r in ranks]
     assert whole > 80e6 and max(peaks) < 0.6 * whole, f"peak growth per rank {peaks} for a model of {whole} bytes"
+
+
+def hub_snapshot(cache: Path, repo_id: str, source: Path) -> Path:
+    """`source`'s files in a `huggingface_hub` cache as `hf_hub_download` leaves them: `models--org--name/` with
+    `blobs/<etag>` (a safetensors file's sha256, another file's git blob hash), `refs/main` (the commit) and
+    `snapshots/<commit>/<file>`, a relative symlink `../../blobs/<etag>` made by huggingface_hub's own helper;
+    huggingface_hub itself then finds the snapshot offline."""
+    hub = pytest.importorskip("huggingface_hub")
+    from huggingface_hub.file_download import _create_symlink, repo_folder_name
+    from huggingface_hub.utils.sha import git_hash
+
+    storage = cache / repo_folder_name(repo_id=repo_id, repo_type="model")
+    commit = git_hash(repo_id.encode())  # any 40-hex commit id
+    (storage / "refs").mkdir(parents=True)
+    (storage / "refs" / "main").write_text(commit)
+    (storage / "blobs").mkdir()
+    snapshot = storage / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for file in sorted(source.iterdir()):
+        data = file.read_bytes()
+        etag = hashlib.sha256(data).hexdigest() if file.suffix == ".safetensors" else git_hash(data)
+        (storage / "blobs" / etag).write_bytes(data)
+        _create_symlink(str(storage / "blobs" / etag), str(snapshot / file.name), new_blob=True)
+        assert os.readlink(snapshot / file.name) == f"../../blobs/{etag}"
+    assert Path(hub.snapshot_download(repo_id, cache_dir=cache, local_files_only=True)) == snapshot
+    return snapshot
+
+
+def test_sharded_model_imports_from_the_hub_cache(tmp_path):
+    """A sharded model in the Hugging Face cache (its shards symlinks into ../../blobs) imports, as from the folder it
+    was saved to; an index naming a shard with `..` or by an absolute path is still refused in one line (the names
+    are checked as written, not where the symlinks lead)."""
+    whole, saved = tmp_path / "whole", tmp_path / "saved"
+    save_hf(whole, FAMILIES["llama tied"]()).save_pretrained(saved, max_shard_size="20KB")
+    index = json.loads((saved / INDEX).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and not (saved / "model.safetensors").exists()
+    snapshot = hub_snapshot(tmp_path / "hub", "org/tiny-llama", saved)
+    ours, theirs = load_model(snapshot).state_dict(), load_model(whole).state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+    for name in (f"../{snapshot.name}/{shards[0]}", f"sub/../../{snapshot.name}/{shards[0]}",
+                 str(snapshot / shards[0])):
+        (snapshot / INDEX).unlink()  # a local edit of the cached index: a file of its own
+        (snapshot / INDEX).write_text(json.dumps(dict(index, weight_map={**index["weight_map"],
+                                                                         "model.norm.weight": name})))
+        with pytest.raises(ConfigError, match=f"the shard '{re.escape(name)}' is outside") as err:
+            HFWeights(snapshot, model_config(snapshot))
+        assert "\n" not in str(err.value)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, fields, replace
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Optional, Union
 
 import torch
@@ -169,12 +169,13 @@ class HFWeights:
         self._check_names()
 
     def _inside(self, index: Path, name: str) -> Path:
-        """A shard path of the index, refused when it leads out of the folder (`../x`, an absolute path)."""
-        path = self.folder / name
-        if not path.resolve().is_relative_to(self.folder.resolve()):
+        """A shard path of the index, refused when its name leads out of the folder (an absolute path, any `..`).
+        The name is judged as written, not where symlinks lead: the Hugging Face cache's snapshot files are
+        symlinks into its `../../blobs/`."""
+        if PurePath(name).is_absolute() or ".." in PurePath(name).parts:
             raise ConfigError(f"{index}: the shard {name!r} is outside {self.folder}; an index names files of its "
                               "own folder (model.init_args.init_from)")
-        return path
+        return self.folder / name
 
     @staticmethod
     def _keys(file: Path, index: Optional[Path] = None) -> list[str]:
