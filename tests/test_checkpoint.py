@@ -15,7 +15,7 @@ from test_cli import run_script
 from lit_lm.parity import MOE, Case, assert_parity, run_parity
 from lit_lm.strategies.zero import ZeroStrategy
 from lit_lm.strategies import safe_load
-from lit_lm.strategies.checkpoint import is_sharded_checkpoint
+from lit_lm.strategies.checkpoint import is_sharded_checkpoint, read_whole
 
 K = 4  # optimizer steps per epoch: checkpoint at the end of epoch 0, train to 2K
 
@@ -80,3 +80,35 @@ def test_moe_resumed_from_a_single_file_restores_the_router_bias() -> None:
     assert_parity(run)
     bias = "model.blocks.1.mlp.router.expert_bias"
     assert run["single"]["start"][bias].abs().sum() > 0  # the saved bias moved from its zeros: the check can fail
+
+
+# -- two callbacks saving at the same step: a hard-linked alias only of the same contents ------------------------
+def _weights_only_then_full(ckpt_dir: str) -> dict:
+    """6 steps with a weights-only save every 4 steps (listed first) and a full one every 2; then a fit resumed
+    from the full step=4, and one from the weights-only step=4."""
+    root = Path(ckpt_dir)
+    savers = (ModelCheckpoint(dirpath=root / "weights", filename="{step}", every_n_train_steps=4, save_top_k=-1,
+                              save_weights_only=True),
+              ModelCheckpoint(dirpath=root / "full", filename="{step}", every_n_train_steps=2, save_top_k=-1))
+    full = fit_tiny("lm_ddp", max_steps=6, callbacks=savers, one_batch=True)
+    resumed = fit_tiny("lm_ddp", max_steps=6, ckpt_path=str(root / "full" / "step=4.ckpt"), one_batch=True)
+    try:
+        fit_tiny("lm_ddp", max_steps=6, ckpt_path=str(root / "weights" / "step=4.ckpt"), one_batch=True)
+        refusal = "no error"
+    except Exception as e:  # on main: Lightning's KeyError, a traceback
+        refusal = f"{type(e).__name__}: {e}"
+    return {"full": full, "resumed": resumed, "refusal": refusal}
+
+
+def test_a_full_save_at_a_weights_only_saves_step_keeps_its_optimizer_state(tmp_path: Path) -> None:
+    """The full callback's step=4 was a hard link to the weights-only save of the same step (its own meta.pt, the
+    other's shards) and the resume restarted AdamW's moments from zero without a word: on main the resumed losses
+    differ. Now it is its own save, and a fit from the weights-only file is refused in one line."""
+    run = run_distributed(_weights_only_then_full, 1, str(tmp_path), init_process_group=False)[0]
+    torch.testing.assert_close(torch.tensor(run["resumed"]["losses"]), torch.tensor(run["full"]["losses"][4:]),
+                               rtol=1e-5, atol=0)
+    saved = read_whole(tmp_path / "full" / "step=4.ckpt")["optimizer_states"]
+    assert saved and all(s["exp_avg_sq"].abs().sum() > 0 for s in saved[0]["state"].values())
+    refusal = run["refusal"]
+    assert refusal.startswith(f"ConfigError: {tmp_path / 'weights' / 'step=4.ckpt'} holds no optimizer state"), refusal
+    assert "\n" not in refusal

@@ -41,7 +41,7 @@ class AsyncSaver:
         self._buffers: dict[str, Tensor] = {}
         self._lock = threading.Lock()
         self._removals: list[Callable[[], None]] = []
-        self.last: Optional[tuple[Any, Path]] = None  # (step, path) of the last save started, for aliases
+        self.last: Optional[tuple[Any, Path]] = None  # (contents, path) of the last save started, for aliases
 
     @property
     def group(self) -> dist.ProcessGroup:

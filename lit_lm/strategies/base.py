@@ -107,6 +107,7 @@ from lit_lm.strategies import checkpoint as ckpt
 from lit_lm.strategies.async_save import AsyncSaver
 from lit_lm.strategies.preemption import Preemption
 from lit_lm.strategies import comm
+from lit_lm.strategies.errors import ConfigError
 from lit_lm.strategies.clip import GradShards, clip_grad_norm_, local_grad_shards, with_global_norm_clip
 from lit_lm.strategies.host_malloc import HostMalloc
 from lit_lm.strategies.layout import ParallelDims, ParallelLayout
@@ -496,8 +497,10 @@ class BaseStrategy(ParallelStrategy):
         state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         topology = {"strategy": type(self).__name__, **asdict(self.layout.dims)}
         background = self._saver if self._saving_in_background() else None
-        if background is not None and background.last is not None and background.last[0] == checkpoint.get(
-                "global_step") and background.last[1] != path:  # `last.ckpt` right after `step=N.ckpt`: same state
+        # what the shards hold: the step's model, and its optimizers unless the save is weights-only
+        contents = (checkpoint.get("global_step"), tuple(state))
+        if background is not None and background.last is not None and background.last[0] == contents and \
+                background.last[1] != path:  # `last.ckpt` right after `step=N.ckpt`: the same shards, linked
             if self.is_global_zero:
                 source, meta = background.last[1], ckpt.serialize_meta(checkpoint)
                 background.after_publish(lambda: ckpt.save_alias(source, path, meta))
@@ -505,7 +508,7 @@ class BaseStrategy(ParallelStrategy):
         self.wait_for_checkpoints()  # at most one save in flight
         if background is not None:
             state = background.stage(state)  # the step waits for this copy only
-            background.last = (checkpoint.get("global_step"), path)
+            background.last = (contents, path)
         ckpt.save(path, state, checkpoint, topology, background=background)
 
     def _saving_in_background(self) -> bool:
@@ -551,12 +554,23 @@ class BaseStrategy(ParallelStrategy):
         state = {"model": self.lightning_module_state_dict()}
         state.update({f"optimizer_{i}": self.optimizer_state(o) for i, o in enumerate(optimizers)})
         meta = ckpt.load(path, state)  # every file read safely (weights_only), whatever `weights_only` says
+        self._refuse_weights_only(path, sum(f"optimizer_{i}" in state for i in range(len(optimizers))))
         self.load_sharded_state(state)
         return meta
+
+    def _refuse_weights_only(self, path: Path, saved_optimizers: int) -> None:
+        """A fit resumes the optimizers too: a checkpoint without their state (`save_weights_only=True`) is refused
+        in one line, as Lightning's own strategies refuse it, instead of restarting AdamW's moments from zero."""
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn == TrainerFn.FITTING and saved_optimizers < len(self.optimizers):
+            raise ConfigError(
+                f"{path} holds no optimizer state (a ModelCheckpoint(save_weights_only=True) save), so a fit cannot "
+                "resume from it (ckpt_path): resume from a full checkpoint")
 
     def _load_single_file(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
         """A plain Lightning checkpoint (e.g. from a single-device run): whole tensors, index-keyed optimizers."""
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=True)  # never code from a checkpoint
+        self._refuse_weights_only(path, len(checkpoint.get("optimizer_states", [])))
         state = {"model": checkpoint["state_dict"]}
         names = self.param_names()
         saved_fqns = checkpoint.get(ckpt.OPTIMIZER_FQNS)  # else the saving optimizer held the same parameters
