@@ -56,8 +56,11 @@ from lit_lm.strategies.layout import ParallelDims, ParallelLayout  # noqa: E402
 from lit_lm.strategies.zero_engine import ZeroEngine  # noqa: E402
 
 ENGINES = ["lm_ddp", "zero1", "zero2", "zero3"]
-LOOPS = ["trainer", "plain"]
+LOOPS = ["trainer", "plain"]  # the paired contenders: the Trainer over its baseline
+ALL_LOOPS = [*LOOPS, "flat"]  # `flat`: lm_ddp's plain loop with lit-lm's flat step (what the Trainer binds)
 WITHIN = 0.03  # the target: the Trainer within 3% of the plain loop
+BASELINE = ("plain: torch.optim.AdamW(model.parameters(), lr=1e-4), torch's defaults (foreach=None, fused=None: per "
+            "tensor on the CPU); lm_ddp without lit-lm's flat step, ZeRO with its master shards bound")
 
 
 class Clock:
@@ -127,8 +130,9 @@ def plain_loop(engine: str, args: argparse.Namespace, config: ModelConfig, accel
         model.to(device)
     sync: DataParallelEngine = (ZeroEngine(model, stage, layout.group("dp_shard"), device) if stage else
                                 GradSync(model, layout.group("dp"), args.bucket_cap_mb))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    bind_optimizer(optimizer, [sync])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # torch's default on the CPU: per tensor
+    if stage or args.loop == "flat":  # ZeRO steps its master shards; `flat`: lit-lm's flat step over GradSync's buckets
+        bind_optimizer(optimizer, [sync])
     for (tokens,) in loader:
         clock.mark()
         tokens = tokens.to(device)
@@ -158,7 +162,8 @@ def worker_one(rank: int, args: argparse.Namespace, port: int, accelerator: str)
 
 def contenders(args: argparse.Namespace) -> dict[str, list[str]]:
     base = [sys.executable, __file__, *forwarded(args), "--bucket-cap-mb", str(args.bucket_cap_mb)]
-    return {f"{engine} {loop}": [*base, "--one", engine, "--loop", loop] for engine in args.engines for loop in LOOPS}
+    return {f"{engine} {loop}": [*base, "--one", engine, "--loop", loop]
+            for engine in args.engines for loop in args.loops}
 
 
 def markdown(run: dict[str, Any]) -> str:
@@ -191,7 +196,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES)
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="GradSync's (lm_ddp), as the strategy's default")
     p.add_argument("--one", choices=ENGINES, help="run this engine once (with --loop) and print its metrics")
-    p.add_argument("--loop", choices=LOOPS, default="trainer")
+    p.add_argument("--loop", choices=ALL_LOOPS, default="trainer")
+    p.add_argument("--loops", nargs="+", choices=ALL_LOOPS, default=LOOPS, help="the loops of each engine's rounds")
     p.add_argument("--profile", help="with --one: write rank 0's cProfile statistics of the steady steps here")
     p.add_argument("--out", default="runs/bench_overhead.json")
     p.add_argument("--table", help="print a saved run (its --out JSON) as Markdown, and exit")
@@ -206,7 +212,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                                            how="difference")}
              for engine in args.engines}
     write_json(args.out, rounds, summarize(rounds), args=vars(args), phi=model_config(args).num_params(),
-               paired=pairs, revision=args.revision)
+               paired=pairs, revision=args.revision, baseline=BASELINE,
+               environment={k: os.environ.get(k) for k in ("THP_MEM_ALLOC_ENABLE", "OMP_NUM_THREADS", "LIT_LM_MALLOC")})
     print(markdown(json.loads(Path(args.out).read_text())))
     print(f"wrote {args.out}")
 

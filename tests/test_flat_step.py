@@ -89,7 +89,7 @@ def _train(stage: int, optimizer: str, dtype: torch.dtype) -> dict[str, Any]:
 
     def look(o: torch.optim.Optimizer, *_: Any) -> None:
         seen.append([len(g["params"]) for g in o.param_groups])
-        largest.append(max(p.numel() for g in o.param_groups for p in g["params"]))
+        largest.append(max(p.numel() for g in o.param_groups for p in g["params"] if p.grad is not None))
 
     opt.register_step_pre_hook(look)
     probe: dict[str, Any] = {}
@@ -114,7 +114,7 @@ def _train(stage: int, optimizer: str, dtype: torch.dtype) -> dict[str, Any]:
     runs = [sum(b is None or any((p.dim() >= 2) == decay for p in b.params) for b in buckets) for decay in (1, 0)]
     members = max(t.numel() for t in trainable)
     return {"masters": _masters(engine), "resumed": _masters(engine2), "seen": seen, "raised": _raise_in_step(opt2),
-            "largest": max(largest), "largest_member": members,
+            "largest": max(largest), "largest_later": max(largest[1:]), "largest_member": members,
             "frozen_unchanged": torch.equal(frozen, frozen_before), "frozen_state": frozen in opt.state,
             "phi_trainable": sum(t.numel() for t in trainable), "state_storages": len(state_storages),
             "state_keys": len({k for t in trainable for k in opt.state[t]}), "flats": [runs[0] + 1, runs[1]],
@@ -146,11 +146,11 @@ PIECE = 700  # a piece limit below the tiny model's flats (its largest member ha
 
 def _both(stage: int) -> dict[str, tuple[dict, dict]]:
     """AdamW and SGD on fp32 parameters; under stages 1-2 also AdamW on bf16 ones (separate fp32 master shards:
-    views of the flat master buffer); where the step runs flat, AdamW again with pieces of at most PIECE elements
-    (several pieces per flat, a member larger than that alone)."""
+    views of the flat master buffer); where the step runs flat, AdamW and SGD again with pieces of at most PIECE
+    elements (several pieces per flat; a member larger than that alone at its first step, in parts after)."""
     out = {}
     runs = [("adamw", torch.float32, None), ("sgd", torch.float32, None)] + [("adamw", torch.bfloat16, None)] * (
-        stage < 3) + [("adamw", torch.float32, PIECE)] * (stage in (3, DDP))
+        stage < 3) + [("adamw", torch.float32, PIECE), ("sgd", torch.float32, PIECE)] * (stage in (3, DDP))
     for optimizer, dtype, piece in runs:
         limit, flat_step.CPU_PIECE_NUMEL = flat_step.CPU_PIECE_NUMEL, piece or flat_step.CPU_PIECE_NUMEL
         try:
@@ -186,6 +186,8 @@ def test_flat_step_equals_per_parameter_step(stage: int) -> None:
                 if "pieces" in optimizer:  # several pieces, none larger than the limit or a member
                     assert flat["seen"][0][0] > flat["flats"][0], (where, flat["seen"])  # the matrices' group
                     assert flat["largest"] <= max(PIECE, flat["largest_member"]) < flat["phi_trainable"], where
+                    # once the state exists, a member larger than the limit is stepped in parts of at most it
+                    assert flat["largest_later"] <= PIECE < flat["largest_member"], where
                 else:  # one piece per flat
                     assert flat["seen"] == [flat["flats"]] * STEPS, (where, flat["seen"])
                     # optimizer state: one tensor per key and piece (AdamW m, v; SGD momentum)

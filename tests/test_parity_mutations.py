@@ -143,7 +143,7 @@ def flat_step_wrong_group(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def misplaced(self: FlatStep, optimizer: torch.optim.Optimizer) -> None:
         swap_in(self, optimizer)
-        live = {id(flat) for _, flat in self._live}
+        live = {id(t) for _, stepped in self._live for t in stepped}
         first, last = optimizer.param_groups[0]["params"], optimizer.param_groups[-1]["params"]
         last.extend(t for t in first if id(t) in live)
         first[:] = [t for t in first if id(t) not in live]

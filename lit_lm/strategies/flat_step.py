@@ -65,7 +65,9 @@ def piece_numel(device: torch.device) -> Optional[int]:
 
 @dataclass(eq=False)
 class Piece:
-    """Members [first, last) of a flat shard, stepped as one tensor: a view of the flat master and of its gradient."""
+    """Members [first, last) of a flat shard, stepped as one tensor: a view of the flat master and of its gradient.
+    A piece larger than the device's limit (one member larger than it) is handed torch as `parts` of at most the
+    limit once it has state: its first step makes that state whole-piece sized (`_parts`)."""
 
     shard: FlatShard
     first: int
@@ -73,6 +75,8 @@ class Piece:
     value: Tensor
     grad: Tensor
     state: dict[str, Any] = field(default_factory=dict)  # the optimizer's state for `value` (torch fills it)
+    parts: list[tuple[Tensor, dict[str, Any], dict[str, Any]]] = field(default_factory=list)  # (part, its state,
+    parts_of: Optional[dict[str, Any]] = None  # the entries it was cut with); `state` as `parts` were cut from it
 
 
 @dataclass(eq=False)
@@ -125,7 +129,7 @@ class FlatStep:
         self.optimizer = optimizer
         self.flats = flats
         self._saved: list[tuple[list[Tensor], list[Tensor]]] = []  # per group: (its params, the ones swapped in)
-        self._live: list[tuple[Piece, Tensor]] = []  # this step's pieces and the tensors torch steps for them
+        self._live: list[tuple[Piece, list[Tensor]]] = []  # this step's pieces and the tensors torch steps for them
         step = optimizer.step  # torch's, or an LR scheduler's counting wrapper of it
 
         def flat_step(opt: Optimizer, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
@@ -137,10 +141,12 @@ class FlatStep:
                 with torch.enable_grad():
                     loss = closure()
             self._swap_in(opt)
+            stepped = False
             try:
                 step(**kwargs)
+                stepped = True
             finally:
-                self._swap_out(opt)
+                self._swap_out(opt, stepped)
             return loss
 
         # a bound method, as torch's own: an LR scheduler made later wraps `step.__func__`; one made before
@@ -161,11 +167,12 @@ class FlatStep:
                 if self._flat(fs):
                     in_flat.update(fs.members)
                     for piece in fs.pieces:
-                        piece.value.grad = piece.grad
                         self._adopt_state(piece)
-                        self.optimizer.state[piece.value] = piece.state  # torch fills it in place at the first step
-                        pieces.append(piece.value)
-                        self._live.append((piece, piece.value))
+                        parts = self._parts(piece)
+                        for value, state, _ in parts:
+                            self.optimizer.state[value] = state  # torch fills it in place at the first step
+                        pieces.extend(value for value, _, _ in parts)
+                        self._live.append((piece, [value for value, _, _ in parts]))
             swapped = pieces + [p for p in group["params"] if p not in in_flat]
             self._saved.append((group["params"], swapped))
             group["params"] = swapped
@@ -180,6 +187,48 @@ class FlatStep:
             raise RuntimeError("the flat optimizer step: some trainable tensors of a param group have a gradient and "
                                "some have none; the engine gives every trainable one a gradient (zeros if unused)")
         return fs.flat(grads)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _parts(piece: Piece) -> list[tuple[Tensor, dict[str, Any], dict[str, Any]]]:
+        """What torch steps for `piece`: the piece itself, or, where it is larger than the device's limit and has
+        state, parts of at most the limit, each with the piece state's slices (views) and its own copy of the scalars
+        (Adam's `step`: torch counts it per tensor). torch's per-tensor step allocates temporaries the size of what
+        it steps (AdamW: two), so at hundreds of millions of parameters a whole member's would be tens of MB,
+        mapped and faulted in afresh each time (`lit_lm/strategies/host_malloc.py`) and streamed through memory;
+        a part's stay in the cache and the heap. Cut once per state (`parts_of`); the gradient slices stay set."""
+        limit = piece_numel(piece.value.device)
+        numel = piece.value.numel()
+        if limit is None or numel <= limit or not piece.state:
+            piece.value.grad = piece.grad
+            return [(piece.value, piece.state, piece.state)]
+        if piece.parts_of is not piece.state:
+            piece.parts = []
+            for start in range(0, numel, limit):
+                part = piece.value[start: start + limit]
+                part.grad = piece.grad[start: start + limit]
+                state = {k: v[start: start + limit] if _per_element(v, numel) else v.clone() if isinstance(v, Tensor)
+                         else v for k, v in piece.state.items()}
+                piece.parts.append((part, state, dict(state)))
+            piece.parts_of = piece.state
+        return piece.parts
+
+    @staticmethod
+    def _gather_parts(piece: Piece) -> None:
+        """After torch stepped `piece`'s parts: the scalars they counted into the piece's state; an entry torch
+        replaced or added (none for the optimizers of ELEMENTWISE once their state exists) joined into a new one."""
+        if not piece.parts or piece.parts_of is not piece.state:
+            return
+        states = [state for _, state, _ in piece.parts]
+        if all(state.keys() == given.keys() and all(state[k] is v for k, v in given.items())
+               for _, state, given in piece.parts):
+            for key, value in states[0].items():
+                if isinstance(value, Tensor) and not _per_element(piece.state[key], piece.value.numel()):
+                    piece.state[key].copy_(value)
+            return
+        piece.state = {k: torch.cat([s[k] for s in states])
+                       if all(_per_element(s.get(k), part.numel()) for part, s, _ in piece.parts) else v
+                       for k, v in states[0].items()}
+        piece.shard.installed[piece.first: piece.last] = [None] * (piece.last - piece.first)  # views made anew
 
     def _adopt_state(self, piece: Piece) -> None:
         """Make the piece's state hold what its members' entries hold, unless they are already its views (a
@@ -204,13 +253,17 @@ class FlatStep:
                 piece.state[key] = value.clone() if isinstance(value, Tensor) else value
 
     @torch.no_grad()
-    def _swap_out(self, optimizer: Optimizer) -> None:
+    def _swap_out(self, optimizer: Optimizer, stepped: bool = True) -> None:
         for group, (params, swapped) in zip(optimizer.param_groups, self._saved):
             if group["params"] is swapped:  # (a callback's hook may have put its own list back already)
                 group["params"] = params
-        for piece, value in self._live:
-            optimizer.state.pop(value, None)
-            value.grad = None
+        for piece, values in self._live:
+            for value in values:
+                optimizer.state.pop(value, None)
+            piece.value.grad = None
+            self._gather_parts(piece)
+            if not stepped:  # torch may have stepped some parts and not others: cut them anew from the piece
+                piece.parts_of = None
             self._install_views(piece)
         self._saved, self._live = [], []
 
@@ -233,6 +286,12 @@ class FlatStep:
                      for k, v in piece.state.items()}
             state[fs.members[i]] = entry
             fs.installed[i] = entry
+
+
+def _per_element(value: Any, numel: int) -> bool:
+    """Whether a state entry holds one value per element of a `numel`-element (flat, 1-d) tensor (AdamW's m and v,
+    SGD's momentum), rather than a scalar (Adam's `step`) or a non-tensor."""
+    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == numel
 
 
 def elementwise(optimizer: Optimizer) -> bool:
