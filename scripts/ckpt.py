@@ -2,7 +2,7 @@
 
     python scripts/ckpt.py inspect runs/.../checkpoints/last.ckpt      # step, topology, every tensor and its size
     python scripts/ckpt.py convert runs/.../checkpoints/last.ckpt model.ckpt   # one plain torch.save file
-    python scripts/ckpt.py export-hf runs/.../checkpoints/last.ckpt hf/        # a Hugging Face Llama model
+    python scripts/ckpt.py export-hf runs/.../checkpoints/last.ckpt hf/        # a Hugging Face model (docs/hf.md)
 
 Every command takes any checkpoint a run writes: a single file (`make train`, Lightning's strategies) or a
 sharded directory (lit-lm's strategies), and a Hugging Face model folder (config.json + safetensors). `inspect`

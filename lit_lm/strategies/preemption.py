@@ -76,7 +76,7 @@ class Preemption(L.Callback):
         if not self._decided or (batch_idx + 1) % trainer.accumulate_grad_batches:
             return  # no signal, or inside an accumulation window: at its end
         path = last_checkpoint_path(trainer)
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # a full one, said so (None: Lightning logs its default)
         wait = getattr(trainer.strategy, "wait_for_checkpoints", None)
         if wait is not None:
             wait()  # published before anyone exits
