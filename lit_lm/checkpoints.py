@@ -43,10 +43,11 @@ DATA_IDENTITY = ("files", "text_field", "vocab_size", "seq_len", "val_fraction",
 PathLike = Union[str, Path]
 
 
-def find_last(*folders: PathLike) -> Optional[Path]:
+def find_last(*folders: PathLike, resumable: bool = False) -> Optional[Path]:
     """The newest complete checkpoint in `folders`: sharded directories count once their `COMPLETE` marker is
     written, single files are written atomically (`AtomicCheckpointIO`), leftovers of crashed saves never count.
-    Newest by the time it was completed, so a kill while `last.ckpt` is written resumes from the step before."""
+    Newest by the time it was completed, so a kill while `last.ckpt` is written resumes from the step before.
+    `resumable` (a fit's `--ckpt_path last`): only one with optimizer state, not a weights-only save beside it."""
     done: dict[Path, float] = {}
     for path in (p for folder in map(Path, folders) if folder.is_dir() for p in folder.iterdir()):
         if path.suffix != ".ckpt":  # also skips *.tmp-<id> and *.old-<id> leftovers
@@ -56,7 +57,19 @@ def find_last(*folders: PathLike) -> Optional[Path]:
                 done[path] = (path / sharded.COMPLETE).stat().st_mtime
         elif path.is_file():
             done[path] = path.stat().st_mtime
-    return max(done, key=lambda p: (done[p], p.name.startswith("last"))) if done else None
+    newest_first = sorted(done, key=lambda p: (done[p], p.name.startswith("last")), reverse=True)
+    return next((p for p in newest_first if not resumable or _has_optimizer_state(p)), None)
+
+
+def _has_optimizer_state(path: Path) -> bool:
+    """Whether a complete checkpoint holds optimizer state (its marker says; a single file's keys, read without
+    its tensors). One that cannot be read counts: loading it says what is wrong."""
+    if path.is_dir():
+        return sharded.check_complete(path).get("optimizers", 1) > 0  # markers before the count: full saves
+    try:
+        return bool(safe_load.load(path, mmap=True).get("optimizer_states"))
+    except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, RuntimeError, OSError, ValueError):
+        return True
 
 
 def prepare_run(trainer: Trainer, ckpt_path: Optional[str], module: Any, fitting: bool = False) -> Optional[str]:
@@ -73,9 +86,10 @@ def prepare_run(trainer: Trainer, ckpt_path: Optional[str], module: Any, fitting
         trainer.strategy.checkpoint_io = AtomicCheckpointIO()
     if ckpt_path == "last":
         folders = {c.dirpath for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)} or {str(folder)}
-        last = find_last(*folders)
+        last = find_last(*folders, resumable=fitting)  # a fit resumes the optimizers: not a weights-only save
+        full = " with optimizer state" if fitting else ""
         rank_zero_info(f"[lit-lm] --ckpt_path last: resuming from {last}" if last else
-                       f"[lit-lm] --ckpt_path last: no complete checkpoint in {', '.join(sorted(folders))}; "
+                       f"[lit-lm] --ckpt_path last: no complete checkpoint{full} in {', '.join(sorted(folders))}; "
                        "starting from step 0")
         ckpt_path = None if last is None else str(last)
     if ckpt_path is not None and importer.is_hf_folder(ckpt_path) and hasattr(module, "start_from"):

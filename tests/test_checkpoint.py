@@ -3,6 +3,8 @@ resumed under a lit-lm strategy from a one-process single file starts from its e
 
 from __future__ import annotations
 
+import json
+import os
 from functools import partial
 from pathlib import Path
 
@@ -12,10 +14,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 import lit_lm.strategies.registry  # noqa: F401  (registers lm_ddp)
 from dist_utils import TinyLM, fit_tiny, run_distributed
 from test_cli import run_script
+from lit_lm.checkpoints import find_last
 from lit_lm.parity import MOE, Case, assert_parity, run_parity
 from lit_lm.strategies.zero import ZeroStrategy
 from lit_lm.strategies import safe_load
-from lit_lm.strategies.checkpoint import is_sharded_checkpoint, read_whole
+from lit_lm.strategies.checkpoint import check_complete, is_sharded_checkpoint, read_whole
 
 K = 4  # optimizer steps per epoch: checkpoint at the end of epoch 0, train to 2K
 
@@ -109,6 +112,23 @@ def test_a_full_save_at_a_weights_only_saves_step_keeps_its_optimizer_state(tmp_
                                rtol=1e-5, atol=0)
     saved = read_whole(tmp_path / "full" / "step=4.ckpt")["optimizer_states"]
     assert saved and all(s["exp_avg_sq"].abs().sum() > 0 for s in saved[0]["state"].values())
+    assert check_complete(tmp_path / "weights" / "step=4.ckpt")["optimizers"] == 0  # what `--ckpt_path last` reads
+    assert check_complete(tmp_path / "full" / "step=4.ckpt")["optimizers"] == 1
     refusal = run["refusal"]
     assert refusal.startswith(f"ConfigError: {tmp_path / 'weights' / 'step=4.ckpt'} holds no optimizer state"), refusal
     assert "\n" not in refusal
+
+
+def test_last_for_a_fit_passes_over_a_newer_weights_only_save(tmp_path: Path) -> None:
+    """`--ckpt_path last` of a fit takes the newest checkpoint with optimizer state (weights-only saves of a second
+    callback in the same folder are newer); of validate/test, the newest of all."""
+    full, weights_file, weights_dir = tmp_path / "a.ckpt", tmp_path / "b.ckpt", tmp_path / "c.ckpt"
+    torch.save({"state_dict": {}, "optimizer_states": [{"state": {}, "param_groups": []}]}, full)
+    torch.save({"state_dict": {}}, weights_file)
+    weights_dir.mkdir()
+    (weights_dir / "meta.pt").write_bytes(b"")
+    (weights_dir / "COMPLETE").write_text(json.dumps({"step": 4, "optimizers": 0}))
+    for age, file in enumerate((full, weights_file, weights_dir / "COMPLETE")):
+        os.utime(file, (1000 + age, 1000 + age))
+    assert find_last(tmp_path) == weights_dir
+    assert find_last(tmp_path, resumable=True) == full

@@ -4,8 +4,9 @@
     <dir>/            DCP files of {"model": {fqn: tensor}, "optimizer_<i>": {"state": {fqn: {...}},
                                                                            "param_groups": [{..., "params": [fqn]}]}}
     <dir>/meta.pt     the rest of Lightning's checkpoint (loops, lr_schedulers, callbacks, hparams, datamodule)
-    <dir>/COMPLETE    json {step, epoch, world_size, strategy, pp, dp_replicate, dp_shard, cp, tp, ep}: written last,
-                      after every rank's shards
+    <dir>/COMPLETE    json {step, epoch, world_size, optimizers, strategy, pp, dp_replicate, dp_shard, cp, tp, ep}:
+                      written last, after every rank's shards (optimizers: how many have state here, 0 in a
+                      weights-only save)
 
 Every tensor is named by its FQN relative to the LightningModule, never by rank or parameter index, and sharded
 tensors are DTensors with their global shape, so DCP reshards on load: a checkpoint saved on N ranks resumes on
@@ -84,7 +85,7 @@ def save(path: PathLike, state: dict[str, Any], meta: dict[str, Any], info: dict
     # serialised now: `meta` may hold live values (a callback's tensors)
     meta_bytes = serialize_meta(meta) if dist.get_rank() == 0 else io.BytesIO()
     marker = {"step": meta.get("global_step"), "epoch": meta.get("epoch"), "world_size": dist.get_world_size(),
-              **info}
+              "optimizers": sum(key.startswith("optimizer_") for key in state), **info}
     if background is None:
         _write(path, state, meta_bytes, marker, group=None)
     else:
