@@ -42,7 +42,8 @@ MOE = dict(num_experts_per_tok=2)
 FAMILIES = {
     "qwen3 tied": lambda: transformers.Qwen3Config(**BASE, head_dim=16, tie_word_embeddings=True),
     "mistral head_dim 16": lambda: transformers.MistralConfig(**BASE, head_dim=16, sliding_window=None),
-    "mixtral window 6": lambda: transformers.MixtralConfig(**BASE, **MOE, num_local_experts=4, sliding_window=6),
+    "mixtral window 6": lambda: transformers.MixtralConfig(**BASE, **MOE, num_local_experts=4, sliding_window=6,
+                                                           rope_theta=1e4),  # not Mixtral's default (1e6)
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**BASE, **MOE, head_dim=16, num_experts=4,
                                                      moe_intermediate_size=24, norm_topk_prob=True,
                                                      mlp_only_layers=[0]),
@@ -50,8 +51,8 @@ FAMILIES = {
 }
 
 
-def save_family(folder: Path, name: str, seed: int) -> None:
-    model = save_hf(folder, FAMILIES[name](), seed)
+def save_family(folder: Path, config, seed: int) -> None:
+    model = save_hf(folder, config, seed)
     with torch.no_grad():  # routers of std 1: clear top-k choices (no near-ties that rounding could flip)
         for key, p in model.named_parameters():
             if key.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
@@ -64,7 +65,7 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     out = {}
     for i, name in enumerate(FAMILIES):
         out[name] = tmp_path_factory.mktemp(name.replace(" ", "_"))
-        save_family(out[name], name, seed=10 + i)
+        save_family(out[name], FAMILIES[name](), seed=10 + i)
     return out
 
 
@@ -145,6 +146,33 @@ def test_every_config_key_a_family_reads_matters(hf_dirs):
     for family, make in (("olmoe", transformers.OlmoeConfig), ("qwen3 tied", transformers.Qwen3Config)):
         hf = json.loads((hf_dirs[family] / "config.json").read_text())  # an absent key: transformers' default
         assert config_from_hf(_without(hf, ("rms_norm_eps",))).norm_eps == make().rms_norm_eps, family
+
+
+# a config.json with the shape only, the heads a multiple of the default num_key_value_heads (Qwen2's, Qwen3's: 32)
+STATED = dict(vocab_size=SHAPE["vocab_size"], hidden_size=256, intermediate_size=48, num_hidden_layers=1)
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2)
+STATED_MOE = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2), "qwen3_moe": EXPERTS, "olmoe": EXPERTS}
+
+
+@pytest.mark.parametrize("model_type", list(ENTRIES))
+def test_a_config_without_its_optional_keys_imports_with_transformers_defaults(model_type, tmp_path):
+    """config.json with the shape only (and an MoE's expert counts): the import equals that of the config as
+    transformers fills it with its defaults for the model type (num_key_value_heads, head_dim, rope_theta,
+    sliding_window, rms_norm_eps, moe_intermediate_size, ...), and the logits equal transformers' reading the same
+    file; a key stated as null is transformers' null (no window; kv heads and head_dim derived)."""
+    heads = 64 if model_type in ("qwen2", "qwen3") else 16
+    stated = {"model_type": model_type, **STATED, "num_attention_heads": heads, **STATED_MOE.get(model_type, {})}
+    theirs = transformers.AutoConfig.for_model(**stated, initializer_range=0.1)  # the weights' std (not imported)
+    assert config_from_hf(stated) == config_from_hf(json.loads(theirs.to_json_string(use_diff=False)))
+    save_family(tmp_path, theirs, seed=3)
+    (tmp_path / "config.json").write_text(json.dumps(stated))  # only the stated keys
+    with torch.no_grad():
+        # 1e-4: wider sums than the models above (hidden 256, Qwen3-MoE's experts of 768); a wrong default is far
+        # off (Mixtral's rope_theta: 4 in the logits)
+        torch.testing.assert_close(load_model(tmp_path)(IDS), _transformers(tmp_path)(IDS).logits, rtol=1e-4,
+                                   atol=1e-4)
+    nulls = config_from_hf({**stated, "num_key_value_heads": None, "head_dim": None, "sliding_window": None})
+    assert (nulls.n_kv_heads, nulls.head_dim, nulls.sliding_window) == (heads, 256 // heads, None)
 
 
 def test_transformers_4_config_with_top_level_rope(tmp_path):

@@ -89,27 +89,32 @@ class Family:
 
 
 MOE_FIELDS = {"moe_top_k": ("num_experts_per_tok",)}
-DEFAULT = {"num_key_value_heads": None, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "head_dim": None}
+DEFAULT = {"num_key_value_heads": None, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "head_dim": None,
+           "rope_theta": 10000.0}  # transformers' values when a key is absent (a family's `defaults` first)
+NULL_IS_NONE = ("num_key_value_heads", "head_dim", "sliding_window")  # stated null: no window, or derived (the
+# heads, hidden / heads), as transformers reads it, not the value for an absent key (Mistral-7B-v0.3's null window)
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "LlamaForCausalLM", refuse=NO_BIAS, writes={"attention_bias": False, "mlp_bias": False}),
-    Family("mistral", "MistralForCausalLM", fields={"sliding_window": ("sliding_window",)}),
-    Family("qwen2", "Qwen2ForCausalLM", sets={"qkv_bias": True}, refuse=NO_LAYER_WINDOWS,
-           writes={"use_sliding_window": False}),
-    Family("qwen3", "Qwen3ForCausalLM", defaults={"head_dim": 128}, sets={"qk_norm": True, "qk_norm_scope": "head"},
-           refuse=NO_BIAS[:1] + NO_LAYER_WINDOWS, writes={"attention_bias": False, "use_sliding_window": False}),
+    Family("mistral", "MistralForCausalLM", fields={"sliding_window": ("sliding_window",)},
+           defaults={"num_key_value_heads": 8, "sliding_window": 4096}),
+    Family("qwen2", "Qwen2ForCausalLM", defaults={"num_key_value_heads": 32}, sets={"qkv_bias": True},
+           refuse=NO_LAYER_WINDOWS, writes={"use_sliding_window": False}),
+    Family("qwen3", "Qwen3ForCausalLM", defaults={"head_dim": 128, "num_key_value_heads": 32},
+           sets={"qk_norm": True, "qk_norm_scope": "head"}, refuse=NO_BIAS[:1] + NO_LAYER_WINDOWS,
+           writes={"attention_bias": False, "use_sliding_window": False}),
     Family("mixtral", "MixtralForCausalLM",
            fields={"sliding_window": ("sliding_window",), "moe_experts": ("num_local_experts", "num_experts"),
                    "moe_d_ff": ("intermediate_size",), **MOE_FIELDS},
-           defaults={"rms_norm_eps": 1e-5}, sets={"moe_norm_topk": True},
+           defaults={"rms_norm_eps": 1e-5, "num_key_value_heads": 8, "rope_theta": 1e6}, sets={"moe_norm_topk": True},
            refuse=(("router_jitter_noise", "lit-lm's router has no input jitter"),),
            experts=Experts(router="block_sparse_moe.gate", prefix="block_sparse_moe.experts", gate="w1", up="w3",
                            down="w2")),
     Family("qwen3_moe", "Qwen3MoeForCausalLM",
            fields={"moe_experts": ("num_experts", "num_local_experts"), "moe_d_ff": ("moe_intermediate_size",),
                    "moe_norm_topk": ("norm_topk_prob",), **MOE_FIELDS},
-           defaults={"norm_topk_prob": False}, sets={"qk_norm": True, "qk_norm_scope": "head"},
-           refuse=NO_BIAS[:1] + NO_LAYER_WINDOWS,
+           defaults={"norm_topk_prob": False, "num_key_value_heads": 4, "moe_intermediate_size": 768},
+           sets={"qk_norm": True, "qk_norm_scope": "head"}, refuse=NO_BIAS[:1] + NO_LAYER_WINDOWS,
            writes={"attention_bias": False, "use_sliding_window": False, "decoder_sparse_step": 1},
            experts=Experts()),
     Family("olmoe", "OlmoeForCausalLM",

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from lit_lm.config import ARCHITECTURE, ConfigError, ModelConfig
-from lit_lm.hf.families import DEFAULT, FAMILIES, REFUSED, REQUIRED, Family
+from lit_lm.hf.families import DEFAULT, FAMILIES, NULL_IS_NONE, REFUSED, REQUIRED, Family
 
 PathLike = Union[str, Path]
 CONFIG = "config.json"
@@ -54,11 +54,16 @@ def read_hf_config(folder: PathLike) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _rope(hf: dict[str, Any], refuse: Any) -> tuple[float, Optional[dict]]:
+def _default(family: Family, key: str) -> Any:
+    """transformers' value of config.json `key` when it is absent, for `family`."""
+    return family.defaults.get(key, DEFAULT.get(key))
+
+
+def _rope(hf: dict[str, Any], family: Family, refuse: Any) -> tuple[float, Optional[dict]]:
     """(rope_theta, rope_scaling) from `rope_parameters` (transformers >= 5) or the top-level `rope_theta` and
     `rope_scaling` (transformers 4.x, most configs on the Hub)."""
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", _default(family, "rope_theta"))))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
@@ -110,11 +115,16 @@ def config_from_hf(hf: dict[str, Any], base: Optional[ModelConfig] = None, where
             refuse(key, hf[key], why)
     if any(t != "full_attention" for t in hf.get("layer_types") or []):
         refuse("layer_types", "with sliding_attention", "lit-lm windows every layer or none (Mistral), not per layer")
-    theta, scaling = _rope(hf, refuse)
+    theta, scaling = _rope(hf, family, refuse)
     values: dict[str, Any] = {}
     for ours, keys in family.all_fields.items():
         key = next((k for k in keys if hf.get(k) is not None), None)
-        values[ours] = hf[key] if key is not None else family.defaults.get(keys[0], DEFAULT.get(keys[0]))
+        if key is not None:
+            values[ours] = hf[key]
+        elif keys[0] in NULL_IS_NONE and any(k in hf for k in keys):
+            values[ours] = None  # stated null: no window; kv heads and head_dim derived below / by ModelConfig
+        else:
+            values[ours] = _default(family, keys[0])
     values["n_kv_heads"] = values["n_kv_heads"] or values["n_heads"]
     if family.experts is not None:
         for ours in ("moe_experts", "moe_top_k"):
