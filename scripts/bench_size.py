@@ -10,7 +10,8 @@ Contenders, every one driven by the same plain per-tensor AdamW (`foreach=False`
 - references, in a plain PyTorch loop: `ddp` (torch `DistributedDataParallel`), `zero_torch` (DDP with AdamW inside
   `ZeroRedundancyOptimizer`), `fsdp2` (`fully_shard` per block and on the model, built on the meta device);
 - lit-lm's engines in a plain loop (`plain`: `scripts/bench_overhead.py`'s, the engine built as the strategy
-  builds it, `dp_engine.bind_optimizer`'s flat step) and the same presets through the Trainer (`trainer`:
+  builds it; `lm_ddp` with torch's own AdamW, ZeRO with `dp_engine.bind_optimizer`'s master shards and flat step)
+  and the same presets through the Trainer (`trainer`:
   `bench_overhead.py`'s minimal LightningModule that logs nothing): `lm_ddp`, `zero1`, `zero2`, `zero3`.
 
 Per contender: the step time (rank 0's median steady step, with min and max), and per rank the peak resident

@@ -22,6 +22,14 @@ accelerator the whole flat is one piece (one foreach or fused launch over one te
 the size of everything it steps either way). The optimizer's state (m, v, momentum) is one tensor per piece and
 key, created by torch at the first step at piece size: no full-size copy is ever made.
 
+A piece larger than the limit (one member larger than it) is stepped whole only at its first step, where torch makes
+its state; after that torch steps it in *parts* of at most the limit, each part's state entries slices (views) of
+the piece's and its scalars (Adam's `step`, counted per tensor by torch) its own, copied back after the step. So
+from the second step on no temporary exceeds a part, at any model size: at 217M parameters a whole member's were up
+to 131 MB (the embedding), mapped and faulted in afresh every step under `LIT_LM_MALLOC=large`, and the Trainer ran
+0.93x a plain loop over torch's per-tensor AdamW; in parts it ran 1.08x (issue 55,
+docs/benchmarks/2026-12-trainer-217m-cpu.md).
+
 The optimizer itself keeps holding the per-tensor members, so param groups, LR schedulers, hyper-parameters and the
 checkpoint format (state keyed by global name, `lit_lm/strategies/checkpoint.py`) are exactly as before: the step swaps
 each group's members for their pieces (with their gradients and state), torch's own `step` runs on them (lr,
