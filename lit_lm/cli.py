@@ -10,13 +10,10 @@ Errors in the configuration or the input print one line (`lit-lm: error: ...`); 
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import sys
 from pathlib import Path
-from typing import Any, Optional
-
-from jsonargparse import Namespace
+from typing import Any, NoReturn, Optional
 
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -26,18 +23,28 @@ from lit_lm.strategies import preemption
 from lit_lm import generate
 from lit_lm.callbacks.throughput import Throughput
 from lit_lm.checkpoints import prepare_run
-from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.config_keys import config_files, unknown_keys
 from lit_lm.data.datamodule import TextDataModule, model_vocab_size
-from lit_lm.errors import EXIT_CODE, check_trainer_config, pop_debug_flag, reporting_errors, stop_other_ranks
+from lit_lm.errors import (EXIT_CODE, check_trainer_config, config_error, pop_debug_flag, reporting_errors,
+                           stop_other_ranks)
 from lit_lm.module import LanguageModel
 from lit_lm.moved import current_argv, parser_mode
 from lit_lm.quiet import silence_known_noise
-from lit_lm.data.tokenizer import load_tokenizer
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 _DATA_FIELDS = tuple(inspect.signature(TextDataModule.__init__).parameters)[1:]
+
+
+class ReportingParser(LightningArgumentParser):
+    """Fit's parser, whose error caused by a lit-lm `ConfigError` (in a link's compute_fn, ...) is that error, for
+    `reporting_errors`' one line instead of jsonargparse's usage text."""
+
+    def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        cause = config_error(ex) if ex is not None else None
+        if cause is not None:
+            raise cause
+        super().error(message, ex)
 
 
 class LitLMCLI(LightningCLI):
@@ -48,10 +55,14 @@ class LitLMCLI(LightningCLI):
         one = {"default_config_files": defaults, "parser_mode": parser_mode()}
         return {"parser_mode": parser_mode(), **{cmd: one for cmd in subcommands}} if subcommands else one
 
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        self.parser_class = ReportingParser
+        return super().init_parser(**kwargs)
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # One vocabulary and one context length: the data decides (a given tokenizer's size), the model follows.
         parser.link_arguments(("data.init_args.vocab_size", "data.init_args.tokenizer_dir", "data.init_args.sources"),
-                              "model.init_args.config.vocab_size", compute_fn=_linked_vocab_size)
+                              "model.init_args.config.vocab_size", compute_fn=model_vocab_size)
         parser.link_arguments("data.init_args.seq_len", "model.init_args.config.max_seq_len")
 
     def before_instantiate_classes(self) -> None:
@@ -59,10 +70,6 @@ class LitLMCLI(LightningCLI):
         (`lightning_logs/version_N/metrics.csv`) and TensorBoard (`tensorboard/version_N`)."""
         cfg = self.config[self.subcommand].trainer
         check_trainer_config(cfg)
-        check_model_config(self.config[self.subcommand].model)
-        tokenizer_dir = getattr(getattr(self.config[self.subcommand].data, "init_args", None), "tokenizer_dir", None)
-        if tokenizer_dir is not None:
-            load_tokenizer(tokenizer_dir)  # one line now for a folder it cannot read (not wrapped by the vocab link)
         if cfg.logger in (None, True):
             root = cfg.default_root_dir or "."
             cfg.logger = [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": root}},
@@ -119,25 +126,6 @@ def add_throughput(callbacks: list) -> None:
     if not any(isinstance(c, Throughput) for c in callbacks):
         at = next((i for i, c in enumerate(callbacks) if isinstance(c, Checkpoint)), len(callbacks))
         callbacks.insert(at, Throughput())
-
-
-def _linked_vocab_size(vocab_size: int, tokenizer_dir: Optional[str], sources: Optional[list] = None) -> int:
-    """`model_vocab_size`; a tokenizer_dir it cannot read is reported by `before_instantiate_classes` in one line
-    (jsonargparse would wrap the error in its usage text)."""
-    try:
-        return model_vocab_size(vocab_size, tokenizer_dir, sources)
-    except ConfigError:
-        return vocab_size
-
-
-def check_model_config(model: Any) -> None:
-    """Build the ModelConfig before jsonargparse does: its ConfigError then reaches the one-line report instead of
-    being wrapped in jsonargparse's union-type error (~80 lines)."""
-    config = getattr(getattr(model, "init_args", None), "config", None)
-    if isinstance(config, Namespace):
-        values = config.as_dict()
-        if set(values) <= {f.name for f in dataclasses.fields(ModelConfig)}:
-            ModelConfig(**values)
 
 
 def current_args(args: Optional[list[str]]) -> Optional[list[str]]:

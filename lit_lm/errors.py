@@ -39,12 +39,26 @@ def pop_debug_flag(args: Optional[list[str]]) -> tuple[Optional[list[str]], bool
     return (None if args is None else argv), debug
 
 
+def config_error(error: BaseException) -> Optional[ConfigError]:
+    """`error` if it is a ConfigError, else the one it was raised from (`raise ... from`), if any: jsonargparse
+    raises a ConfigError of the data module's or the model's constructor as the cause of its union-type ValueError
+    ("Does not validate against any of the Union subtypes")."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, ConfigError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__
+    return None
+
+
 @contextmanager
 def reporting_errors(debug: bool) -> Generator[None, None, None]:
     try:
         yield
-    except ConfigError as e:
-        if debug:
+    except Exception as raised:
+        e = config_error(raised)
+        if e is None or debug:
             raise
         if getattr(rank_zero_only, "rank", 0) == 0:
             print(f"lit-lm: error: {e}", file=sys.stderr, flush=True)

@@ -122,7 +122,7 @@ def test_validation_loss_is_logged_per_source(sources):
 
 
 def test_bad_sources_are_refused_in_one_line(sources, tmp_path):
-    with pytest.raises(ConfigError, match="weight must be positive"):
+    with pytest.raises(ConfigError, match="weight must be a positive number"):
         TextDataModule(sources=[{"path": sources[0]["path"], "weight": 0}])
     with pytest.raises(ConfigError, match="named alike"):
         TextDataModule(sources=[sources[0], sources[0]])

@@ -106,6 +106,73 @@ CASES = {f.__name__.lstrip("_"): f for f in (_binary_file, _missing_text, _small
                                               _small_train_split, _n_heads, _cp_seq_len)}
 
 
+def _sources(tmp_path: Path, *entries: str) -> list[str]:
+    """tiny_args reading `data.init_args.sources` (the yaml flow entries, `{dir}` the folder of two existing
+    folders `a` and `b`) instead of files: these refusals come before any folder is read."""
+    for name in "ab":
+        (tmp_path / name).mkdir(exist_ok=True)
+    args = tiny_args(tmp_path)
+    args = args[: args.index("--data.init_args.files")] + args[args.index("--data.init_args.files") + 2:]
+    return ["fit", *args, "--data.init_args.sources", "[" + ", ".join(entries).format(dir=tmp_path) + "]"]
+
+
+# Raised while jsonargparse builds the data module (or links its vocabulary to the model): it wraps them in its
+# own errors (a union-type ValueError, ~80 lines of traceback), which the report unwraps to their one line.
+SOURCE_CASES = {
+    "negative weight": (["{{path: {dir}/a, weight: -1}}", "{{path: {dir}/b}}"],
+                        "data.init_args.sources[0].weight must be a positive number, got -1"),
+    "one zero weight": (["{{path: {dir}/a}}", "{{path: {dir}/b, weight: 0}}"],
+                        "data.init_args.sources[1].weight must be a positive number, got 0"),
+    "all zero weights": (["{{path: {dir}/a, weight: 0}}", "{{path: {dir}/b, weight: 0}}"],
+                         "data.init_args.sources[0].weight must be a positive number, got 0"),
+    "not a number": (["{{path: {dir}/a, weight: heavy}}", "{{path: {dir}/b}}"],
+                     "data.init_args.sources[0].weight must be a positive number, got heavy"),
+    "stream with weighted": (["{{path: {dir}/a, stream: true}}", "{{path: {dir}/b, weight: 0.5}}"],
+                             "data.init_args.sources: a stream source is read alone"),
+    "duplicate names": (["{{path: {dir}/a}}", "{{path: {dir}/b, name: a}}"],
+                        "data.init_args.sources: two sources are named alike (['a', 'a'])"),
+    "missing path": (["{{path: {dir}/a}}", "{{path: {dir}/nowhere}}"],
+                     "data.init_args.sources[1].path {dir}/nowhere does not exist"),
+}
+
+# Raised while jsonargparse builds the model from a Hugging Face folder's config.json (model.init_args.init_from).
+HF_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4}
+HF_CASES = {
+    "gpt2": ({"model_type": "gpt2"}, "`model_type` 'gpt2' cannot be imported"),
+    "3 heads of hidden 64": ({"num_attention_heads": 3, "num_key_value_heads": 3}, "`n_heads`=3 must divide"),
+    "head_dim 33": ({"head_dim": 33}, "`head_dim`"),
+    "yarn": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "`rope_scaling` rope_type 'yarn' cannot"),
+    "gelu": ({"hidden_act": "gelu"}, "`hidden_act` 'gelu' cannot be imported"),
+}
+
+
+def _hf_folder(tmp_path: Path, changes: dict) -> list[str]:
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**HF_LLAMA, **changes}))
+    save_file({"model.norm.weight": torch.ones(64)}, str(folder / "model.safetensors"))
+    return ["fit", *tiny_args(tmp_path), "--model.init_args.init_from", str(folder)]
+
+
+@pytest.mark.parametrize("case", [*SOURCE_CASES, *HF_CASES])
+def test_an_error_while_the_settings_are_built_is_one_line(tmp_path, case):
+    """Through the command, each is the one line naming the problem, exit 2 (a traceback and exit 1 before)."""
+    if case in SOURCE_CASES:
+        entries, message = SOURCE_CASES[case]
+        args, message = _sources(tmp_path, *entries), message.format(dir=tmp_path)
+    else:
+        changes, message = HF_CASES[case]
+        args = _hf_folder(tmp_path, changes)
+    done = run_cli(*args, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("Seed set")]
+    assert len(lines) == 1 and lines[0].startswith("lit-lm: error: "), done.stderr[-3000:]
+    assert message in lines[0]
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_is_one_line(tmp_path, case):
     args, message = CASES[case](tmp_path)

@@ -83,9 +83,16 @@ def _source_specs(sources: list[Any]) -> list[tuple[str, str, float]]:
         if "path" not in entry or unknown:
             raise ConfigError(f"data.init_args.sources[{i}] = {entry}: give {{path: <prepared folder>, weight: <w>}} "
                               f"(optional name){'; unknown keys ' + str(sorted(unknown)) if unknown else ''}")
-        weight = float(entry.get("weight", 1.0))
-        if not weight > 0:
-            raise ConfigError(f"data.init_args.sources[{i}].weight must be positive, got {entry.get('weight')}")
+        try:
+            weight = float(entry.get("weight", 1.0))
+        except (TypeError, ValueError):
+            weight = float("nan")
+        if not 0 < weight < float("inf"):
+            raise ConfigError(f"data.init_args.sources[{i}].weight must be a positive number, got "
+                              f"{entry.get('weight')}")
+        if not Path(entry["path"]).exists():
+            raise ConfigError(f"data.init_args.sources[{i}].path {entry['path']} does not exist; give a folder "
+                              "written by lit-lm prepare")
         specs.append((str(entry.get("name") or Path(entry["path"]).name), str(entry["path"]), weight))
     names = [n for n, _, _ in specs]
     if len(set(names)) != len(names):
@@ -312,7 +319,11 @@ class TextDataModule(L.LightningDataModule):
                                       "--val_fraction)")
             trains.append(train)
             vals.append(val)
-        self.train_set = MixtureWindows(trains, [w for _, _, w in self.source_specs], self.seed)
+        weights = [w for _, _, w in self.source_specs]
+        if abs(sum(weights) - 1) > 1e-9:
+            log("source weights normalised to sum to 1: " + ", ".join(
+                f"{name} {w / sum(weights):.4g}" for (name, _, _), w in zip(self.source_specs, weights)))
+        self.train_set = MixtureWindows(trains, weights, self.seed)
         # the sources' whole batches taken in turn, so that limit_val_batches still sees every source
         starts = np.cumsum([0] + [len(v) for v in vals])
         turns = [(s, b) for b in range(max(len(v) // per_batch for v in vals)) for s in range(len(vals))
