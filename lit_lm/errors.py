@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from lit_lm.config import ConfigError
-from lit_lm.strategies import comm, host_malloc
+from lit_lm.strategies import host_malloc
 
 DEBUG_ENV = "LIT_LM_DEBUG"
 EXIT_CODE = 2
@@ -79,7 +79,7 @@ def stop_other_ranks(trainer: Optional[Trainer]) -> None:
 
 def check_environment() -> None:
     """lit-lm's environment switches, which the ranks read later: a bad value stops the run here, in one line."""
-    for name, modes in ((host_malloc.CHOICE, host_malloc.MODES), (comm.GLOO_CHOICE, comm.GLOO_MODES)):
+    for name, modes in ((host_malloc.CHOICE, host_malloc.MODES),):
         value = os.environ.get(name)
         if value and value not in modes:
             raise ConfigError(f"{name}={value!r} is not one of {', '.join(modes)} (environment); unset it or pick one")

@@ -12,7 +12,9 @@ Contenders, every one driven by the same plain per-tensor AdamW (`foreach=False`
 - lit-lm's engines in a plain loop (`plain`: `scripts/bench_overhead.py`'s, the engine built as the strategy
   builds it; `lm_ddp` with torch's own AdamW, ZeRO with `dp_engine.bind_optimizer`'s master shards and flat step)
   and the same presets through the Trainer (`trainer`:
-  `bench_overhead.py`'s minimal LightningModule that logs nothing): `lm_ddp`, `zero1`, `zero2`, `zero3`.
+  `bench_overhead.py`'s minimal LightningModule that logs nothing): `lm_ddp`, `zero1`, `zero2`, `zero3`. ZeRO's
+  collectives take their default form (`zero_collectives: auto`: gloo's all-reduce and broadcasts for ZeRO-1/2 on
+  CPU ranks, docs/zero.md).
 
 Per contender: the step time (rank 0's median steady step, with min and max), and per rank the peak resident
 memory above imports: the worker resets the resident high-water mark (Linux `clear_refs` 5) once everything is
@@ -50,9 +52,9 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ddp import _spread, table_one_or_rounds  # noqa: E402
-from bench_overhead import ENGINES, LOOPS, Clock, plain_loop, trainer_loop  # noqa: E402
+from bench_overhead import ENGINES, LOOPS, Clock, ClockCallback, plain_loop, trainer_loop  # noqa: E402
 from bench_runner import MARK, summarize, write_json  # noqa: E402
-from bench_strategies import _env, add_run_args, footer, forwarded, model_config, token_loader  # noqa: E402
+from bench_strategies import BenchLM, _env, add_run_args, footer, forwarded, model_config, token_loader  # noqa: E402
 from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
 from lit_lm.resident import ResidentPeak  # noqa: E402
@@ -138,6 +140,9 @@ def worker_one(rank: int, args: argparse.Namespace, port: int, accelerator: str,
     if args.one in REFERENCES:
         reference_loop(args.one, args, config, accelerator, device, clock)
     else:
+        # the Trainer's module runs the model first and its clock reads no weight: ZeRO-1/2's gathers after the step
+        # may run beside the next forward (lit_lm/strategies/weight_readers.py), as under LanguageModel
+        BenchLM.reads_weights = ClockCallback.reads_weights = False
         (trainer_loop if args.loop == "trainer" else plain_loop)(args.one, args, config, accelerator, device, clock)
     steady = clock.steady()
     Path(out, f"rank{rank}.json").write_text(json.dumps({

@@ -191,7 +191,8 @@ def test_estimate_matches_measurement_of_every_strategy() -> None:
     ranks = run_distributed(_measure, WORLD, names, init_process_group=False, env=REFERENCE_TILES)
     for i, name in enumerate(names):
         layout = LAYOUTS[name]
-        work = Workload(ModelConfig(**dict(MODELS.get(name, MODEL), max_seq_len=SEQ)), SEQ, GLOBAL_BATCH, "32-true")
+        work = Workload(ModelConfig(**dict(MODELS.get(name, MODEL), max_seq_len=SEQ)), SEQ, GLOBAL_BATCH, "32-true",
+                        device="cpu")  # the measured ranks' (gloo: ZeRO-1/2 in its forms, `comm.zero_forms`)
         est = estimate(work, layout)
         assert est.refused is None, name
         for rank, measured in enumerate(r[i] for r in ranks):
@@ -454,7 +455,8 @@ def _step_resident(malloc: str) -> Any:
     os.environ[CHOICE] = malloc
     probe = StepResident()
     data = rank_share(token_data(2) % RESIDENT_MODEL["vocab_size"], 2, int(os.environ["LOCAL_RANK"]), 2)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ComposedStrategy(zero_stage=2), max_steps=2,
+    strategy = ComposedStrategy(zero_stage=2, zero_collectives="reduce_scatter")  # gloo's all-gather: staged
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2,
                         callbacks=[probe], logger=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, num_sanity_val_steps=0, enable_checkpointing=False)
     trainer.fit(EstimateLM(dict(RESIDENT_MODEL, max_seq_len=PEAK_SEQ)),
@@ -471,7 +473,8 @@ def test_resident_step_holds_gloo_staging() -> None:
     small buffers), under the strategy's `fixed` malloc (without it, the step reuses what backward left in glibc's
     heap and the check fails)."""
     est = estimate(Workload(ModelConfig(**dict(RESIDENT_MODEL, max_seq_len=PEAK_SEQ)), PEAK_SEQ, 2, "32-true",
-                            device="cpu"), ParallelConfig(dp_shard=2, zero_stage=2)).ranks[0]
+                            device="cpu"), ParallelConfig(dp_shard=2, zero_stage=2, zero_collectives="reduce_scatter")
+                   ).ranks[0]
     expected = max(sum(est.transients["step"].values()), sum(est.transients["after_step"].values()))
     for rise in run_distributed(_step_resident, 2, "fixed", init_process_group=False):
         assert rise == pytest.approx(expected, rel=0.1), (rise, est.transients)

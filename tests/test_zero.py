@@ -22,7 +22,7 @@ from dist_utils import Recorder, TinyLM, rank_share, run_distributed, token_data
 from lit_lm.parity import (BF16_TRUE_RTOL, Case, assert_bf16_parity, assert_parity, bf16_cases, bf16_true_case,
                            reference, run_parity)
 from lit_lm.strategies import comm
-from lit_lm.strategies.comm import COMM_LOG, GLOO_CHOICE
+from lit_lm.strategies.comm import COMM_LOG, wire_factor
 from lit_lm.strategies.base import _unwrap
 from lit_lm.strategies.zero import ZeroStrategy
 from lit_lm.strategies.zero_engine import ZeroEngine, model_state_bytes
@@ -109,7 +109,10 @@ def _phi() -> int:
 # -- parity (the harness), communication and memory with 2 ranks ---------------------------------------------
 class StepProbe(L.Callback):
     """Per optimizer step: the collectives issued (COMM_LOG) and the model-state bytes just before the update;
-    per backward: the gradient bytes held right after it (the accumulation window's peak)."""
+    per backward: the gradient bytes held right after it (the accumulation window's peak). It reads no weight after
+    the step (`lit_lm/strategies/weight_readers.py`)."""
+
+    reads_weights = False
 
     def __init__(self) -> None:
         self.comm: list[dict] = []
@@ -134,8 +137,9 @@ class StepProbe(L.Callback):
 
 
 CLIP_ACCUM_4 = {"gradient_clip_val": 0.05, "accumulate_grad_batches": 4}
-PARITY = [Case(partial(ZeroStrategy, stage=s), optimizer=opt, trainer=trainer, callbacks=(StepProbe(),),
-               label=f"zero{s} {opt} {trainer}")
+# NCCL's forms (reduce-scatter and all-gather), forced on gloo: the ones GPU ranks run
+PARITY = [Case(partial(ZeroStrategy, stage=s, zero_collectives="reduce_scatter"), optimizer=opt, trainer=trainer,
+               callbacks=(StepProbe(),), label=f"zero{s} {opt} {trainer} reduce_scatter")
           for s in (1, 2, 3) for opt, trainer in (("sgd", {}), ("adamw", CLIP_ACCUM_4))]
 
 
@@ -156,7 +160,7 @@ def test_zero_matches_single_process_with_theoretical_comm_and_memory() -> None:
         gathers = 1 if stage < 3 else 2 * accumulate  # stage 3: forward and backward of every micro-step
         expected = (reduces + gathers) * (n - 1) / n * phi * 4
         assert len(probe.comm) == case.steps
-        for step in probe.comm:
+        for step in probe.comm[1:] if stage < 3 else probe.comm:  # ZeRO-1/2: some gathers in the next step's forward
             wire = sum(op["wire_bytes"] for name, op in step.items() if name in ("reduce_scatter", "all_gather"))
             assert wire == pytest.approx(expected, rel=0.02), case.label
 
@@ -177,15 +181,78 @@ def test_zero_matches_single_process_with_theoretical_comm_and_memory() -> None:
     assert single.memory[-1]["total"] == pytest.approx(16 * phi, rel=0.05)
 
 
-def test_gloo_emulated_collectives_match_single_process() -> None:
-    """`LIT_LM_GLOO_COLLECTIVES=emulated` (opt-in, CPU): reduce-scatters run as all-reduces and all-gathers as one
-    broadcast per rank, in place, and every stage still matches one process; the log shows they ran."""
-    cases = [Case(partial(ZeroStrategy, stage=s), optimizer=opt, trainer=trainer, callbacks=(StepProbe(),),
-                  label=f"zero{s} {opt} emulated") for s, opt, trainer in ((1, "adamw", CLIP_ACCUM_4), (3, "sgd", {}))]
-    for run in run_parity(cases, 2, env={GLOO_CHOICE: "emulated"}):
+class InFlight(L.Callback):
+    """Whether ZeRO-1/2's after-step gathers were still in flight when the step's batch ended (they then run beside
+    the next forward); it reads no weight, and says so."""
+
+    reads_weights = False
+
+    def __init__(self) -> None:
+        self.in_flight: list[bool] = []
+        self.step = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step != self.step:  # a step ended this batch
+            self.step = trainer.global_step
+            engines = getattr(trainer.strategy, "_engines", [])
+            self.in_flight.append(any(getattr(e, "gathers_in_flight", False) for e in engines))
+
+
+def test_gloo_forms_are_the_default_and_match_single_process() -> None:
+    """On gloo (CPU ranks) ZeRO-1/2 reduce by an all-reduce and gather by one broadcast per rank unless told
+    otherwise (`comm.zero_forms`), ZeRO-3 by reduce-scatter and all-gather; every stage matches one process (SGD;
+    AdamW with clipping and accumulation) with the bytes the planner counts for the form, and the gathers after the
+    step run into the next forward (in flight at the batch's end: nothing else read the weights)."""
+    cases = [Case(partial(ZeroStrategy, stage=s), optimizer=opt, trainer=trainer,
+                  callbacks=(StepProbe(), InFlight()), label=f"zero{s} {opt} auto")
+             for s in (1, 2) for opt, trainer in (("sgd", {}), ("adamw", CLIP_ACCUM_4))]
+    cases.append(Case(partial(ZeroStrategy, stage=3, zero_collectives="all_reduce"), optimizer="sgd",
+                      callbacks=(StepProbe(), InFlight()), label="zero3 sgd all_reduce (forced)"))
+    phi, n = _phi(), 2
+    for run in run_parity(cases, 2):
         assert_parity(run)
-        ops = {name for step in run["ranks"][0]["callbacks"][0].comm for name in step}
-        assert {"all_reduce", "broadcast"} <= ops and not ops & {"reduce_scatter", "all_gather"}, ops
+        case, probe, flight = run["case"], *run["ranks"][0]["callbacks"]
+        ops = {name for step in probe.comm for name in step}
+        assert {"all_reduce", "broadcast"} <= ops and not ops & {"reduce_scatter", "all_gather"}, (case.label, ops)
+        stage, accumulate = case.strategy.keywords["stage"], case.trainer.get("accumulate_grad_batches", 1)
+        reduces = accumulate if stage >= 2 else 1
+        gathers = 1 if stage < 3 else 2 * accumulate
+        expected = (reduces * wire_factor("all_reduce", n) + gathers * wire_factor("broadcast", n)) * phi * 4
+        # ZeRO-1/2's gathers after step k are launched in step k + 1's forward but the first two: counted in it
+        for step in probe.comm[1:] if stage < 3 else probe.comm:
+            wire = sum(op["wire_bytes"] for name, op in step.items() if name in ("all_reduce", "broadcast"))
+            assert wire == pytest.approx(expected, rel=0.02), case.label
+        assert len(flight.in_flight) == case.steps and all(flight.in_flight) == (stage < 3), case.label
+
+
+class WeightReader(L.Callback):
+    """Reads every weight right after each optimizer step (`on_train_batch_end`): what a user's callback sees."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        self.seen.append({n: p.detach().clone() for n, p in module.named_parameters()})
+
+
+READERS = [Case(partial(ZeroStrategy, stage=s, zero_collectives=form), optimizer="adamw", callbacks=(WeightReader(),),
+                label=f"zero{s} {form} reader") for s in (1, 2) for form in ("all_reduce", "reduce_scatter")]
+
+
+def test_a_callback_after_the_step_reads_the_updated_weights() -> None:
+    """The gathers after the step run into the next forward unless something reads the weights first: a callback
+    reading every parameter in `on_train_batch_end` gets the one-process run's values after every step (both
+    forms; it fails with the gathers left in flight there: `FlushBeforeReaders` not flushing)."""
+    for run in run_parity(READERS, 2):
+        assert_parity(run)
+        single, label = run["single"]["callbacks"][0].seen, run["case"].label
+        for rank in run["ranks"]:
+            seen = rank["callbacks"][0].seen
+            assert len(seen) == len(single) == run["case"].steps
+            for k, (got, ref) in enumerate(zip(seen, single)):
+                for name, value in ref.items():
+                    rel = ((got[name] - value).norm() / value.norm()).item()
+                    assert rel < 1e-5, (label, k, name, rel)
 
 
 def _misplaced_in_place() -> list[str]:
@@ -447,9 +514,10 @@ def _order_case(stage: int, last_synced: bool = True) -> dict:
         model(x).backward()
     with nullcontext() if last_synced else engine.no_sync():  # (unsynced: finish_grad_sync reduces instead)
         model(x).backward()
-    order = [(r.label, r.numel) for r in COMM_LOG.records if r.op == "reduce_scatter"]  # launched by the backwards
+    reduces = [r for r in COMM_LOG.records if r.label.startswith("zero reduce")]  # in either form
+    order = [(r.label, r.numel) for r in reduces]  # launched by the backwards
     engine.finish_grad_sync()
-    finished = [r.label for r in COMM_LOG.records if r.op == "reduce_scatter"][len(order):]
+    finished = [r.label for r in COMM_LOG.records if r.label.startswith("zero reduce")][len(order):]
     errors = {sp.fqn: (sp.master.grad - expected[sp.fqn][sp.start: sp.end]).norm().item()
               for sp in engine.sharded_params()}
     refused = ""

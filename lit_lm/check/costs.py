@@ -19,7 +19,7 @@ def costs(plan: CheckPlan, run: dict[str, Any]) -> dict[str, Any]:
     case = run["case"]
     meters = [_meter(r) for r in run["ranks"]]
     out: dict[str, Any] = {"time": _times(meters, _meter(run["single"]), plan.accumulate)}
-    small = _estimate(plan, plan.small, case.global_batch * plan.accumulate, "32-true")
+    small = _estimate(plan, plan.small, case.global_batch * plan.accumulate, "32-true", device="cpu")  # its ranks
     full = _estimate(plan, plan.model, plan.batch_size * plan.dims.get("dp", plan.world) * plan.accumulate,
                      plan.precision if plan.precision in PRECISIONS else "32-true")
     steps = [_step_comm(m, plan.accumulate) for m in meters]
@@ -45,13 +45,14 @@ def _meter(records: dict[str, Any]) -> Meter:
     return next(c for c in records["callbacks"] if isinstance(c, Meter))
 
 
-def _estimate(plan: CheckPlan, cfg: Any, global_batch: int, precision: str) -> Any:
-    """The planner's estimate, or why there is none (a layout it does not model)."""
+def _estimate(plan: CheckPlan, cfg: Any, global_batch: int, precision: str, device: str = "cuda") -> Any:
+    """The planner's estimate, or why there is none (a layout it does not model); `device`: what the ranks run on
+    (the check's own run: CPU gloo ranks, whose ZeRO-1/2 collectives take gloo's forms)."""
     layout = dataclasses.replace(plan.parallel, dp_shard=plan.dims["dp_shard"])
     try:
         fp8 = dict(plan.cases[0].module[1]).get("fp8") if plan.cases and plan.cases[0].module else None
-        return estimate(Workload(cfg, cfg.max_seq_len, global_batch, precision, accumulate=plan.accumulate, fp8=fp8),
-                        layout)
+        return estimate(Workload(cfg, cfg.max_seq_len, global_batch, precision, accumulate=plan.accumulate, fp8=fp8,
+                                 device=device), layout)
     except (ConfigError, ValueError, KeyError) as err:
         return f"no estimate: {err}"
 

@@ -53,7 +53,7 @@ import torch
 
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.strategies.ac import MODES as CHECKPOINTING
-from lit_lm.strategies.comm import wire_factor
+from lit_lm.strategies.comm import wire_factor, zero_forms
 from lit_lm.strategies.fp8 import check_fp8, fp8_experts, fp8_linears, tp_amax_numels
 from lit_lm.strategies.flat_step import piece_numel
 from lit_lm.strategies.grad_sync import GradSync, _bucketize
@@ -286,7 +286,8 @@ def _local_shape(p: ParamSpec, layout: ParallelConfig) -> tuple[int, ...]:
 # -- model state -----------------------------------------------------------------------------------------------
 def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], stage: int, group: int,
                  pbytes: int, group_name: str, accumulate: int, reduce_in_backward: bool,
-                 fp8: Optional[dict[str, list[int]]] = None) -> None:
+                 fp8: Optional[dict[str, list[int]]] = None,
+                 forms: tuple[str, str] = ("reduce_scatter", "all_gather")) -> None:
     """Params, grads, optimizer state and the data-parallel collectives of `units` ({unit: local shapes}) under
     ZeRO `stage` over `group` ranks (stage 0: `GradSync`'s bucketed all-reduce). Under accumulation stages 2-3
     reduce-scatter after every micro-step's backward into the shard (docs/zero.md), stage 1 and GradSync once at the
@@ -294,7 +295,8 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
     backwards per step) stage 2 keeps the full gradient until the window's end and reduces it once, as stage 1.
     `fp8` ({unit: per shape its amaxes, 0 when not in FP8}): ZeRO-3's FP8 weights (tensorwise), gathered as e4m3
     bytes (1 per element) after one all-reduce of the unit's fp32 amaxes, one per linear, one per expert of a
-    stack (`lit_lm.strategies.zero_engine.Fp8Layout`)."""
+    stack (`lit_lm.strategies.zero_engine.Fp8Layout`). `forms`: the ops ZeRO's reduce-scatter and all-gather run
+    as (`lit_lm.strategies.comm.zero_forms`: the same logical bytes, an all-reduce's twice on the wire)."""
     shapes = [s for unit in units.values() for s in unit]
     numel = sum(math.prod(s) for s in shapes)
     if stage == 0:
@@ -324,9 +326,9 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
         rank.optimizer += 2 * local * 4 + 4 * len(shapes)
         gathers = 2 * accumulate if stage == 3 else 1
         reduces = accumulate if stage >= 2 and reduce_in_backward else 1
-        rank.add_comm(group_name, "reduce_scatter", reduces * group * segment * pbytes, group)
+        rank.add_comm(group_name, forms[0], reduces * group * segment * pbytes, group)
         wire = sum(chunk * row * (1 if f else pbytes) for (chunk, _, row), f in zip(rows, in_fp8))
-        rank.add_comm(group_name, "all_gather", gathers * group * wire, group)
+        rank.add_comm(group_name, forms[1], gathers * group * wire, group)
         if any(in_fp8):
             rank.add_comm(group_name, "all_reduce", gathers * 4 * sum(in_fp8), group)
     if stage == 3:  # the unit being used and the one prefetched, whole
@@ -441,7 +443,8 @@ def _transients(rank: RankEstimate, work: Workload, layout: ParallelConfig, engi
             prefetch = [group * seg[order[i + 1]] if i + 1 < len(order) else 0 for i in range(len(order))]
             rank.add_transient("backward_end", "the next unit's all-gather receive buffer",
                                max(a + b for a, b in zip(at, prefetch)) * pbytes - max(at) * pbytes)
-        if work.device == "cpu":  # gloo (the CPU backend) gathers into a flat copy of the output first: ZeRO-1/2
+        gather = zero_forms(layout.zero_collectives, work.device, stage)[1]  # a broadcast per rank: in place
+        if work.device == "cpu" and gather == "all_gather":  # gloo gathers into a flat copy of the output: ZeRO-1/2
             rank.add_transient("after_step" if stage < 3 else "backward", GLOO_STAGING,  # after the step, ZeRO-3
                                group * max(segments) * pbytes)  # in forward and backward
     sbytes = 4 if stage else pbytes  # ZeRO steps fp32 master rows
@@ -596,11 +599,12 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
             if not (q.expert and layout.ep > 1):
                 amaxes = (q.shape[0] if q.expert else 1) if q.fp8 and work.fp8 == "tensorwise" else 0
                 in_fp8.setdefault(q.unit, []).append(amaxes)
+        forms = zero_forms(layout.zero_collectives, work.device, layout.zero_stage)  # the ops that run
         _model_state(rank, dense, layout.zero_stage, dp_group, pbytes, layout.dense_group, work.accumulate, p == 1,
-                     in_fp8)
+                     in_fp8, forms)
         if experts:  # one unit
             _model_state(rank, {"experts": [s for u in experts.values() for s in u]}, layout.zero_stage,
-                         dims.size("edp"), pbytes, "edp", work.accumulate, p == 1)
+                         dims.size("edp"), pbytes, "edp", work.accumulate, p == 1, forms=forms)
         engines = [([_local_shape(q, layout) for q in keep if not (q.expert and layout.ep > 1)], dense, dp_group)]
         if experts:
             engines.append(([_local_shape(q, layout) for q in keep if q.expert], experts, dims.size("edp")))

@@ -17,7 +17,6 @@ all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N.
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -112,23 +111,29 @@ class Done:
         return True
 
 
-GLOO_CHOICE = "LIT_LM_GLOO_COLLECTIVES"
-GLOO_MODES = ("native", "emulated")
+ZERO_COLLECTIVES = {  # a strategy's `zero_collectives` choice -> (how gradients are reduced, how weights gathered)
+    "reduce_scatter": ("reduce_scatter", "all_gather"),  # NCCL's: the least bytes, each in one collective
+    "all_reduce": ("all_reduce", "broadcast"),  # gloo's fast forms: an all-reduce, and one broadcast per rank
+}
 
 
-def _emulated(group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether this reduce-scatter or all-gather runs as gloo's faster collectives (opt-in, CPU only).
+def zero_forms(choice: str, device: str, stage: int) -> tuple[str, str]:
+    """The collectives ZeRO runs for its gradient reduce-scatter and its parameter all-gather (the ops the accounting
+    layer records, and the planner counts): `choice` "auto" picks per backend, from the ranks' `device` type.
 
-    gloo's own reduce-scatter and all-gather are slow: on 2 ranks of a 2-core Xeon, 48 MB take 82 and 70 ms where
-    an all-reduce of the same 48 MB takes 42 ms and a broadcast of each rank's 24 MB 15 ms in all. With
-    `LIT_LM_GLOO_COLLECTIVES=emulated`, a reduce-scatter over a gloo group is an all-reduce (twice the bytes on the
-    wire, in less time) and an all-gather one broadcast per rank, as torch's `ZeroRedundancyOptimizer` does. Opt-in,
-    because NCCL's reduce-scatter and all-gather are the path GPU users run and the tests exercise; unset or
-    `native`: the collectives as written."""
-    mode = os.environ.get(GLOO_CHOICE) or "native"
-    if mode not in GLOO_MODES:  # the CLI refuses it before any rank starts (lit_lm/errors.py)
-        raise ValueError(f"{GLOO_CHOICE}={mode!r}: choose one of {', '.join(GLOO_MODES)} (lit_lm/strategies/comm.py)")
-    return mode == "emulated" and dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
+    gloo (CPU ranks, and the meta tensors of `lit-lm check --full-size`'s fake ranks, which stand for them) is slow
+    at its own reduce-scatter and all-gather and fast at an all-reduce and a broadcast: 64 MiB on 2 ranks, 122 and
+    98 ms against 78 ms for an all-reduce of the same 64 MiB and 26 ms for one broadcast per rank of its half
+    (docs/benchmarks/2026-12-size-cpu.md). So under "auto" ZeRO-1/2 reduce gradients by an all-reduce (twice the
+    bytes on the wire, in less time) and gather weights by a broadcast per rank, as torch's
+    `ZeroRedundancyOptimizer` + DDP do; ZeRO-3 keeps the collectives as written there, as FSDP2 does (its gathers
+    are per unit, in the forward). NCCL (any accelerator): reduce-scatter and all-gather, the fewest bytes.
+    "reduce_scatter" or "all_reduce" forces one form."""
+    if choice == "auto":
+        choice = "all_reduce" if device in ("cpu", "meta") and stage in (1, 2) else "reduce_scatter"
+    if choice not in ZERO_COLLECTIVES:
+        raise ValueError(f"zero_collectives={choice!r}: choose auto, {', '.join(ZERO_COLLECTIVES)}")
+    return ZERO_COLLECTIVES[choice]
 
 
 class _Then:
@@ -172,13 +177,12 @@ def _in_place_at_own_chunk(whole: Tensor, part: Tensor, group: Optional[dist.Pro
 
 def reduce_scatter(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
                    op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False,
-                   label: str = "") -> Optional[dist.Work]:
+                   label: str = "", form: str = "reduce_scatter") -> Optional[dist.Work]:
     """`input` is the concatenation of N equal chunks; rank r receives the reduced chunk r in `output` (which may be
-    that chunk of `input`: in place, as NCCL allows). Under
-    `LIT_LM_GLOO_COLLECTIVES=emulated` on gloo: an in-place all-reduce of `input` (which it overwrites), then the
-    copy of chunk r."""
+    that chunk of `input`: in place, as NCCL allows). `form` "all_reduce" (`zero_forms`): an in-place all-reduce of
+    `input` (which it overwrites), then the copy of chunk r where `output` is not it."""
     _in_place_at_own_chunk(input, output, group, "reduce_scatter")
-    if _emulated(group):
+    if form == "all_reduce" and dist.get_world_size(group) > 1:
         COMM_LOG.add("all_reduce", group, input.numel(), input.element_size(), label)
         mine = input.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
         work = dist.all_reduce(input, op=op, group=group, async_op=True)
@@ -189,12 +193,12 @@ def reduce_scatter(output: Tensor, input: Tensor, group: Optional[dist.ProcessGr
 
 
 def all_gather(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
-               async_op: bool = False, label: str = "") -> Optional[dist.Work]:
+               async_op: bool = False, label: str = "", form: str = "all_gather") -> Optional[dist.Work]:
     """`output` is the concatenation of every rank's equal-size `input` (which may be this rank's chunk of `output`:
-    in place). Under `LIT_LM_GLOO_COLLECTIVES=emulated`
-    on gloo: one broadcast per rank, each of its own chunk of `output`, in place."""
+    in place). `form` "broadcast" (`zero_forms`): one broadcast per rank, each of its own chunk of `output`, in
+    place."""
     _in_place_at_own_chunk(output, input, group, "all_gather")
-    if _emulated(group):
+    if form == "broadcast" and dist.get_world_size(group) > 1:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         chunks = output.view(world, -1)
         if input.data_ptr() != chunks[rank].data_ptr():  # not in place

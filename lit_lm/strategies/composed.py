@@ -64,6 +64,7 @@ from lit_lm.strategies.pp_schedules import build_schedule
 from lit_lm.strategies.pp_step import PipelineStep, split_pipeline
 from lit_lm.strategies.sharded_state import ShardedState
 from lit_lm.strategies.tp_layers import TPGroup, parallelize_model
+from lit_lm.strategies.weight_readers import FlushBeforeReaders
 from lit_lm.strategies.zero_engine import ZeroEngine
 
 
@@ -81,6 +82,9 @@ class ComposedStrategy(BaseStrategy):
         expert_parallel_size: ranks that split each MoE layer's experts, carved from the data-parallel ranks.
         data_parallel_replicate_size: HSDP: whole replicas of the ZeRO shards (dp_shard = what is left).
         zero_stage: 0 (replicated, `GradSync` all-reduce), 1, 2 or 3 (see `lit_lm/strategies/zero_engine.py`).
+        zero_collectives: how ZeRO reduces gradients and gathers weights: auto (per backend: gloo's all-reduce
+            and a broadcast per rank for stages 1-2 on CPU ranks, reduce-scatter and all-gather otherwise),
+            reduce_scatter or all_reduce to force one (`lit_lm.strategies.comm.zero_forms`, docs/zero.md).
         bucket_cap_mb: `GradSync`'s gradient buckets (zero_stage 0).
         activation_checkpointing: none, full or selective, per block (`lit_lm/strategies/ac.py`, docs/ac.md).
     """
@@ -90,12 +94,13 @@ class ComposedStrategy(BaseStrategy):
                  virtual_stages: Optional[int] = None, layers_per_stage: Optional[list[int]] = None,
                  balance: Optional[str] = None, context_parallel_size: int = 1, cp_method: Optional[str] = None,
                  expert_parallel_size: int = 1, data_parallel_replicate_size: int = 1, zero_stage: int = 0,
-                 bucket_cap_mb: float = 25.0, activation_checkpointing: str = "none", **kwargs: Any) -> None:
+                 zero_collectives: str = "auto", bucket_cap_mb: float = 25.0, activation_checkpointing: str = "none",
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.config = c = ParallelConfig.from_args(
             tensor_parallel_size, sequence_parallel, pipeline_parallel_size, microbatches, schedule, virtual_stages,
             layers_per_stage, balance, context_parallel_size, cp_method, expert_parallel_size,
-            data_parallel_replicate_size, zero_stage).check()
+            data_parallel_replicate_size, zero_stage, zero_collectives).check()
         self._schedule = build_schedule(c.schedule, c.pp, c.microbatches, c.virtual_stages) if c.pp > 1 else None
         self.bucket_cap_mb, self.activation_checkpointing = bucket_cap_mb, ac.check_mode(activation_checkpointing)
         self._module: Optional[nn.Module] = None  # the LightningModule the engines were applied to
@@ -106,6 +111,7 @@ class ComposedStrategy(BaseStrategy):
         self._pipeline: Optional[PipelineStep] = None
         self._seam: Optional[StepLoss] = None  # the step's loss under pp (the schedule) or cp (the zigzag share)
         self._compile_report: Optional[CompileReport] = None  # under the module's `compile` option
+        self._readers: Optional[FlushBeforeReaders] = None  # ZeRO-1/2: `lit_lm/strategies/weight_readers.py`
 
     @override
     def _configure_launcher(self) -> None:
@@ -210,7 +216,8 @@ class ComposedStrategy(BaseStrategy):
                 return
             replicate = layout.group("dp_replicate") if c.dp_replicate > 1 else None
             self._engines = [ZeroEngine(holder, c.zero_stage, group, self.root_device, replicate,
-                                        reduce_in_backward=c.pp == 1, init=self._init, init_rows=self._init)
+                                        reduce_in_backward=c.pp == 1, init=self._init, init_rows=self._init,
+                                        collectives=c.zero_collectives)
                              for holder, group in parts]
             self._zero_for = (module, self._engines)
         elif fitting:
@@ -224,6 +231,10 @@ class ComposedStrategy(BaseStrategy):
         super().setup_optimizers(trainer)
         for optimizer in self.optimizers:
             bind_optimizer(_unwrap(optimizer), self._engines)
+        if self.config.zero_stage in (1, 2):  # their gathers after the step run into the next forward
+            self._readers = self._readers or FlushBeforeReaders(lambda: self._engines)
+            if self._readers not in trainer.callbacks:
+                trainer.callbacks.insert(0, self._readers)  # before any other reader of the weights
 
     @override
     def teardown(self) -> None:
@@ -317,6 +328,9 @@ class ComposedStrategy(BaseStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        for engine in self._engines:
+            if isinstance(engine, ZeroEngine):
+                engine.flush()  # ZeRO-1/2's gathers after the step (`weight_readers.py`)
         return self._state().model_state(self.lightning_module)
 
     @override

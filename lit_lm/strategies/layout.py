@@ -156,6 +156,7 @@ class ParallelConfig:
     dp_replicate: int = 1
     dp_shard: Optional[int] = None
     zero_stage: int = 0
+    zero_collectives: str = "auto"  # ZeRO's gradient reduce and weight gather: `comm.zero_forms` (auto: per backend)
 
     def __post_init__(self) -> None:
         for name, arg in dict(FIELDS, microbatches="microbatches", virtual_stages="virtual_stages").items():
@@ -167,6 +168,9 @@ class ParallelConfig:
                 check_stage(self.zero_stage)
             except ValueError as err:
                 raise ConfigError(str(err)) from None
+        if self.zero_collectives != "auto" and self.zero_collectives not in comm.ZERO_COLLECTIVES:
+            raise ConfigError(f"zero_collectives: unknown {self.zero_collectives!r}; choose auto, "
+                              f"{', '.join(comm.ZERO_COLLECTIVES)}")
         if self.cp_method not in CP_METHODS:
             raise ConfigError(f"cp_method: unknown {self.cp_method!r}; choose one of {', '.join(CP_METHODS)}")
         if self.balance not in BALANCE:
@@ -180,7 +184,7 @@ class ParallelConfig:
                   virtual_stages: Optional[int] = None, layers_per_stage: Optional[list[int]] = None,
                   balance: Optional[str] = None, context_parallel_size: int = 1, cp_method: Optional[str] = None,
                   expert_parallel_size: int = 1, data_parallel_replicate_size: int = 1,
-                  zero_stage: int = 0) -> "ParallelConfig":
+                  zero_stage: int = 0, zero_collectives: str = "auto") -> "ParallelConfig":
         """From `ComposedStrategy`'s arguments, where None means "not given": an option given without its
         dimension is refused (nobody would read it)."""
         options = dict(sequence_parallel=sequence_parallel, cp_method=cp_method, microbatches=microbatches,
@@ -197,7 +201,10 @@ class ParallelConfig:
         if pipeline_parallel_size == 1 and given:
             raise ConfigError(f"{', '.join(given)}: pipeline options, but pipeline_parallel_size is 1: set "
                               "pipeline_parallel_size > 1 or remove them")
-        return cls(**sizes, zero_stage=zero_stage, **{k: v for k, v in options.items() if v is not None})
+        if zero_collectives != "auto" and not zero_stage:
+            raise ConfigError("zero_collectives is a ZeRO option: set zero_stage (1-3) or remove it")
+        return cls(**sizes, zero_stage=zero_stage, zero_collectives=zero_collectives,
+                   **{k: v for k, v in options.items() if v is not None})
 
     def strategy_args(self) -> dict[str, Any]:
         """`ComposedStrategy`'s arguments for this config (the inverse of `from_args`): every size, and each option
@@ -205,6 +212,8 @@ class ParallelConfig:
         world, as the strategy takes it."""
         args: dict[str, Any] = {arg: getattr(self, name) for name, arg in ARGS.items()}
         args["zero_stage"] = self.zero_stage
+        if self.zero_collectives != "auto":
+            args["zero_collectives"] = self.zero_collectives
         for option, dim in OPTIONS.items():
             value = getattr(self, option)
             if getattr(self, dim) > 1 and value is not None:

@@ -249,13 +249,17 @@ class ZeroEngine:
     def __init__(self, module: nn.Module, stage: int, group: Optional[dist.ProcessGroup] = None,
                  device: Optional[torch.device] = None, replicate_group: Optional[dist.ProcessGroup] = None,
                  reduce_in_backward: bool = True, init: Optional[Callable[[str, Tensor], None]] = None,
-                 init_rows: Optional[Callable[[str, Tensor, tuple[int, int]], bool]] = None) -> None:
+                 init_rows: Optional[Callable[[str, Tensor, tuple[int, int]], bool]] = None,
+                 collectives: str = "auto") -> None:
         self.stage = check_stage(stage)
         self.module = module
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.device = device
+        # how the gradients are reduced and the weights gathered: per backend unless forced (`comm.zero_forms`)
+        where = device if device is not None else next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.reduce_form, self.gather_form = comm.zero_forms(collectives, where.type, self.stage)
         # HSDP: the shards are replicated over `replicate_group`; each reduced shard is then all-reduced over it
         self.replicate_group = replicate_group
         self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
@@ -281,6 +285,9 @@ class ZeroEngine:
         self._next_reduce = 0  # stages 2-3: the first unit of `_reduce_order` not launched in this backward
         self.slots = CommSlots()  # stages 1-2: the reduce-scatters' and all-gathers' buffers
         self._in_backward = False
+        # stages 1-2: the all-gathers after the step run into the next forward (`refresh_params(defer=True)`);
+        # units[:_gather_next] are launched, each waited for before its first use (`wait_for`) or by `flush`
+        self._gather_next = len(self.units)
         self._materialize(module)
         if self.stage == 3:  # FP8 linears (tensorwise) are gathered in FP8
             forwards = fp8_forwards(module)
@@ -296,6 +303,8 @@ class ZeroEngine:
             self._register_grad_hooks()
         if self.stage == 3:
             self._register_gather_hooks()
+        elif self.world > 1:
+            self._register_wait_hooks()
 
     def detach(self) -> None:
         for h in self._hooks:
@@ -410,7 +419,7 @@ class ZeroEngine:
         send = recv.view(self.world, segment)[self.rank]  # in place (as FSDP2's): this rank's part of the output
         for sp in params:
             send[offsets[sp]: offsets[sp] + sp.local_numel].copy_(sp.master.view(-1))
-        return comm.all_gather(recv, send, self.group, async_op=True, label=label), recv
+        return comm.all_gather(recv, send, self.group, async_op=True, label=label, form=self.gather_form), recv
 
     def _fill(self, params: list[ShardedParam], recv: Tensor, offsets: Optional[dict[ShardedParam, int]] = None
               ) -> None:
@@ -439,12 +448,15 @@ class ZeroEngine:
         self._launch_gather(unit, full)
         if unit.pending_fp8 is not None:
             self._complete_fp8_gather(unit, unit.fp8)
-        if unit.pending_gather is None:
-            return
-        work, recv = unit.pending_gather
-        work.wait()
-        unit.pending_gather = None
-        self._fill(unit.params, recv)
+        self._finish_gather(unit)
+
+    @torch.no_grad()
+    def _finish_gather(self, unit: Unit) -> None:
+        if unit.pending_gather is not None:
+            work, recv = unit.pending_gather
+            work.wait()
+            unit.pending_gather = None
+            self._fill(unit.params, recv)
 
     # -- stage 3 under FP8: weights gathered as e4m3 bytes with their scales -----------------------------------
     def _fp8_amax(self, unit: Unit, layout: Fp8Layout) -> list[Tensor]:
@@ -484,7 +496,8 @@ class ZeroEngine:
             w8, _ = weight_to_fp8(sp.master.detach(), mine)
             send[layout.offsets[sp]: layout.offsets[sp] + sp.local_numel].copy_(w8.view(-1).view(torch.uint8))
             scales.append(weight_scale(a))
-        works = [comm.all_gather(recv, send, self.group, async_op=True, label=f"zero gather fp8 {unit.name}")]
+        works = [comm.all_gather(recv, send, self.group, async_op=True, label=f"zero gather fp8 {unit.name}",
+                                 form=self.gather_form)]
         rest = None
         if layout.rest:
             work, rest = self._gather_rows(layout.rest, layout.offsets, layout.rest_segment, f"zero gather {unit.name}")
@@ -533,6 +546,7 @@ class ZeroEngine:
         """Pack `unit`'s gradients rank-major and launch their reduce-scatter, `position`-th of this walk."""
         if not unit.params:
             return
+        self.flush()  # stages 1-2: the gathers still in flight use the same two slots
         first = unit.params[0].param
         numel = self.world * unit.segment_numel
         send = (self.slots.take(position, numel, first.dtype, first.device) if self.stage < 3
@@ -549,7 +563,8 @@ class ZeroEngine:
             unit.pending_reduce = (None, send, send)
             return
         recv = send.view(self.world, -1)[self.rank]  # in place: this rank's part of the input (kept until complete)
-        work = comm.reduce_scatter(recv, send, self.group, async_op=True, label=f"zero reduce {unit.name}")
+        work = comm.reduce_scatter(recv, send, self.group, async_op=True, label=f"zero reduce {unit.name}",
+                                   form=self.reduce_form)
         unit.pending_reduce = (work, send, recv)
 
     @torch.no_grad()
@@ -715,6 +730,7 @@ class ZeroEngine:
         With `reduce_in_backward` the backwards did it (stages 2-3 after each, stage 1 during the window's last);
         without (the pipeline), or where stage 1's last backward ran inside `no_sync()`, the accumulated full
         gradients are reduced here."""
+        self.flush()  # a unit no forward used since the step (its gather is waited for nowhere else)
         if not self.reduce_in_backward or (self.stage == 1 and not self._reduced):
             for i, unit in enumerate(self._reduce_order):  # at most two in flight, as in the backward
                 if i >= 2:
@@ -728,25 +744,71 @@ class ZeroEngine:
         """The gradient shards this rank owns: disjoint across the group, together the full gradient."""
         return [sp.master.grad for u in self.units for sp in u.params if sp.master.grad is not None]
 
-    def refresh_params(self) -> None:
-        """Stages 1 and 2: all-gather the master shards into the replicated parameters (stage 3 gathers lazily)."""
+    def refresh_params(self, defer: bool = False) -> None:
+        """Stages 1 and 2: all-gather the master shards into the replicated parameters (stage 3 gathers lazily), at
+        most two units in flight (each gathers into a comm slot: `CommSlots`). `defer`: launch the first two and
+        return; each unit is then waited for in the forward pre-hook of its first module (`wait_for`, which keeps
+        two launched ahead), so the gathers run beside the next forward; `flush` completes them all."""
         if self.stage < 3 and self.world == 1:  # a group of one: the master rows are the whole parameter
             with torch.no_grad():
                 for sp in self.sharded_params():
                     if sp.param.dtype != torch.float32:  # a separate master (fp32 ones are views: nothing to do)
                         sp.param.copy_(sp.master.view(sp.param.shape))
-        elif self.stage < 3:  # at most two gathers in flight: each holds its unit's whole all-gather output
-            for i, unit in enumerate(self.units):
-                if i >= 2:
-                    self._complete_gather(self.units[i - 2])
-                self._launch_gather(unit, position=i)
-            for unit in self.units[-2:]:
-                self._complete_gather(unit)
+        elif self.stage < 3:
+            self.flush()
+            self._gather_next = 0
+            self._launch_gathers(2)
+            if not defer:
+                self.flush()
+
+    def _launch_gathers(self, until: int) -> None:
+        """Launch the after-step gathers of units[:until] not launched yet, in unit order (every rank issues them
+        in the same order); unit i takes slot i % 2, so unit i - 2 is completed first."""
+        while self._gather_next < min(until, len(self.units)):
+            i = self._gather_next
+            if i >= 2:
+                self._finish_gather(self.units[i - 2])
+            self._launch_gather(self.units[i], position=i)
+            self._gather_next += 1
+
+    def wait_for(self, i: int) -> None:
+        """Before units[i]'s first use in a forward: its after-step gather complete (launched first, with those
+        before it, if it was not yet), and the next two launched."""
+        if self._gather_next > i and self.units[i].pending_gather is None:
+            return  # nothing in flight for it: every forward but the first after a step
+        self._launch_gathers(i + 1)
+        self._finish_gather(self.units[i])
+        self._launch_gathers(i + 3)
+
+    def flush(self) -> None:
+        """Complete every after-step gather still in flight: the weights are then the updated ones. Whatever reads
+        them between steps (a checkpoint, a callback, validation, the end of fit) comes after a flush
+        (`lit_lm/strategies/weight_readers.py`); so does the next backward's first reduce-scatter (the same
+        slots). Stage 3 gathers on demand: nothing to flush."""
+        if self.stage == 3:
+            return
+        self._launch_gathers(len(self.units))
+        for unit in self.units:
+            self._finish_gather(unit)
+
+    @property
+    def gathers_in_flight(self) -> bool:
+        return self._gather_next < len(self.units) or any(u.pending_gather is not None for u in self.units)
+
+    def _register_wait_hooks(self) -> None:
+        """Stages 1-2: a forward pre-hook on the first module to use each unit (its block; for the rest of the
+        model, every module holding one of its parameters) waits for the unit's gather (`wait_for`)."""
+        for i, unit in enumerate(self.units):
+            params = {sp.param for sp in unit.params}
+            mods = [unit.module] if unit in self.blocks else \
+                [m for m in self.module.modules() if any(p in params for p in m._parameters.values() if p is not None)]
+            for mod in mods:
+                self._hooks.append(mod.register_forward_pre_hook(lambda _m, _args, i=i: self.wait_for(i)))
 
     def after_step(self) -> None:
         """After the update (or a loaded checkpoint): bring the replicas up to date from the master rows and drop the
-        full gradients (stage 1 kept them)."""
-        self.refresh_params()
+        full gradients (stage 1 kept them). Stages 1-2 gather beside the next forward (`refresh_params`)."""
+        self.refresh_params(defer=True)
         for unit in self.units:
             for sp in unit.params:
                 sp.param.grad = None
