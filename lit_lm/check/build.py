@@ -63,6 +63,7 @@ class CheckPlan:
     accumulate: int
     dims: dict[str, int]  # sizes of the parallel dimensions (dp, tp, ...) on `world` ranks
     cases: list[Case] = field(default_factory=list)  # [plain SGD, the module's optimizer]
+    nodes: int = 1  # trainer.num_nodes: `world` is devices x nodes
     runs: list[dict[str, Any]] = field(default_factory=list)  # the harness's results, filled by `run_checks`
 
 
@@ -123,7 +124,7 @@ def plan_check(config: Namespace, argv: list[str], steps: int = 2, mutation: Any
     data = config.data.init_args
     return CheckPlan(argv=list(argv), world=world, model=full, small=small, notes=notes, parallel=parallel,
                      strategy=strategy_name, precision=str(trainer.precision), batch_size=int(data.batch_size),
-                     accumulate=accumulate, dims=dims, cases=cases)
+                     accumulate=accumulate, dims=dims, cases=cases, nodes=int(trainer.num_nodes or 1))
 
 
 def _world(trainer: Namespace) -> int:

@@ -23,8 +23,10 @@ from rich.console import Console
 from lit_lm.check.build import CheckPlan, parse, plan_check
 from lit_lm.check.compare import TOLERANCE, compare, likely_cause
 from lit_lm.check.costs import costs
+from lit_lm.check.fit import fit, run_estimate
 from lit_lm.check.report import render, summary, to_json
 from lit_lm.parity import run_parity
+from lit_lm.planner.cli import quantity
 
 EXIT_DISAGREES = 1
 
@@ -35,6 +37,8 @@ def options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--steps", type=int, default=2, help="optimizer steps compared (default 2)")
     p.add_argument("--tolerance", type=float, default=TOLERANCE, help=f"relative tolerance (default {TOLERANCE:g})")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--gpu-memory", default=None, help="per GPU, as `lit-lm plan` takes it (e.g. 80GB): whether each "
+                   "rank fits, and if not the nearest layout that does")
     p.add_argument("--full-size", action="store_true", help="the model at full size on fake ranks of the real world "
                    "size: memory and bytes per rank role against the planner (lit_lm/check/full_size.py)")
     args, rest = p.parse_known_args(argv)
@@ -81,8 +85,9 @@ def _last_line(err: BaseException) -> str:
     return lines[-1].strip()
 
 
-def report(plan: CheckPlan, rtol: float, error: str = "") -> dict[str, Any]:
-    """The summary of a plan whose runs are filled (or whose world failed with `error`)."""
+def report(plan: CheckPlan, rtol: float, error: str = "", gpu_memory: Optional[float] = None) -> dict[str, Any]:
+    """The summary of a plan whose runs are filled (or whose world failed with `error`); with `gpu_memory` (bytes
+    per GPU) also whether the full-size run fits (`lit_lm.check.fit`)."""
     if not plan.runs and not error:
         error = "no run came back (run_checks was not called, or its error was not passed)"
     tied = plan.small.tie_embeddings
@@ -92,23 +97,25 @@ def report(plan: CheckPlan, rtol: float, error: str = "") -> dict[str, Any]:
         result["cause"] = "" if result["ok"] else likely_cause(result["lead"], result["message"], plan.dims, tied)
         results.append(result)
     measured = costs(plan, plan.runs[-1]) if plan.runs else {}
-    return summary(plan, results, measured, rtol, error)
+    fits = fit(plan, run_estimate(plan), gpu_memory) if gpu_memory is not None else None
+    return summary(plan, results, measured, rtol, error, fits)
 
 
 def main(argv: list[str], cli_class: type, defaults: list[str], mutation: Optional[Any] = None) -> None:
     """`lit-lm check ...` (`lit_lm.cli` passes its LightningCLI class and default configs); exits with the code."""
     args, rest = options(argv)
+    gpu_memory = quantity(args.gpu_memory, "gpu-memory") if args.gpu_memory is not None else None
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     if args.full_size:
         from lit_lm.check.full_size import main as full_size
 
         plan = plan_check(parse(rest, cli_class, defaults), rest, optimizers=("module",))
-        if not full_size(plan, args.json, console):
+        if not full_size(plan, args.json, console, gpu_memory):
             sys.exit(EXIT_DISAGREES)
         return
     plan = plan_check(parse(rest, cli_class, defaults), rest, steps=args.steps, mutation=mutation)
     errors = run_checks([plan])
-    result = report(plan, args.tolerance, errors.get(0, ""))
+    result = report(plan, args.tolerance, errors.get(0, ""), gpu_memory)
     if args.json:
         print(to_json(result))
     else:

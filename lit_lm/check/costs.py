@@ -11,7 +11,8 @@ from typing import Any, Optional
 from lit_lm.check.build import CheckPlan
 from lit_lm.check.meter import Meter
 from lit_lm.config import ConfigError
-from lit_lm.planner.estimate import PRECISIONS, Workload, estimate
+from lit_lm.check.fit import run_estimate
+from lit_lm.planner.estimate import Workload, estimate
 
 
 def costs(plan: CheckPlan, run: dict[str, Any]) -> dict[str, Any]:
@@ -20,8 +21,10 @@ def costs(plan: CheckPlan, run: dict[str, Any]) -> dict[str, Any]:
     meters = [_meter(r) for r in run["ranks"]]
     out: dict[str, Any] = {"time": _times(meters, _meter(run["single"]), plan.accumulate)}
     small = _estimate(plan, plan.small, case.global_batch * plan.accumulate, "32-true", device="cpu")  # its ranks
-    full = _estimate(plan, plan.model, plan.batch_size * plan.dims.get("dp", plan.world) * plan.accumulate,
-                     plan.precision if plan.precision in PRECISIONS else "32-true")
+    try:  # the full-size run's figure, as `--gpu-memory` and `--full-size` give it (`lit_lm.check.fit`)
+        full: Any = run_estimate(plan)
+    except (ConfigError, ValueError, KeyError) as err:
+        full = f"no estimate: {err}"
     steps = [_step_comm(m, plan.accumulate) for m in meters]
     measured = {k: max(s.get(k, 0) for s in steps) for s in steps for k in s}
     if isinstance(small, str):

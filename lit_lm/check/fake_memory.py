@@ -84,7 +84,7 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.ops.aten._to_copy.default and _meta_to_host(args[0], kwargs):
-            return self._host_read(args[0], func)
+            return self._host_read(args[0], func, kwargs.get("dtype"))
         if func is torch.ops.aten._local_scalar_dense.default and _is_meta(args[0]):
             return self._host_read(args[0], func)
         backward = torch._C._current_graph_task_id() != -1  # autograd's engine runs this op
@@ -102,12 +102,12 @@ class LiveBytes(TorchDispatchMode):
         self._sample()
         return out
 
-    def _host_read(self, t: Tensor, func: Any) -> Any:
+    def _host_read(self, t: Tensor, func: Any, dtype: Optional[torch.dtype] = None) -> Any:
         value = self.host_read(t) if self.host_read is not None else None
         if value is None:
             raise RuntimeError(f"{func}: the values of a meta tensor of shape {tuple(t.shape)} are read on the host; "
                                "a shapes-only run cannot know them (no host_read answers this read)")
-        return value.item() if func is torch.ops.aten._local_scalar_dense.default else value
+        return value.item() if func is torch.ops.aten._local_scalar_dense.default else value.to(dtype or value.dtype)
 
     def _record(self, t: Tensor, tag: str, retag: bool = False) -> None:
         if t.device.type != self.device:

@@ -44,10 +44,11 @@ from rich.table import Table
 
 from lit_lm.check.build import CheckPlan
 from lit_lm.check.fake_memory import COMM, GATHER, HELD
+from lit_lm.check.fit import checkpointing, fit, lines, run_estimate
 from lit_lm.check.full_size_rank import RankJob, measure_rank
 from lit_lm.check.report import _count, _plain
 from lit_lm.config import ConfigError
-from lit_lm.planner.estimate import PRECISIONS, Estimate, Workload, estimate
+from lit_lm.planner.estimate import Estimate
 from lit_lm.strategies.pp_split import split_layers
 
 TOLERANCE = 0.05
@@ -105,15 +106,7 @@ def roles(plan: CheckPlan) -> list[Role]:
 
 
 def prepare(plan: CheckPlan) -> FullSize:
-    strategy = plan.cases[0].strategy.args[0]
-    checkpointing = _checkpointing(strategy)
-    return FullSize(plan, measured_precision(plan.precision), checkpointing, roles(plan))
-
-
-def _checkpointing(spec: Any) -> str:
-    from lit_lm.check.build import build_strategy
-
-    return getattr(build_strategy(spec), "activation_checkpointing", "none")
+    return FullSize(plan, measured_precision(plan.precision), checkpointing(plan), roles(plan))
 
 
 def jobs(check: FullSize) -> list[RankJob]:
@@ -141,13 +134,7 @@ def run(check: FullSize, workers: int = 2) -> FullSize:
 def planner(check: FullSize, precision: Optional[str] = None, device: str = "cpu") -> Estimate:
     """The planner's estimate of the checked run: by default as the fake ranks run it (their precision, torch's
     optimizer step as on the CPU: meta tensors get its single-tensor implementation, not CUDA's foreach)."""
-    plan = check.plan
-    layout = dataclasses.replace(plan.parallel, dp_shard=plan.dims["dp_shard"])
-    work = Workload(plan.model, plan.model.max_seq_len, plan.batch_size * plan.dims["dp"] * plan.accumulate,
-                    precision or check.precision, check.checkpointing, plan.accumulate)
-    if "device" in Workload.__dataclass_fields__:  # the planner tells the devices' optimizer steps apart
-        work = dataclasses.replace(work, device=device)
-    return estimate(work, layout)
+    return run_estimate(check.plan, precision or check.precision, device)
 
 
 def compare(check: FullSize, est: Optional[Estimate] = None) -> list[dict[str, Any]]:
@@ -170,7 +157,7 @@ def compare(check: FullSize, est: Optional[Estimate] = None) -> list[dict[str, A
         comm = {tuple(k.split("/")): b for k, b in got["comm"].items()}
         for key in sorted(set(comm) | set(mine.comm)):
             rows.append(_row(f"{key[0]} {key[1]}", comm.get(key, 0), mine.comm.get(key, 0), floor=0, kind="comm"))
-        out.append({"role": role.name, "rank": role.rank, "rows": rows, "at_peak": at_peak,
+        out.append({"role": role.name, "rank": role.rank, "pp_rank": role.pp_rank, "rows": rows, "at_peak": at_peak,
                     "seconds": got["seconds"], "ops": got["ops"]})
     return out
 
@@ -182,7 +169,10 @@ def _row(what: str, measured: int, planned: int, floor: float, kind: str = "memo
     return {"what": what, "kind": kind, "measured": measured, "planner": planned, "rel": rel, "agree": agree}
 
 
-def summary(check: FullSize, est: Optional[Estimate] = None) -> dict[str, Any]:
+def summary(check: FullSize, est: Optional[Estimate] = None, gpu_memory: Optional[float] = None) -> dict[str, Any]:
+    """The report: per role the figures beside the planner's; the planner's figure for the run (the user's
+    precision on CUDA, per role); with `gpu_memory` (bytes per GPU) whether each role fits and, if one does not,
+    the nearest layout that does (`lit_lm.check.fit`). `ok`: every figure agrees and (asked) every role fits."""
     plan = check.plan
     est = est or planner(check)
     rows = compare(check, est)
@@ -197,15 +187,27 @@ def summary(check: FullSize, est: Optional[Estimate] = None) -> dict[str, Any]:
     else:
         verdict = (f"PASS: {where}: every role's memory and bytes per collective agree with the planner within "
                    f"{TOLERANCE:.0%}")
-    user = check.plan.precision
-    extra = {}
-    if user in PRECISIONS:  # what the cluster will see: the user's precision on CUDA
-        extra = {"planner_peak_at_user_precision": max(r.peak for r in planner(check, user, "cuda").ranks)}
-    return _plain({"ok": not bad, "verdict": verdict, "strategy": plan.strategy, "world": plan.world,
-                   "layout": where, "model_params": plan.model.num_params(), "precision": user,
-                   "measured_precision": check.precision, "checkpointing": check.checkpointing,
-                   "batch_size": plan.batch_size, "seq_len": plan.model.max_seq_len, "roles": rows,
-                   "tolerance": TOLERANCE, "memory_floor": MEMORY_FLOOR, **extra})
+    run = run_estimate(plan)  # what the cluster will see: the user's precision on CUDA
+    for role, r in zip(check.roles, rows):
+        r["run_peak"] = run.ranks[role.pp_rank].peak
+    fits = None
+    if gpu_memory is not None:
+        fits = fit(plan, run, gpu_memory)
+        short = [r["role"] for r in rows if not fits["ranks"][r["pp_rank"]]["fits"]]
+        if short:
+            best = fits["nearest"]
+            nearest = f"{best['layout']}, activation checkpointing {best['checkpointing']}" if best else "none"
+            verdict = (f"FAIL: does NOT fit {_count(gpu_memory)}B GPUs ({'; '.join(short)}); nearest that fits: "
+                       f"{nearest}. Planner: {verdict}")
+        else:
+            verdict += f"; every role fits {_count(gpu_memory)}B GPUs"
+    return _plain({"ok": not bad and (fits is None or fits["fits"]), "verdict": verdict, "strategy": plan.strategy,
+                   "world": plan.world, "layout": where, "model_params": plan.model.num_params(),
+                   "precision": plan.precision, "measured_precision": check.precision,
+                   "checkpointing": check.checkpointing, "batch_size": plan.batch_size,
+                   "seq_len": plan.model.max_seq_len, "roles": rows, "tolerance": TOLERANCE,
+                   "memory_floor": MEMORY_FLOOR, "run_precision": run.workload.precision,
+                   "planner_peak_for_the_run": run.peak_bytes, "fit": fits})
 
 
 def _pct(rel: float) -> str:
@@ -234,23 +236,30 @@ def render(report: dict[str, Any], console: Console) -> None:
         console.print(table)
         parts = ", ".join(f"{k} {_count(v)}B" for k, v in sorted(role["at_peak"].items(), key=lambda kv: -kv[1]) if v)
         console.print(f"  at the peak: {escape(parts)}")
-    if "planner_peak_at_user_precision" in report:
-        console.print(f"planner for the run on CUDA at {report['precision']}: "
-                      f"{_count(report['planner_peak_at_user_precision'])}B per rank at peak (the worst pipeline rank)")
+        console.print(f"  for the run: {_count(role['run_peak'])}B at peak (the planner, {report['run_precision']} "
+                      "on CUDA)")
+    console.print(f"planner for the run ({report['run_precision']} on CUDA): "
+                  f"{_count(report['planner_peak_for_the_run'])}B per rank at peak (the worst role); the tables' "
+                  f"planner column is the same planner for what the fake ranks ran ({report['measured_precision']}"
+                  + (": no autocast on meta tensors" if report["measured_precision"] != report["run_precision"]
+                     else "") + "; torch's single-tensor optimizer step, as on the CPU)")
     console.print("not seen by a shapes-only run: the allocator's cache and fragmentation, library workspaces "
                   "(cuBLAS, NCCL), the CUDA context")
+    if report["fit"] is not None:
+        for line in lines(report["fit"], [(r["role"], r["pp_rank"]) for r in report["roles"]], _count):
+            console.print(escape(line))
     style = "bold green" if report["ok"] else "bold red"
     console.print(f"[{style}]{escape(report['verdict'])}[/]")
 
 
-def main(plan: CheckPlan, as_json: bool, console: Console) -> bool:
+def main(plan: CheckPlan, as_json: bool, console: Console, gpu_memory: Optional[float] = None) -> bool:
     """Run, compare, print; whether everything agrees. A layout the planner does not model is a ConfigError."""
     check = prepare(plan)
     try:
         est = planner(check)
     except (ValueError, KeyError) as err:
         raise ConfigError(f"the planner has no estimate for this layout: {err}") from err
-    report = summary(run(check), est)
+    report = summary(run(check), est, gpu_memory)
     if as_json:
         import json
 

@@ -36,6 +36,8 @@ from lit_lm.check.build import _import, build_strategy
 from lit_lm.check.fake_memory import LiveBytes
 from lit_lm.check.meter import CONTROL
 from lit_lm.config import ModelConfig
+from lit_lm.kernels import runtime
+from lit_lm.strategies import comm
 from lit_lm.strategies.comm import COMM_LOG
 from lit_lm.strategies.dp_engine import bind_optimizer
 from lit_lm.strategies.layout import ParallelLayout
@@ -96,7 +98,7 @@ def measure(job: RankJob, device: str, steps: Optional["StepWatch"] = None) -> d
     strategy = build_strategy(job.strategy)
     strategy.parallel_devices = [torch.device(device)]
     strategy._layout = ParallelLayout.get(strategy.parallel_dims(job.world))
-    live = LiveBytes(host_read=_balanced_routing(job, strategy) if device == "meta" else None, device=device)
+    live = LiveBytes(host_read=_host_reads(job, strategy) if device == "meta" else None, device=device)
     with live, _on_meta():
         module, optimizer = _build(job, strategy)
         result = _train(job, strategy, module, optimizer, live, steps or StepWatch())
@@ -237,8 +239,11 @@ _AUTOCAST, _ENABLED = torch.autocast, torch.is_autocast_enabled
 @contextmanager
 def _on_meta() -> Generator[None, None, None]:
     """What the meta device runs otherwise than CUDA and CPU: attention by the flash kernel they pick (not the math
-    fallback), and `torch.autocast` on it a no-op (it has no autocast: a region that turns autocast off, such as
-    the MoE router's fp32, runs as it is)."""
+    fallback), `torch.autocast` on it a no-op (it has no autocast: a region that turns autocast off, such as
+    the MoE router's fp32, runs as it is), NCCL's in-place chunk rule (`comm._in_place_at_own_chunk`) read
+    from addresses only where there are some (every meta tensor's is 0: two separate tensors look in place), and
+    no Triton interpreter (under TRITON_INTERPRET=1 a kernel launch copies its tensors to the host: cp's attention
+    tiles take the PyTorch reference, the path a CPU run without the interpreter takes)."""
     def autocast(device_type: str, *args: Any, **kwargs: Any) -> Any:
         return ExitStack() if device_type == "meta" else _AUTOCAST(device_type, *args, **kwargs)
 
@@ -247,8 +252,18 @@ def _on_meta() -> Generator[None, None, None]:
 
     with mock.patch.object(F, "scaled_dot_product_attention", _flash_attention), \
             mock.patch.object(torch, "autocast", autocast), mock.patch.object(torch, "is_autocast_enabled", enabled), \
-            mock.patch.object(torch, "_grouped_mm", _grouped_mm):
+            mock.patch.object(torch, "_grouped_mm", _grouped_mm), \
+            mock.patch.object(comm, "_in_place_at_own_chunk", _in_place_rule), \
+            mock.patch.object(runtime, "interpreting", lambda: False):
         yield
+
+
+_IN_PLACE_RULE = comm._in_place_at_own_chunk
+
+
+def _in_place_rule(whole: Tensor, part: Tensor, *args: Any) -> None:
+    if whole.device.type != "meta" or part.untyped_storage() is whole.untyped_storage():
+        _IN_PLACE_RULE(whole, part, *args)
 
 
 _GROUPED_MM = torch._grouped_mm
@@ -286,9 +301,11 @@ def _flash_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
     return flash(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
-def _balanced_routing(job: RankJob, strategy: Any) -> Any:
-    """The answer to expert parallelism's host read (`ExpertShard._dispatch`: the rows sent to and received from
-    each ep peer, stacked (2, ep)): every peer gets an equal share of this rank's routed rows (top_k per token)."""
+def _host_reads(job: RankJob, strategy: Any) -> Any:
+    """The answers to a step's host reads of tensor values, which decide shapes: expert parallelism's
+    (`ExpertShard._dispatch`: the rows sent to and received from each ep peer, stacked (2, ep)): every peer gets an
+    equal share of this rank's routed rows (top_k per token); context parallelism's token positions (a rank's
+    zigzag chunks, read for its RoPE tables: their values change no byte), as 0, 1, ..."""
     cfg = ModelConfig(**job.config)
     ep = strategy.config.ep
     pp = strategy.config
@@ -296,10 +313,13 @@ def _balanced_routing(job: RankJob, strategy: Any) -> Any:
     rows = micro * cfg.max_seq_len // pp.cp * cfg.moe_top_k
 
     def read(t: Tensor) -> Optional[Tensor]:
-        if ep <= 1 or tuple(t.shape) != (2, ep) or t.is_floating_point():
+        if t.is_floating_point():
             return None
-        share = [rows // ep + (i < rows % ep) for i in range(ep)]
-        return torch.tensor([share, share], dtype=t.dtype)
+        if ep > 1 and tuple(t.shape) == (2, ep):
+            share = [rows // ep + (i < rows % ep) for i in range(ep)]
+            return torch.tensor([share, share], dtype=t.dtype)
+        if pp.cp > 1 and t.dim() == 1:
+            return torch.arange(t.shape[0], dtype=t.dtype)
+        return None
 
     return read
-

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any
+from typing import Any, Optional
 
 from rich.console import Console
 from rich.markup import escape
@@ -18,11 +18,13 @@ from rich.table import Table
 
 from lit_lm.check.build import CheckPlan
 from lit_lm.check.compare import rows_message
+from lit_lm.check.fit import lines
 
 
 def summary(plan: CheckPlan, results: list[dict[str, Any]], costs: dict[str, Any], rtol: float,
-            error: str = "") -> dict[str, Any]:
-    """Everything the report says, JSON-ready; `ok` and `verdict` first."""
+            error: str = "", fits: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Everything the report says, JSON-ready; `ok` and `verdict` first; `fits`: whether the full-size run fits its
+    GPUs (`lit_lm.check.fit`), said in the verdict (a run that does not fit is not ok)."""
     failed = next((r for r in results if not r["ok"]), None)
     if error:
         verdict = f"FAIL: the run does not start under {plan.strategy} on {plan.world} ranks: {error}"
@@ -34,12 +36,25 @@ def summary(plan: CheckPlan, results: list[dict[str, Any]], costs: dict[str, Any
         verdict = (f"PASS: {plan.strategy} on {plan.world} ranks agrees with one process within {rtol:g}: losses, "
                    f"pre-clip norms, the gradients of all {n} parameters and their final values over {steps} steps, "
                    "plain SGD and the module's optimizer")
-    return _plain({"ok": not error and failed is None, "verdict": verdict, "strategy": plan.strategy,
+    if fits is not None and not error:
+        verdict += _fit_verdict(fits)
+    return _plain({"ok": not error and failed is None and (fits is None or fits["fits"]), "verdict": verdict,
+                   "strategy": plan.strategy, "fit": fits,
                    "world": plan.world, "layout": _layout(plan),
                    "dims": plan.dims, "tolerance": rtol, "config": plan.argv,
                    "model": {"params": plan.model.num_params(), "checked_params": plan.small.num_params(),
                              "changes": plan.notes},
                    "runs": results, "costs": costs, "error": error})
+
+
+def _fit_verdict(fits: dict[str, Any]) -> str:
+    gpu = f"{_count(fits['gpu_memory'])}B GPUs"
+    if fits["fits"]:
+        return f"; at full size every rank fits {gpu}"
+    short = ", ".join(f"stage {r['pp_rank']}" for r in fits["ranks"] if not r["fits"])
+    best = fits["nearest"]
+    nearest = f"{best['layout']}, activation checkpointing {best['checkpointing']}" if best else "none"
+    return f"; at full size it does NOT fit {gpu} ({short}); nearest that fits: {nearest}"
 
 
 def _layout(plan: CheckPlan) -> str:
@@ -100,6 +115,10 @@ def render(report: dict[str, Any], console: Console) -> None:
         console.print(f"your model at full size (planner): {_count(f['peak_bytes'])}B per rank at peak (state "
                       f"{_count(f['model_state_bytes'])}B, activations {_count(f['activation_bytes'])}B); on the "
                       f"wire per step: {wire}")
+    if report.get("fit") is not None:
+        names = [(f"stage {r['pp_rank']}", r["pp_rank"]) for r in report["fit"]["ranks"]]
+        for line in lines(report["fit"], names, _count):
+            console.print(_e(line))
     t = costs.get("time") or {}
     if t.get("ranks") is not None:
         console.print(f"time per step (the check's model, CPU): {t['ranks'] * 1e3:.0f} ms on the ranks, "

@@ -68,6 +68,9 @@ MOMENTS = ("build", "engines", "backward", "backward_end", "step", "after_step")
 PHASES = {"setup": ("build", "engines"), "fwd_bwd": ("backward", "backward_end"), "step": ("step", "after_step")}
 DEVICES = ("cuda", "cpu")  # where the ranks run: what torch's default optimizer implementation is there
 GLOO_STAGING = "gloo's all-gather staging (a whole unit)"
+# ZeRO-1's owned rows of an fp32 gradient are views of the whole one (`ZeroEngine._complete_reduce`): the last step's
+# gradients live until Lightning's zero_grad, after the step's loss, which under a pipeline is every backward
+PREVIOUS_GRADS = "the previous step's gradients (ZeRO-1 under a pipeline)"
 GRAD_SYNC = {k: v.default for k, v in inspect.signature(GradSync.__init__).parameters.items()
              if k in ("bucket_cap_mb", "first_bucket_mb")}  # its buckets (the strategy's default cap is the same)
 
@@ -321,6 +324,8 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
         # stage 2 also the full gradient until it is reduced
         if stage == 1:
             rank.grads += full * pbytes + local * 4 * master_copy
+            if not reduce_in_backward and not master_copy:  # a pipeline: the step's loss runs every backward
+                rank.add_transient("backward", PREVIOUS_GRADS, full * pbytes)
         else:
             rank.grads += local * 4 + full * pbytes * (not reduce_in_backward)
         rank.optimizer += 2 * local * 4 + 4 * len(shapes)
@@ -370,11 +375,11 @@ def _engine_steps(shapes: list[tuple[int, ...]], units: dict[str, list[tuple[int
 
 
 def _transients(rank: RankEstimate, work: Workload, layout: ParallelConfig, engines: list[tuple], whole: int,
-                meta_build: bool, logits: int, head: int) -> None:
+                meta_build: bool, logits: int, head: int, mlp_grads: int) -> None:
     """What the rank holds only at one moment of the step (`MOMENTS`), by name, from the engines' code:
     `engines` is [(shapes in registration order, {unit: shapes}, data-parallel group size)] per engine, `whole`
     the unsplit model's numel, `logits` the numel of one (batch, positions, vocabulary shard) tensor of the last
-    stage (0 elsewhere).
+    stage (0 elsewhere), `mlp_grads` the bytes of the stage's last MLP's backward (`_mlp_backward`).
 
     - build: a model built on a real device is whole before the strategy splits it (tp, ep), so its split copies
       are made next to it; ZeRO-3 and pipelines build on the meta device and fill one tensor at a time, whole
@@ -382,7 +387,9 @@ def _transients(rank: RankEstimate, work: Workload, layout: ParallelConfig, engi
     - engines: `GradSync` re-lays each bucket's parameters into a new flat buffer (one bucket at a time); ZeRO-3
       copies its master rows into one flat master (the rows and the flat both alive until the copy ends);
     - backward: the loss's backward makes the gradient of the fp32 log-probabilities and of the logits at once,
-      both (batch, positions, vocabulary shard) in fp32, while every saved activation still lives;
+      both (batch, positions, vocabulary shard) in fp32, while every saved activation still lives; before a
+      pipeline's last stage, whose backward starts from a received gradient, the stage's last MLP's backward
+      (its three gradients of the hidden width, `_mlp_backward`) is the largest it makes then;
     - backward: under ZeRO stages 2-3 the head's whole gradients, from its backward to the root unit's reduce
       (the root unit, embedding and head, reduces last);
     - backward_end: ZeRO's reduce-scatter buffers, a unit's whole-size send (the receive is this rank's part of
@@ -406,7 +413,10 @@ def _transients(rank: RankEstimate, work: Workload, layout: ParallelConfig, engi
     elif meta_build:
         largest = max((math.prod(s) for shapes, _, _ in engines for s in shapes), default=0)
         rank.add_transient("build", "one parameter whole, before its rows are kept", largest * pbytes)
-    rank.add_transient("backward", "loss gradients (log-probabilities, logits; fp32)", 2 * logits * 4)
+    if 2 * logits * 4 >= mlp_grads:
+        rank.add_transient("backward", "loss gradients (log-probabilities, logits; fp32)", 2 * logits * 4)
+    else:
+        rank.add_transient("backward", "the last block's MLP gradients (its hidden width)", mlp_grads)
     stepped = []
     for shapes, units, group in engines:
         stepped += _engine_steps(shapes, units, stage, group, pbytes, work.device)
@@ -475,14 +485,24 @@ def _block_activations(cfg: ModelConfig, layer: int, b: int, t: int, layout: Par
     attn = (3 if autocast else 1) * bt * d * abytes + ((2 * bt * q + 2 * bt * kv) * abytes + b * h * t * 4) // tp + rope
     if cfg.is_moe_layer(layer):
         k, f, e = cfg.moe_top_k, cfg.moe_d_ff, cfg.moe_experts
-        # gathered rows, the expert SwiGLU, the gated outputs: on the fp32 residual stream's rows, measured as
-        # large under bf16 autocast as in fp32
-        routed = bt * k * (2 * d + 4 * f) * 4
+        # gathered rows, the expert SwiGLU, the experts' outputs (the gates' product keeps them) and their gated
+        # product (the combining `index_add_` keeps its source: its backward expands the gradient to its shape):
+        # on the fp32 residual stream's rows, measured as large under bf16 autocast as in fp32
+        routed = bt * k * (3 * d + 4 * f) * 4
         shared = 4 * bt * cfg.moe_shared_experts * f * 4
         mlp = bt * d * 4 + 3 * bt * e * 4 + routed + shared  # fp32 router input and scores
     else:
         mlp = (2 if autocast else 1) * bt * d * abytes + 4 * bt * cfg.d_ff * abytes // tp
     return 2 * norm + attn + mlp
+
+
+def _mlp_backward(cfg: ModelConfig, layer: int, b: int, t: int, layout: ParallelConfig, abytes: int) -> int:
+    """Bytes the backward of block `layer`'s MLP makes at once at its start: the gradient of the down projection's
+    input and the SwiGLU's of its gate and up outputs, three of its hidden width (split by tp; an MoE layer's on
+    its routed rows and shared experts, fp32, replicated over tp)."""
+    if cfg.is_moe_layer(layer):
+        return 3 * b * t * (cfg.moe_top_k + cfg.moe_shared_experts) * cfg.moe_d_ff * 4
+    return 3 * b * t * cfg.d_ff // layout.tp * abytes
 
 
 def block_kept(cfg: ModelConfig, layer: int, b: int, t: int, layout: ParallelConfig, pbytes: int, abytes: int,
@@ -525,7 +545,9 @@ def _stage_activations(cfg: ModelConfig, layers: list[int], first: bool, last: b
     if last:
         v = _chunk(cfg.padded_vocab_size, layout.tp)
         kept += (2 * b * t * cfg.d_model * 4 + b * t * 4) // sp + b * t * cfg.d_model * abytes  # final norm, head
-        kept += b * t * v * 4 * (2 if cfg.z_loss else 1)  # fp32 log-softmax (and the z-loss's logsumexp input)
+        # fp32: the log-softmax (and the z-loss's logsumexp input); under tp the vocab-parallel loss keeps the logits
+        # (its target gather's input) and their exp (`lit_lm.strategies.tp_layers.VocabParallelLoss`)
+        kept += b * t * v * 4 * (2 if cfg.z_loss or layout.tp > 1 else 1)
     return kept, recompute
 
 
@@ -599,11 +621,14 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
             if not (q.expert and layout.ep > 1):
                 amaxes = (q.shape[0] if q.expert else 1) if q.fp8 and work.fp8 == "tensorwise" else 0
                 in_fp8.setdefault(q.unit, []).append(amaxes)
+        if experts:  # each engine holds a list of parameters without blocks (`ModelSplit.dp_parts`): its one unit is
+            # its root
+            dense, in_fp8, experts = ({"root": [x for u in d.values() for x in u]} for d in (dense, in_fp8, experts))
         forms = zero_forms(layout.zero_collectives, work.device, layout.zero_stage)  # the ops that run
         _model_state(rank, dense, layout.zero_stage, dp_group, pbytes, layout.dense_group, work.accumulate, p == 1,
                      in_fp8, forms)
-        if experts:  # one unit
-            _model_state(rank, {"experts": [s for u in experts.values() for s in u]}, layout.zero_stage,
+        if experts:
+            _model_state(rank, experts, layout.zero_stage,
                          dims.size("edp"), pbytes, "edp", work.accumulate, p == 1, forms=forms)
         engines = [([_local_shape(q, layout) for q in keep if not (q.expert and layout.ep > 1)], dense, dp_group)]
         if experts:
@@ -612,7 +637,8 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
         head = sum(math.prod(_local_shape(q, layout)) for q in keep if last and q.unit == "root"
                    and q.name != "tok_embeddings.weight")  # the final norm and the head (ZeRO-1/2: in the tail)
         _transients(rank, work, layout, engines, sum(math.prod(q.shape) for q in keep),
-                    layout.zero_stage == 3 or p > 1, logits, head)
+                    layout.zero_stage == 3 or p > 1, logits, head,
+                    _mlp_backward(cfg, chunks[-1][-1], mb, t, layout, abytes) if chunks[-1] else 0)
         if layout.dp_replicate > 1:
             shard = sum(_chunk(s[0], dp_group) * math.prod(s[1:]) for u in dense.values() for s in u)
             rank.add_comm("dp_replicate", "all_reduce", shard * pbytes, layout.dp_replicate)
@@ -622,8 +648,15 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
         rank.activations = in_flight[r] * max(kept) + max(recompute)
         if pbytes != abytes:  # autocast's low-precision copies of the matmul weights, saved for backward
             rank.activations += abytes * sum(math.prod(_local_shape(q, layout)) for q in keep if _cast(q, cfg, p))
-        if p > 1:  # the runner keeps each in-flight microbatch's stage output for its backward
-            rank.buffers += in_flight[r] * mb * t * cfg.d_model * pbytes // (layout.tp if layout.sp else 1)
+        if p > 1:  # what the runner sends it keeps until the step's end (`PipelineRunner.run` waits for the sends
+            # there): every microbatch's stage output, and each input gradient sent back; and the gradient receive
+            # it posts before a backward
+            one = mb * t * cfg.d_model * pbytes // (layout.tp if layout.sp else 1)
+            mine = [c * p + r for c in range(v)]  # its stages (`Schedule.stage`)
+            outputs = sum(s < p * v - 1 for s in mine)
+            rank.buffers += (m * outputs + (outputs > 0)) * one
+            rank.add_transient("backward", "input gradients sent, held to the step's end",
+                               (m - 1) * sum(s > 0 for s in mine) * one)
 
         n_active = cfg.num_params(include_embedding=False, active=True)
         share = sum(len(c) for c in chunks) / cfg.n_layers

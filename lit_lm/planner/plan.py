@@ -195,6 +195,41 @@ def plan(work: Workload, cluster: Cluster, checkpointing: Sequence[str] = CHECKP
     return ranked
 
 
+def nearest(work: Workload, layout: ParallelConfig, cluster: Cluster) -> Optional[Ranked]:
+    """The layout nearest `layout` that fits the cluster, from `plan`'s own search (the same layouts, budget and
+    accumulation): one that changes only activation checkpointing, tp (larger), pp (larger) or gradient
+    accumulation, the data-parallel size taking what is left; the fewest of those changed, then the fastest. None
+    when none of them fits."""
+    def changes(c: ParallelConfig, mode: str) -> Optional[int]:
+        same = (c.cp, c.ep, c.zero_stage, c.dp_replicate > 1) == \
+            (layout.cp, layout.ep, layout.zero_stage, layout.dp_replicate > 1)
+        if not same or c.tp < layout.tp or c.pp < layout.pp or (c.tp == layout.tp and c.sp != layout.sp):
+            return None
+        if c.pp == layout.pp and c.pp > 1 and (c.schedule, c.virtual_stages) != (layout.schedule,
+                                                                                   layout.virtual_stages):
+            return None
+        return (mode != work.checkpointing) + (c.tp != layout.tp) + (c.pp != layout.pp)
+
+    budget = cluster.gpu_memory * USABLE_MEMORY
+    found = []
+    for mode in CHECKPOINTING:
+        for c in layouts(work, cluster):
+            n = changes(c, mode)
+            if n is None:
+                continue
+            est = fitting(dataclasses.replace(work, checkpointing=mode), c, budget)
+            if est is not None:
+                seconds, parts = step_time(est, cluster)
+                n += est.workload.accumulate != work.accumulate  # and the microbatches `fitting` gives a pipeline
+                n += c.pp == layout.pp > 1 and est.config.microbatches != layout.microbatches
+                found.append((n, seconds, Ranked(est, seconds, parts)))
+    if not found:
+        return None
+    best = min(found, key=lambda f: f[:2])[2]
+    best.reason = reason(best, cluster)
+    return best
+
+
 # -- explaining ---------------------------------------------------------------------------------------------------
 def reason(r: Ranked, cluster: Cluster) -> str:
     """Why each dimension is there, and what the step time is made of."""
