@@ -192,3 +192,23 @@ def test_the_scaled_model_keeps_what_the_layout_splits() -> None:
     assert odd.n_kv_heads % 2 == 1  # tp 2 does not divide 3 kv heads: nor the check's (the strategy then refuses)
     tiny = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
     assert scaled_config(tiny, ParallelConfig(tp=2)) == (tiny, [])
+
+
+def test_gpu_memory_says_which_stage_does_not_fit_and_the_nearest_layout_that_does() -> None:
+    """`lit-lm check --gpu-memory` without `--full-size`: per pipeline stage the planner's figure for the run against
+    plan's budget, and where one does not fit, the nearest layout (`lit_lm.planner.plan.nearest`) in the verdict."""
+    from lit_lm.check.fit import fit, run_estimate
+    from lit_lm.check.report import summary
+
+    argv = _argv("3d", 8)
+    plan = plan_check(parse(argv, LitLMCLI, DEFAULTS), argv, optimizers=("module",))
+    est = run_estimate(plan)
+    low, high = sorted(r.peak for r in est.ranks)
+    fits = fit(plan, est, (low + high) / 2 / 0.9)  # stage 0 fits, stage 1 (head and loss) does not
+    assert [r["fits"] for r in fits["ranks"]] == [True, False] and fits["nearest"]["peak"] <= fits["budget"], fits
+    report = summary(plan, [], {}, 1e-5, fits=fits)
+    assert not report["ok"] and "does NOT fit" in report["verdict"] and fits["nearest"]["layout"] in report["verdict"]
+    out = io.StringIO()
+    render(report, Console(file=out, width=200))
+    assert "stage 1: " in out.getvalue() and "does NOT fit" in out.getvalue(), out.getvalue()
+    assert "every rank fits" in summary(plan, [], {}, 1e-5, fits=fit(plan, est, 2 * high))["verdict"]
