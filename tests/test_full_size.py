@@ -163,11 +163,11 @@ def test_every_preset_is_measured() -> None:
 @pytest.mark.parametrize("preset", sorted(PRESET_WORLDS))
 def test_every_preset_on_every_role_agrees_with_the_planner(tmp_path: Path, preset: str) -> None:
     """The planner's memory per rank role (parameters, gradients, optimizer state, activations, buffers, the peak)
-    within 5% of what the fake ranks hold, for every preset. Until the planner counted them: the vocab-parallel
-    loss's second fp32 logits copy (tp), ZeRO-1's previous gradients alive through a pipeline's schedule, what a
-    pipeline stage keeps of its sends until the step's end and its first MLP backward, the combining index_add's
-    saved rows (MoE), one ZeRO unit per engine under ep; and cp's positions and ep's counts stopped the fake ranks
-    (3d: peak +18% and +22%, tp +8.7%)."""
+    within 5% of what the fake ranks hold, and its bytes per collective, for every preset. Until the planner counted
+    them: the vocab-parallel loss's second fp32 logits copy (tp), ZeRO-1's previous gradients alive through a
+    pipeline's schedule, what a pipeline stage keeps of its sends until the step's end and its first MLP backward,
+    the combining index_add's saved rows (MoE), one ZeRO unit per engine under ep; and cp's positions and ep's
+    counts stopped the fake ranks (3d: peak +18% and +22%, tp +8.7%)."""
     model = ["--config", str(CONFIGS / "models" / "moe_tiny.yaml")] if preset.startswith("ep") else []
     argv = [*model, "--config", str(CONFIGS / "strategies" / f"{preset}.yaml"), "--trainer.devices",
             str(PRESET_WORLDS[preset])]
@@ -179,6 +179,7 @@ def test_every_preset_on_every_role_agrees_with_the_planner(tmp_path: Path, pres
         bad = [rows[w] for w in full_size.MEMORY if not rows[w]["agree"]]
         assert not bad, (preset, role["role"], bad)
         assert abs(rows["peak"]["rel"]) <= full_size.TOLERANCE, (preset, role["role"], rows["peak"])
+    assert report["ok"], report["verdict"]  # and the bytes of every collective, in the form that runs
     if preset == "3d":  # the verdict with --gpu-memory: stage 1 (the head and loss) needs more than stage 0
         run = [r["run_peak"] for r in report["roles"]]
         small = full_size.summary(check, gpu_memory=(min(run) + max(run)) / 2 / 0.9)
