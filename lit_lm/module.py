@@ -254,14 +254,15 @@ class LanguageModel(L.LightningModule):
         self.val_loss.update(ce, weight=y.numel())
         return ce
 
-    def validation_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+    def validation_step(self, batch: Tensor, batch_idx: int, dataloader_idx: int = 0) -> Tensor:
         ce = self._eval_step(batch, batch_idx)
-        source = getattr(getattr(self._trainer, "datamodule", None), "val_source", lambda _: None)(batch_idx)
-        if source is not None:  # a mixture's batch comes from one source (lit_lm.data): its loss beside the overall
-            self.log(f"val_loss/{source}", ce, on_step=False, on_epoch=True, sync_dist=True, batch_size=batch.shape[0])
+        source = getattr(getattr(self._trainer, "datamodule", None), "val_source", lambda _: None)(dataloader_idx)
+        if source is not None:  # a mixture's loader per source (lit_lm.data): its loss beside the overall
+            self.log(f"val_loss/{source}", ce, on_step=False, on_epoch=True, sync_dist=True, batch_size=batch.shape[0],
+                     add_dataloader_idx=False)
         return ce
 
-    def test_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+    def test_step(self, batch: Tensor, batch_idx: int, dataloader_idx: int = 0) -> Tensor:
         return self._eval_step(batch, batch_idx)
 
     def _log_eval(self, prefix: str) -> None:

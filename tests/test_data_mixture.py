@@ -107,18 +107,51 @@ def test_windows_and_schedule_are_pure_functions_of_the_position():
     assert sorted(seen[:len(windows)]) == list(range(len(windows)))  # each source's epoch is a permutation
 
 
-def test_validation_loss_is_logged_per_source(sources):
+class ValBatches(L.Callback):
+    """The number of validation batches run from each loader."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+
+    def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self.counts[dataloader_idx] = self.counts.get(dataloader_idx, 0) + 1
+
+
+@pytest.mark.parametrize("limit", [2, 4])
+def test_every_source_is_validated_on_the_same_budget(sources, limit):
+    """limit_val_batches is each source's: with 3 sources and 2 (fewer than the sources) or 4 (not a multiple of
+    3), every source runs that many batches and logs val_loss/<name>; val_loss is the mean over every validated
+    token, here (equal batches of each) the mean of the sources' losses."""
     dm = TextDataModule(sources=sources, seq_len=8, batch_size=2)
     model = LanguageModel(ModelConfig(vocab_size=280, d_model=16, n_layers=1, n_heads=2, max_seq_len=8))
+    seen = ValBatches()
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, limit_val_batches=5)
-    metrics = trainer.validate(model, datamodule=dm, verbose=False)[0]
-    # the sources' batches in turn: 5 batches are web, code, books, web, code (or a source's last ones run out)
-    assert {f"val_loss/{name}" for name in WEIGHTS} <= set(metrics) and "val_loss" in metrics
-    n = {name: dm.val_batch_sources[:5].count(name) for name in WEIGHTS}
-    assert dm.val_batch_sources[:3] == list(WEIGHTS)
-    overall = sum(metrics[f"val_loss/{k}"] * n[k] for k in WEIGHTS) / sum(n.values())
-    assert metrics["val_loss"] == pytest.approx(overall, rel=1e-4)  # batches of equal size: the weighted mean
+                        enable_checkpointing=False, limit_val_batches=limit, callbacks=[seen])
+    metrics = {k: v for m in trainer.validate(model, datamodule=dm, verbose=False) for k, v in m.items()}
+    assert {f"val_loss/{name}" for name in WEIGHTS} | {"val_loss", "val_ppl"} == set(metrics)
+    assert seen.counts == {0: limit, 1: limit, 2: limit}
+    per_source = [metrics[f"val_loss/{name}"] for name in WEIGHTS]
+    assert len(set(per_source)) == 3  # three sources, three losses
+    assert metrics["val_loss"] == pytest.approx(sum(per_source) / 3, rel=1e-5)
+
+
+def test_a_mixture_through_the_command_logs_every_source_and_its_normalised_weights(sources, tmp_path):
+    """`lit-lm fit` on 3 sources weighted 2:1:1 with limit_val_batches 2: one line gives the weights normalised,
+    and every validation logs each source's loss and the overall one."""
+    from test_cli import REPO, read_metrics, run_cli
+
+    entries = ", ".join(f"{{path: {e['path']}, weight: {w}}}" for e, w in zip(sources, (2, 1, 1)))
+    done = run_cli("fit", "--config", str(REPO / "configs/default.yaml"), "--trainer.default_root_dir",
+                   str(tmp_path / "run"), "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
+                   "--trainer.limit_val_batches", "2", "--data.init_args.sources", f"[{entries}]",
+                   "--data.init_args.seq_len", "8", "--data.init_args.batch_size", "2",
+                   "--model.init_args.config.d_model", "16", "--model.init_args.config.n_layers", "1",
+                   "--model.init_args.config.n_heads", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if "normalised" in line]
+    assert lines == ["[lit-lm data] source weights normalised to sum to 1: web 0.5, code 0.25, books 0.25"]
+    rows = [r for r in read_metrics(tmp_path / "run", 0) if r.get("val_loss")]
+    assert len(rows) == 1 and all(rows[0][f"val_loss/{name}"] for name in WEIGHTS)
 
 
 def test_bad_sources_are_refused_in_one_line(sources, tmp_path):

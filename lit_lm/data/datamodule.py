@@ -17,7 +17,7 @@ import random
 import sysconfig
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning as L
 import numpy as np
@@ -198,7 +198,7 @@ class TextDataModule(L.LightningDataModule):
         self.tokenizer: Optional[Tokenizer] = None
         self.train_set: Optional[TokenWindows] = None
         self.val_set: Optional[Dataset] = None
-        self.val_batch_sources: list[str] = []  # a mixture's: the source of each validation batch of this rank
+        self.val_sources: list[Dataset] = []  # a mixture's: each source's validation windows (one loader each)
         self._base_samples = 0  # global samples consumed when the current train loader was made
         self._base_batches = 0  # Lightning's processed-batch counter at that moment
         self._resumed_samples: Optional[int] = None  # from a checkpoint, applied when the loader is made
@@ -324,17 +324,18 @@ class TextDataModule(L.LightningDataModule):
             log("source weights normalised to sum to 1: " + ", ".join(
                 f"{name} {w / sum(weights):.4g}" for (name, _, _), w in zip(self.source_specs, weights)))
         self.train_set = MixtureWindows(trains, weights, self.seed)
-        # the sources' whole batches taken in turn, so that limit_val_batches still sees every source
-        starts = np.cumsum([0] + [len(v) for v in vals])
+        # validation: one loader per source (Lightning applies limit_val_batches to each), whole global batches
+        self.val_sources = [Subset(v, range(len(v) // per_batch * per_batch)) for v in vals]
+        # the offline tools' one split (scripts/ptq.py, predict): the sources' batches taken in turn
+        starts = np.cumsum([0] + [len(v) for v in self.val_sources])
         turns = [(s, b) for b in range(max(len(v) // per_batch for v in vals)) for s in range(len(vals))
                  if b < len(vals[s]) // per_batch]
-        self.val_set = Subset(ConcatDataset(vals), [int(starts[s]) + b * per_batch + j for s, b in turns
-                                                    for j in range(per_batch)])
-        self.val_batch_sources = [self.source_specs[s][0] for s, _ in turns]
+        self.val_set = Subset(ConcatDataset(self.val_sources), [int(starts[s]) + b * per_batch + j for s, b in turns
+                                                                for j in range(per_batch)])
 
-    def val_source(self, batch_idx: int) -> Optional[str]:
-        """The source of validation batch `batch_idx` (a mixture's), else None."""
-        return self.val_batch_sources[batch_idx] if batch_idx < len(self.val_batch_sources) else None
+    def val_source(self, dataloader_idx: int) -> Optional[str]:
+        """The source whose validation loader is `dataloader_idx` (a mixture's), else None."""
+        return self.source_specs[dataloader_idx][0] if self.val_sources else None
 
     # -- loaders -------------------------------------------------------------------------------------------
     def _dp(self) -> tuple[int, int]:
@@ -364,18 +365,23 @@ class TextDataModule(L.LightningDataModule):
         sampler = kind(len(self.train_set), self.batch_size, size, rank, seed=self.seed, start=self._base_samples)
         return self._loader(self.train_set, sampler, PositionedLoader)
 
-    def val_dataloader(self) -> DataLoader:
+    def _eval_loader(self, dataset: Dataset) -> DataLoader:
+        size, rank = self._dp()
+        return self._loader(dataset, ResumableSampler(len(dataset), self.batch_size, size, rank, shuffle=False,
+                                                      advance=False))
+
+    def val_dataloader(self) -> Union[DataLoader, list[DataLoader]]:
+        """The held-out windows; a mixture's as one loader per source (`val_source` names it), so that
+        limit_val_batches gives every source the same number of batches."""
         if self.stream is not None:  # a stream has no held-out split: no validation
             return []
-        size, rank = self._dp()
-        sampler = ResumableSampler(len(self.val_set), self.batch_size, size, rank, shuffle=False, advance=False)
-        return self._loader(self.val_set, sampler)
+        return [self._eval_loader(v) for v in self.val_sources] if self.val_sources else self._eval_loader(self.val_set)
 
-    def test_dataloader(self) -> DataLoader:
+    def test_dataloader(self) -> Union[DataLoader, list[DataLoader]]:
         return self.val_dataloader()
 
     def predict_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
+        return [] if self.stream is not None else self._eval_loader(self.val_set)
 
     # -- resumable position --------------------------------------------------------------------------------
     def _batches_processed(self) -> int:
