@@ -11,9 +11,9 @@ import pytest
 import yaml
 
 from lit_lm.config import ConfigError, ModelConfig
-from lit_lm.planner.estimate import Workload, estimate
-from lit_lm.planner.plan import USABLE_MEMORY, Cluster, Ranked, _divisors, _estimate, fitting, layouts, plan, \
-    strategy_yaml
+from lit_lm.planner.estimate import CHECKPOINTING, Workload, estimate
+from lit_lm.planner.plan import USABLE_MEMORY, Cluster, Ranked, _divisors, _estimate, fitting, layouts, nearest, \
+    plan, strategy_yaml
 from lit_lm.planner.cli import quantity
 from lit_lm.strategies.composed import ComposedStrategy
 from lit_lm.strategies.layout import ParallelConfig
@@ -116,6 +116,32 @@ def test_fitting_takes_the_least_accumulation_that_fits() -> None:
                                                                                    least.peak_bytes)), layout
         seen.add("none" if least is None else "one" if least.workload.accumulate == 1 else "more")
     assert seen == {"none", "one", "more"}  # layouts that never fit, fit at once, and fit only with accumulation
+
+
+def test_nearest_changes_the_fewest_of_checkpointing_tp_pp_and_accumulation() -> None:
+    """`nearest` (what `lit-lm check --gpu-memory` proposes): a 7B model under ZeRO-3 over one node that does not fit
+    80 GB at one 16k sequence per GPU. The nearest fitting layout keeps cp, ep and ZeRO, never shrinks tp or pp, and
+    changes as few of activation checkpointing, tp, pp and accumulation as any fitting candidate does (a scan of
+    them): here not the fastest (tp2, accumulation and selective checkpointing), but tp4 with accumulation."""
+    work = Workload(ModelConfig(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336, vocab_size=32000,
+                                max_seq_len=16384), 16384, 8, "bf16-mixed")
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_memory=80e9)
+    layout = ParallelConfig(dp_shard=8, zero_stage=3)
+    budget = cluster.gpu_memory * USABLE_MEMORY
+    assert estimate(work, layout).peak_bytes > budget
+    best = nearest(work, layout, cluster)
+    assert best is not None and best.estimate.peak_bytes <= budget
+    got, mode = best.config, best.estimate.workload.checkpointing
+    assert (got.cp, got.ep, got.zero_stage) == (1, 1, 3) and got.tp >= 1 and got.pp >= 1
+
+    def changes(c: ParallelConfig, w: Workload) -> int:
+        return (w.checkpointing != "none") + (c.tp != 1) + (c.pp != 1) + (w.accumulate != 1)
+
+    fewest = min(changes(e.config, e.workload) for m in CHECKPOINTING for c in layouts(work, cluster)
+                 if c.zero_stage == 3 and c.cp == 1 and c.dp_replicate == 1
+                 for e in [fitting(dataclasses.replace(work, checkpointing=m), c, budget)] if e is not None)
+    assert changes(got, best.estimate.workload) == fewest >= 1, (best.estimate.describe(), mode)
+    assert nearest(work, ParallelConfig(dp_shard=8, zero_stage=3), Cluster(1, 8, 1e9)) is None  # nothing fits 1 GB
 
 
 FEATURES = {"tp": dict(tp=2, sequence_parallel=True), "tp_no_sp": dict(tp=2, sequence_parallel=False),
