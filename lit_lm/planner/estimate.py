@@ -64,8 +64,10 @@ from lit_lm.strategies.pp_split import split_layers
 PRECISIONS = {"32-true": (4, 4), "bf16-mixed": (4, 2), "bf16-true": (2, 2)}  # (parameter, activation) bytes
 # The moments of a step whose holdings differ (`RankEstimate.moment_peaks`), and the phases a resident-memory
 # measurement separates them into (scripts/bench_peaks.py)
-MOMENTS = ("build", "engines", "backward", "backward_end", "step", "after_step")
-PHASES = {"setup": ("build", "engines"), "fwd_bwd": ("backward", "backward_end"), "step": ("step", "after_step")}
+MOMENTS = ("build", "engines", "backward", "backward_head", "backward_end", "step", "after_step")
+PHASES = {"setup": ("build", "engines"), "fwd_bwd": ("backward", "backward_head", "backward_end"),
+          "step": ("step", "after_step")}
+THROUGH_BACKWARD = ("backward", "backward_head")  # a transient that lives through the whole backward is in both
 DEVICES = ("cuda", "cpu")  # where the ranks run: what torch's default optimizer implementation is there
 GLOO_STAGING = "gloo's all-gather staging (a whole unit)"
 # ZeRO-1's owned rows of an fp32 gradient are views of the whole one (`ZeroEngine._complete_reduce`): the last step's
@@ -151,6 +153,7 @@ class RankEstimate:
         """Bytes held at each moment of `MOMENTS`: what persists there plus that moment's named transients."""
         held = {"build": self.params, "engines": self.params + self.grads,
                 "backward": self.model_state + self.slots + self.buffers + self.activations,
+                "backward_head": self.model_state + self.slots + self.buffers + self.activations,
                 "backward_end": self.model_state + self.slots, "step": self.model_state + self.slots,
                 "after_step": self.model_state + self.slots}
         return {m: held[m] + sum(self.transients.get(m, {}).values()) for m in MOMENTS}
@@ -325,7 +328,8 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
         if stage == 1:
             rank.grads += full * pbytes + local * 4 * master_copy
             if not reduce_in_backward and not master_copy:  # a pipeline: the step's loss runs every backward
-                rank.add_transient("backward", PREVIOUS_GRADS, full * pbytes)
+                for moment in THROUGH_BACKWARD:
+                    rank.add_transient(moment, PREVIOUS_GRADS, full * pbytes)
         else:
             rank.grads += local * 4 + full * pbytes * (not reduce_in_backward)
         rank.optimizer += 2 * local * 4 + 4 * len(shapes)
@@ -390,8 +394,11 @@ def _transients(rank: RankEstimate, work: Workload, layout: ParallelConfig, engi
       both (batch, positions, vocabulary shard) in fp32, while every saved activation still lives; before a
       pipeline's last stage, whose backward starts from a received gradient, the stage's last MLP's backward
       (its three gradients of the hidden width, `_mlp_backward`) is the largest it makes then;
-    - backward: under ZeRO stages 2-3 the head's whole gradients, from its backward to the root unit's reduce
-      (the root unit, embedding and head, reduces last);
+    - backward_head: the head's backward, after the loss's (its log-probabilities freed, one logits gradient in
+      their place: the activations' bytes again): under ZeRO stages 2-3 the head's whole gradients, from its
+      backward to the root unit's reduce (the root unit, embedding and head, reduces last), and under ZeRO-3 on
+      the CPU gloo's staging of the gather for the backward (below); what lives through the whole backward (a
+      pipeline's sent gradients, ZeRO-1's previous ones) is in both moments (`THROUGH_BACKWARD`);
     - backward_end: ZeRO's reduce-scatter buffers, a unit's whole-size send (the receive is this rank's part of
       it: in place), at most two units in flight (`_launch_next_reduce` waits for unit i - 2), next to the unit's
       whole gradients being packed (stages 2-3) and, under ZeRO-3, the receive buffer of the unit gathered for the
@@ -433,7 +440,7 @@ def _transients(rank: RankEstimate, work: Workload, layout: ParallelConfig, engi
             rank.add_transient("engines", "master rows before the flat master", rows * 4)
         whole = {u: sum(math.prod(s) for s in shapes) for u, shapes in units.items()}
         if stage >= 2 and head:  # the head's whole gradients wait for the embedding's: the root unit reduces last
-            rank.add_transient("backward", "the head's whole gradients", head * pbytes)
+            rank.add_transient("backward_head", "the head's whole gradients", head * pbytes)
         # the reduce order (the blocks from the last, then the rest); launching unit i waits for unit i - 2 first:
         # unit i - 1's send, unit i's send, and under stages 2-3 unit i's whole gradients (and the head's, until
         # the root unit's turn) at once; each receive is its rank's part of the send (in place)
@@ -455,7 +462,7 @@ def _transients(rank: RankEstimate, work: Workload, layout: ParallelConfig, engi
                                max(a + b for a, b in zip(at, prefetch)) * pbytes - max(at) * pbytes)
         gather = zero_forms(layout.zero_collectives, work.device, stage)[1]  # a broadcast per rank: in place
         if work.device == "cpu" and gather == "all_gather":  # gloo gathers into a flat copy of the output: ZeRO-1/2
-            rank.add_transient("after_step" if stage < 3 else "backward", GLOO_STAGING,  # after the step, ZeRO-3
+            rank.add_transient("after_step" if stage < 3 else "backward_head", GLOO_STAGING,  # after the step, ZeRO-3
                                group * max(segments) * pbytes)  # in forward and backward
     sbytes = 4 if stage else pbytes  # ZeRO steps fp32 master rows
     if stepped:
@@ -655,8 +662,9 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
             mine = [c * p + r for c in range(v)]  # its stages (`Schedule.stage`)
             outputs = sum(s < p * v - 1 for s in mine)
             rank.buffers += (m * outputs + (outputs > 0)) * one
-            rank.add_transient("backward", "input gradients sent, held to the step's end",
-                               (m - 1) * sum(s > 0 for s in mine) * one)
+            for moment in THROUGH_BACKWARD:
+                rank.add_transient(moment, "input gradients sent, held to the step's end",
+                                   (m - 1) * sum(s > 0 for s in mine) * one)
 
         n_active = cfg.num_params(include_embedding=False, active=True)
         share = sum(len(c) for c in chunks) / cfg.n_layers
