@@ -156,7 +156,10 @@ def test_offline_batches_take_what_the_split_holds_in_one_line(capsys: pytest.Ca
 # -- 5. import and tokenizer lines ----------------------------------------------------------------------------
 def _hf_folder(folder: Path, **config: object) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    # num_key_value_heads stated, as every released config does: transformers' default for it is the family's own
+    # (32 for qwen2, 8 for mistral), which 4 heads cannot share
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4)
     (folder / "config.json").write_text(json.dumps({**shape, **config}))
     return folder
 
