@@ -8,7 +8,8 @@ router gets the model's small router init, so before any training the MoE model 
 function (the chosen experts are identical and the gates sum to 1). Any checkpoint a run writes is read (a single
 file or a sharded directory). The output is a weights-only Lightning checkpoint (`state_dict` + `hyper_parameters`,
 with the run's data settings and tokenizer carried over, so `lit-lm generate` and the offline tools read it alone)
-for `LanguageModel.load_from_checkpoint` or as the starting weights of a new run.
+for `LanguageModel.load_from_checkpoint`, `lit-lm validate/test/generate --ckpt_path`; it holds no optimizer state, so
+`lit-lm fit --ckpt_path` refuses it (a fit resumes the optimizer too).
 """
 
 from __future__ import annotations
