@@ -234,7 +234,7 @@ def fit_case(case: Case, devices: int = 1, ckpt_path: Optional[str] = None, save
                             enable_checkpointing=False, log_every_n_steps=1, **case.trainer)
         trainer.fit(module, ckpt_path=ckpt_path)
         if save_to is not None:
-            trainer.save_checkpoint(save_to)
+            trainer.save_checkpoint(save_to, weights_only=False)  # said so (None: Lightning logs its default)
         return {"losses": probe.losses, "rows": probe.rows, "dp_rank": probe.dp_rank, "sampler": probe.sampler,
                 "start": probe.start, "steps": probe.steps, "params": _state(trainer),
                 "callbacks": [c if _portable(c) else None for c in callbacks]}

@@ -73,7 +73,7 @@ def _run(async_checkpoint: bool, steps: int, out_dir: str, model: dict[str, Any]
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
             self.steps.append(time.perf_counter() - self._start)
             start, cpu = time.perf_counter(), time.thread_time()
-            trainer.save_checkpoint(Path(out_dir) / f"step={trainer.global_step}.ckpt")
+            trainer.save_checkpoint(Path(out_dir) / f"step={trainer.global_step}.ckpt", weights_only=False)
             self.stalls.append(time.perf_counter() - start)
             self.cpu.append(time.thread_time() - cpu)
             trainer.strategy.wait_for_checkpoints()  # outside the window: the next save starts with none in flight
