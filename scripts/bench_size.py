@@ -33,6 +33,7 @@ the `lit-lm` command starts its ranks; torch's references without, as torch star
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import statistics
@@ -53,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ddp import _spread, table_one_or_rounds  # noqa: E402
 from bench_overhead import ENGINES, LOOPS, Clock, ClockCallback, plain_loop, trainer_loop  # noqa: E402
+import bench_runner  # noqa: E402
 from bench_runner import MARK, summarize, write_json  # noqa: E402
 from bench_strategies import BenchLM, _env, add_run_args, footer, forwarded, model_config, token_loader  # noqa: E402
 from lit_lm.config import ModelConfig  # noqa: E402
@@ -239,6 +241,13 @@ def optimizer_step(reps: int = 7) -> None:
                   f"({min(t) * 1e3:.1f})")
 
 
+def locked_run(run_once: Any, lock: str, command: list[str], timeout: Optional[float] = None) -> dict[str, Any]:
+    """`run_once` of one contender while holding `lock`'s flock."""
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        return run_once(command, timeout)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p)
@@ -254,6 +263,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                    help=f"whose processes start with {HUGE_PAGES}=1: lit-lm's engines, as the lit-lm command starts "
                    "its ranks (the default), every contender's, or none")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="GradSync's (lm_ddp), as the strategy's default")
+    p.add_argument("--lock", help="hold this file's flock for each contender's run (a shared machine: other work runs "
+                   "between the runs, never beside one), the load average read once it is held")
     p.add_argument("--out", default="runs/bench_size.json")
     p.add_argument("--table", help="print a saved run (its --out JSON) as Markdown, and exit")
     p.add_argument("--optimizer-step", action="store_true", help="time AdamW over the flat step's layouts, and exit")
@@ -268,6 +279,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.one:
         run_one(args)
         return
+    if args.lock:
+        bench_runner.run_once = partial(locked_run, bench_runner.run_once, args.lock)
     rounds = table_one_or_rounds(args, markdown, contenders, worker_one)
     if rounds is None:
         return
