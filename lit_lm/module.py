@@ -18,6 +18,7 @@ from lit_lm.generate import generate
 from lit_lm.log_steps import logs_this_batch
 from lit_lm.model import Transformer
 from lit_lm.moe import moe_layers, moe_metrics, update_router_bias
+from lit_lm.param_groups import param_groups
 from lit_lm.planner.estimate import flops_per_token
 from lit_lm.strategies.base import BaseStrategy
 from lit_lm.strategies.checkpoint import OPTIMIZER_FQNS
@@ -325,15 +326,8 @@ class LanguageModel(L.LightningModule):
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        decay, no_decay = [], []
-        tied = self.model.config.tie_embeddings  # a tied head is the embedding: the last pipeline stage, which
-        for name, p in self.model.named_parameters():  # holds no tok_embeddings, knows it as lm_head.weight
-            if not p.requires_grad:
-                continue
-            embedding = "tok_embeddings" in name or (tied and name.startswith("lm_head"))
-            (no_decay if p.ndim < 2 or embedding else decay).append(p)
         hp = self.hparams
-        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = param_groups(self.model, hp.weight_decay, self.model.config.tie_embeddings)
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps)
         self._horizon = None
         schedule = torch.optim.lr_scheduler.LambdaLR(
