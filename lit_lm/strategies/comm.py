@@ -222,8 +222,8 @@ def broadcast(tensor: Tensor, src: int, group: Optional[dist.ProcessGroup] = Non
 
 def all_to_all(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
                output_split_sizes: Optional[list[int]] = None, input_split_sizes: Optional[list[int]] = None,
-               async_op: bool = False) -> Optional[dist.Work]:
-    COMM_LOG.add("all_to_all", group, input.numel(), input.element_size())
+               async_op: bool = False, label: str = "") -> Optional[dist.Work]:
+    COMM_LOG.add("all_to_all", group, input.numel(), input.element_size(), label)
     return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
                                   async_op=async_op)
 
