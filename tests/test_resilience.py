@@ -201,6 +201,31 @@ def test_removals_queued_behind_a_save_run_before_wait_returns() -> None:
     assert order[-1] == "at once" and not saver.in_flight
 
 
+def test_nothing_runs_behind_a_failed_save_even_once_its_thread_has_ended(tmp_path: Path) -> None:
+    """The `last.ckpt` alias of a save that failed must not run: queued while the write is on the thread (skipped
+    there), or submitted after the thread ended but before `wait()` raised (it ran in the caller, linked from a
+    folder that was never published, and left `last.ckpt.tmp-*` behind: the full-disk test's flake)."""
+    saver, ran = AsyncSaver(), []
+
+    def failing_write() -> None:
+        raise OSError(28, "No space left on device")
+
+    saver.submit(failing_write)
+    while saver.in_flight:  # the thread ends; wait() has not raised yet
+        time.sleep(0.01)
+    source, meta = tmp_path / "step=4.ckpt", ckpt.serialize_meta({"global_step": 4})
+    saver.after_publish(lambda: (ran.append("alias"), ckpt.save_alias(source, tmp_path / "last.ckpt", meta)))
+    with pytest.raises(OSError, match="No space left"):
+        saver.wait()
+    assert ran == [] and list(tmp_path.iterdir()) == []
+
+
+def test_an_alias_whose_source_is_gone_leaves_nothing(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        ckpt.save_alias(tmp_path / "step=4.ckpt", tmp_path / "last.ckpt", ckpt.serialize_meta({"global_step": 4}))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_failed_removal_warns_and_the_next_save_goes_on() -> None:
     """A removal is rank 0's alone: raised, it would stop rank 0 while the others wait in their next collective."""
     saver, gate = AsyncSaver(), threading.Event()

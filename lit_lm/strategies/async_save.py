@@ -108,10 +108,14 @@ class AsyncSaver:
 
     def after_publish(self, remove: Callable[[], None]) -> None:
         """Run `remove` once the save in flight is published (now when none is). Removals run one at a time, in
-        order, and before `wait()` returns: the next save never touches the folder while one runs."""
+        order, and before `wait()` returns: the next save never touches the folder while one runs. Behind a failed save
+        nothing runs, whether it is still on the thread or already ended (its error not yet raised by `wait()`): a
+        `last.ckpt` alias of it would name shards that were never published."""
         with self._lock:
             if self._thread is not None:
                 self._removals.append(remove)
+                return
+            if self._error is not None:  # the save it follows failed (not yet raised by wait()): nothing to follow
                 return
         _housekeep(remove)
 

@@ -100,14 +100,18 @@ def save_alias(source: Path, path: Path, meta: io.BytesIO) -> None:
     like a save."""
     tmp = path.with_name(f"{path.name}{TMP}{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
-    for file in source.iterdir():
-        if file.name not in (META, COMPLETE):
-            try:
-                os.link(file, tmp / file.name)
-            except OSError:
-                shutil.copy2(file, tmp / file.name)
-    _write_synced(tmp / META, meta.getvalue())
-    _write_synced(tmp / COMPLETE, (source / COMPLETE).read_text())
+    try:
+        for file in source.iterdir():
+            if file.name not in (META, COMPLETE):
+                try:
+                    os.link(file, tmp / file.name)
+                except OSError:
+                    shutil.copy2(file, tmp / file.name)
+        _write_synced(tmp / META, meta.getvalue())
+        _write_synced(tmp / COMPLETE, (source / COMPLETE).read_text())
+    except BaseException:  # nothing half-made is left behind (the source gone, a full disk)
+        remove(tmp)
+        raise
     _publish(tmp, path)
 
 
