@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_lm.config import ConfigError, ModelConfig
+from lit_lm.kernels.logit_max import LogitMaxRecord, logit_max
 from lit_lm.moe import MoE, moe_aux_loss, moe_layers
 
 
@@ -109,10 +110,11 @@ class WeightSource(Protocol):
     def read(self, name: str, tensor: Tensor, index: tuple[slice, ...] = ()) -> None: ...
 
 
-class CausalAttention(nn.Module):
+class CausalAttention(LogitMaxRecord, nn.Module):
     """softmax(q k^T / sqrt(D) + causal[/sliding-window] mask) v for q (B, Hq, T, D) and k, v (B, Hkv, T, D).
 
     Grouped-query attention is handled by SDPA's `enable_gqa`: kv heads are shared, never repeated in memory.
+    While QK-clip measures (`LogitMaxRecord`), the per-head maximum logit is recomputed from the same q, k.
     """
 
     def __init__(self, sliding_window: Optional[int] = None) -> None:
@@ -120,6 +122,8 @@ class CausalAttention(nn.Module):
         self.sliding_window = sliding_window
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.measuring:
+            self.record_logit_max(logit_max(q, k, self.sliding_window))
         gqa = q.shape[1] != k.shape[1]
         if self.sliding_window is None or self.sliding_window >= q.shape[2]:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lit_lm.kernels.logit_max import LogitMaxRecord, logit_max
 from lit_lm.kernels.runtime import cdiv, check_backend, check_grid, dot_precision, jit, launch, next_power_of_2, op, \
     use_triton
 
@@ -336,8 +337,9 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, window
     return FlashAttentionFunction.apply(q, k, v, causal, window or q.shape[2])
 
 
-class CausalAttention(nn.Module):
-    """Drop-in for `lit_lm.model.CausalAttention`: no parameters, same `sliding_window`, `core(q, k, v)`."""
+class CausalAttention(LogitMaxRecord, nn.Module):
+    """Drop-in for `lit_lm.model.CausalAttention`: no parameters, same `sliding_window`, `core(q, k, v)`, and the
+    same QK-clip measurement (`LogitMaxRecord`)."""
 
     def __init__(self, sliding_window: Optional[int] = None, backend: str = "auto") -> None:
         super().__init__()
@@ -349,6 +351,8 @@ class CausalAttention(nn.Module):
         return cls(ref.sliding_window, backend)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if self.measuring:
+            self.record_logit_max(logit_max(q, k, self.sliding_window))
         if use_triton(self.backend, q):
             return flash_attention(q, k, v, causal=True, window=self.sliding_window)
         return attention_reference(q, k, v, causal=True, window=self.sliding_window)

@@ -18,6 +18,9 @@ Grouped-query attention folds the query heads sharing a kv head into the rows of
 repeated. Attention runs in tiles of consecutive positions (`block_plan`), each by lit-lm's FlashAttention kernel
 (`lit_lm.kernels.attention.flash_attention_lse`) on CUDA tensors or under TRITON_INTERPRET=1, else by the PyTorch
 reference here (fp32 scores): `block_forward`/`block_backward` are that seam.
+QK-clip's per-head maximum logit is measured where the keys are: while the core measures (`LogitMaxRecord`), each
+tile's maximum (`lit_lm.kernels.logit_max.tile_logit_max`) is taken beside its forward, on the K/V in hand, so a
+rank's maximum covers its queries against the whole sequence; the maximum over the cp ranks is its reader's.
 
 Plain torch.distributed through `lit_lm.strategies.comm`; no Lightning.
 """
@@ -25,7 +28,7 @@ Plain torch.distributed through `lit_lm.strategies.comm`; no Lightning.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -33,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lit_lm.kernels.attention import flash_attention_lse, flash_attention_lse_backward
+from lit_lm.kernels.logit_max import LogitMaxRecord, tile_logit_max
 from lit_lm.kernels.runtime import check_backend, use_triton
 from lit_lm.strategies import comm
 from lit_lm.strategies.errors import ConfigError
@@ -213,12 +217,14 @@ def merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -
 @dataclass(frozen=True)
 class Call:
     """What every step of one attention call needs: the cp group, the whole sequence's length, the window (the
-    sequence length when there is none) and the kernel backend (`lit_lm.kernels.runtime.BACKENDS`)."""
+    sequence length when there is none), the kernel backend (`lit_lm.kernels.runtime.BACKENDS`) and, while QK-clip
+    measures, the (Hkv, G) running maximum logit the forward's tiles raise."""
 
     group: Optional[dist.ProcessGroup]
     seq_len: int
     window: int
     backend: str = "auto"
+    logit_max: Optional[Tensor] = field(default=None, compare=False)
 
     @property
     def rank(self) -> int:
@@ -235,6 +241,9 @@ def attend(q: Tensor, kv: Tensor, q_pos: Runs, k_pos: Runs, call: Call, out: Ten
         block_out, block_lse = block_forward(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], offset,
                                              call.window, call.backend)
         merge_into(out[..., rows, :], lse[..., rows], block_out, block_lse)
+        if call.logit_max is not None:
+            tile = tile_logit_max(q[..., rows, :], kv[0][..., keys, :], offset, call.window)
+            torch.maximum(call.logit_max, tile, out=call.logit_max)
 
 
 def attend_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor, q_pos: Runs, k_pos: Runs,
@@ -365,10 +374,12 @@ class ContextAttentionFunction(torch.autograd.Function):
 
 
 def context_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup] = None,
-                      method: str = "ring", window: Optional[int] = None, backend: str = "auto") -> Tensor:
+                      method: str = "ring", window: Optional[int] = None, backend: str = "auto",
+                      logit_max: Optional[Tensor] = None) -> Tensor:
     """q (B, Hq, L, D), k/v (B, Hkv, L, D): this rank's zigzag share (L = 2c tokens) -> its share of the output of
     causal attention over the whole sequence of L·cp tokens; `window` as `CausalAttention.sliding_window`;
-    `backend` picks the tile kernel as in `kernels.apply`."""
+    `backend` picks the tile kernel as in `kernels.apply`; `logit_max` (Hkv, Hq/Hkv), if given, is raised to the
+    maximum logit of this rank's queries over the whole sequence's keys."""
     if method not in METHODS:
         raise ValueError(f"unknown cp_method {method!r}: choose one of {', '.join(METHODS)}")
     if q.shape[1] % k.shape[1]:
@@ -377,11 +388,12 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.Proc
     seq_len = q.shape[2] * cp
     check_seq_len(seq_len, cp)
     return ContextAttentionFunction.apply(q, k, v, method, Call(group, seq_len, window or seq_len,
-                                                                check_backend(backend)))
+                                                                check_backend(backend), logit_max))
 
 
-class ContextParallelAttention(nn.Module):
-    """Drop-in for a causal attention core `forward(q, k, v)` (no parameters), attending over the cp group."""
+class ContextParallelAttention(LogitMaxRecord, nn.Module):
+    """Drop-in for a causal attention core `forward(q, k, v)` (no parameters), attending over the cp group; measures
+    QK-clip's maximum as the other cores do (`LogitMaxRecord`), its queries on every rank's keys."""
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, method: str = "ring",
                  sliding_window: Optional[int] = None, backend: str = "auto") -> None:
@@ -392,7 +404,12 @@ class ContextParallelAttention(nn.Module):
         self.backend = check_backend(backend)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return context_attention(q, k, v, self.group, self.method, self.sliding_window, self.backend)
+        if not self.measuring:
+            return context_attention(q, k, v, self.group, self.method, self.sliding_window, self.backend)
+        heads = torch.full((k.shape[1], q.shape[1] // k.shape[1]), float("-inf"), device=q.device)
+        out = context_attention(q, k, v, self.group, self.method, self.sliding_window, self.backend, heads)
+        self.record_logit_max(heads.flatten())
+        return out
 
 
 def parallelize_context(root: nn.Module, group: Optional[dist.ProcessGroup] = None, method: str = "ring",

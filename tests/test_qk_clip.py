@@ -1,0 +1,207 @@
+"""QK-clip (`lit_lm.callbacks.qk_clip.QKClip`, Kimi K2's MuonClip): the per-head maximum logit the attention cores
+measure against a brute-force recomputation from the model's weights and inputs; the rescaling of the heads over
+the threshold by the formula (MHA with q/k biases: eta^alpha and eta^(1-alpha); GQA: the query takes eta, the shared
+key is untouched), the others untouched; parity with one process under dp2, zero2, zero3, tp2 and cp2 (ring and
+all-gather) at a threshold that clips about half the heads at every step (asserted); and the mutants that take the
+maximum over the local rank only (under dp, under cp) or measure only the keys a cp rank holds, reported by the
+harness.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_utils import REFERENCE_TILES
+from lit_lm.callbacks import qk_clip
+from lit_lm.callbacks.qk_clip import QKClip
+from lit_lm.config import ConfigError
+from lit_lm.kernels import logit_max as lm
+from lit_lm.model import Attention
+from lit_lm.parity import TINY, Case, assert_parity, fit_case, run_parity
+from lit_lm.strategies import cp
+from lit_lm.strategies.composed import ComposedStrategy
+from lit_lm.strategies.ddp import DataParallelStrategy
+from lit_lm.strategies.tp import TensorParallelStrategy
+from lit_lm.strategies.zero import ZeroStrategy
+
+MHA_BIAS = dict(TINY, n_kv_heads=4, qkv_bias=True)  # a kv head per query head, Qwen2's q/k/v biases
+WINDOWED = dict(TINY, sliding_window=5)
+# at initialisation the tiny models' per-head maxima are 0.03-0.07: this clips some of the heads at every step
+TAU = 0.05
+
+
+def brute_force_max(q: torch.Tensor, k: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """(Hq,) max of q k^T / sqrt(D) over the batch and the causal (windowed) pairs, on the whole score matrix."""
+    b, hq, t, d = q.shape
+    k = k.repeat_interleave(hq // k.shape[1], dim=1)
+    s = torch.einsum("bhid,bhjd->bhij", q.double(), k.double()) / math.sqrt(d)
+    distance = torch.arange(t)[:, None] - torch.arange(t)[None, :]
+    allowed = (distance >= 0) & (distance < (window or t))
+    return s.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3)).float()
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("tile_elements", [1 << 22, 2 * 4 * 13])  # one tile; one query row per tile
+def test_logit_max_is_the_maximum_of_the_masked_scores(window: int | None, tile_elements: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lm, "TILE_ELEMENTS", tile_elements)
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 13, 8, generator=gen), torch.randn(2, 2, 13, 8, generator=gen)
+    k[:, :, 9:] += 30.0  # late keys large: a mask that let a query see a later key would be seen
+    torch.testing.assert_close(lm.logit_max(q, k, window), brute_force_max(q, k, window), rtol=1e-6, atol=1e-6)
+
+
+class BeforeStep(L.Callback):
+    """Before the (only) step: the per-head maxima recomputed from the model's weights and the batch's inputs, on
+    the whole score matrix, and the q/k weights and biases the step starts from."""
+
+    def __init__(self) -> None:
+        self.maxima: list[torch.Tensor] = []
+        self.weights: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: torch.Tensor,
+                             *args: Any) -> None:
+        if trainer.global_step:
+            return
+        attns = [m for m in module.modules() if isinstance(m, Attention)]
+        inputs: list[torch.Tensor] = []
+        hooks = [a.register_forward_pre_hook(lambda _, args: inputs.append(args[0])) for a in attns]
+        module.model(batch[:, :-1])
+        for h in hooks:
+            h.remove()
+        for attn, x in zip(attns, inputs):
+            b, t, _ = x.shape
+            q = F.linear(x, attn.wq.weight, attn.wq.bias).view(b, t, -1, attn.head_dim)
+            k = F.linear(x, attn.wk.weight, attn.wk.bias).view(b, t, -1, attn.head_dim)
+            q, k = attn.rope(q, k)
+            self.maxima.append(brute_force_max(q.transpose(1, 2), k.transpose(1, 2), attn.sliding_window))
+        self.weights = {n: p.detach().clone() for n, p in module.named_parameters() if ".wq." in n or ".wk." in n}
+
+
+@pytest.mark.parametrize("model", [TINY, MHA_BIAS, WINDOWED], ids=["gqa", "mha_bias", "window"])
+def test_one_step_measures_and_clips_by_the_formula(model: dict) -> None:
+    """SGD at lr 1e-12 (the update is far below the tolerance), so the weights after the step are the clip's."""
+    alpha = 0.3
+    result = fit_case(Case(model=model, steps=1, lr=1e-12, callbacks=(BeforeStep(), QKClip(TAU, alpha))))
+    before, clip = result["callbacks"]
+    s = torch.stack(before.maxima)  # (layers, Hq)
+    assert ((s > TAU).any() and (s <= TAU).any()), f"the threshold should clip some heads, not all: {s}"
+    torch.testing.assert_close(clip.qk_max, s.max(), rtol=1e-5, atol=0)
+    assert int(clip.clipped) == int((s > TAU).sum())
+    eta = torch.where(s > TAU, TAU / s, torch.ones_like(s))
+    group = model["n_heads"] // model["n_kv_heads"]
+    d = model["d_model"] // model["n_heads"]
+    for layer, layer_eta in enumerate(eta):
+        q_scale = layer_eta if group > 1 else layer_eta ** alpha
+        k_scale = torch.ones(model["n_kv_heads"]) if group > 1 else layer_eta ** (1 - alpha)
+        for proj, scale in (("wq", q_scale), ("wk", k_scale)):
+            for kind in ("weight", "bias") if model.get("qkv_bias") else ("weight",):
+                name = f"model.blocks.{layer}.attn.{proj}.{kind}"
+                w0 = before.weights[name]
+                expected = w0 * scale.repeat_interleave(d).view(-1, *[1] * (w0.ndim - 1))
+                if kind == "bias":  # zero at initialisation: the step's update (~1e-12) is all there is
+                    torch.testing.assert_close(result["params"][name], expected, rtol=0, atol=1e-9)
+                else:
+                    torch.testing.assert_close(result["params"][name], expected, rtol=1e-5, atol=1e-9, msg=name)
+
+
+def test_qk_norm_and_bad_settings_are_refused() -> None:
+    with pytest.raises(ConfigError, match="threshold must be positive"):
+        QKClip(threshold=0.0)
+    with pytest.raises(ConfigError, match=r"alpha must be in \[0, 1\]"):
+        QKClip(alpha=1.5)
+    with pytest.raises(ConfigError, match="QK-norm"):
+        fit_case(Case(model=dict(TINY, qk_norm=True), steps=1, callbacks=(QKClip(TAU),)))
+
+
+# -- parity with one process ------------------------------------------------------------------------------------
+def _case(strategy: Any, label: str, model: dict = TINY, **kwargs: Any) -> Case:
+    return Case(strategy, model=model, steps=3, callbacks=(QKClip(TAU),), label=label, **kwargs)
+
+
+CP2 = partial(ComposedStrategy, context_parallel_size=2)
+CASES = [
+    _case(DataParallelStrategy, "lm_ddp dp2"),
+    _case(partial(ZeroStrategy, stage=2), "zero2 (MHA, q/k biases)", model=MHA_BIAS, optimizer="adamw"),
+    _case(partial(ZeroStrategy, stage=3), "zero3", optimizer="adamw"),
+    _case(TensorParallelStrategy, "tp2 (MHA, q/k biases)", model=MHA_BIAS),
+    _case(TensorParallelStrategy, "tp2 (GQA)"),
+    _case(CP2, "cp2 ring"),
+    _case(partial(CP2, cp_method="allgather"), "cp2 allgather, window 5", model=WINDOWED),
+]
+
+
+def _clipped(run: dict) -> list[float]:
+    return [float(rank["callbacks"][0].clipped) for rank in run["ranks"]] + [float(run["single"]["callbacks"][0]
+                                                                                .clipped)]
+
+
+def test_parity_with_one_process() -> None:
+    for run in run_parity(CASES, world_size=2, env=REFERENCE_TILES):
+        assert_parity(run)
+        clipped = _clipped(run)
+        assert min(clipped) > 0 and len(set(clipped)) == 1, f"{run['case'].label}: heads clipped {clipped}"
+
+
+# -- mutants: the harness reports them ------------------------------------------------------------------------
+def local_max_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The maximum over this rank's tokens only: no all-reduce over dp x cp."""
+    monkeypatch.setattr(qk_clip, "max_groups", lambda trainer: [])
+
+
+def own_keys_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cp ring measures only the first of its steps: this rank's queries on the keys it holds."""
+    forward = cp.ring_forward
+
+    def ring_forward(q: torch.Tensor, kv: torch.Tensor, call: cp.Call) -> Any:
+        heads, result = call.logit_max, None
+        if heads is None:
+            return forward(q, kv, call)
+        own = torch.full_like(heads, float("-inf"))
+        result = forward(q, kv, cp.Call(call.group, call.seq_len, call.window, call.backend))
+        cp.attend(q, kv, cp.zigzag_runs(call.seq_len, call.rank, call.cp), cp.zigzag_runs(call.seq_len, call.rank,
+                  call.cp), cp.Call(call.group, call.seq_len, call.window, call.backend, own),
+                  torch.zeros(q.shape), torch.full(q.shape[:-1], float("-inf")))
+        heads.copy_(own)
+        return result
+
+    monkeypatch.setitem(cp._FORWARD, "ring", ring_forward)
+
+
+# the clip follows step 0's update: a wrong maximum shows from the next step on (or, clipped at the last step only,
+# in the final q/k weights), never at step 0
+AFTER_STEP_0 = r"(step [12]|batch [1-9]) rank \d: |rank \d: final model\.blocks\.\d\.attn\.w[qk]\."
+MUTANTS = [
+    (_case(DataParallelStrategy, "lm_ddp dp2, max over the local rank", mutation=local_max_only),
+     AFTER_STEP_0),
+    (_case(partial(ZeroStrategy, stage=2), "zero2, max over the local rank", mutation=local_max_only),
+     AFTER_STEP_0),
+    (_case(CP2, "cp2 ring, max over the local rank", mutation=local_max_only),
+     AFTER_STEP_0),
+    (_case(CP2, "cp2 ring, own keys only", mutation=own_keys_only),
+     AFTER_STEP_0),
+]
+
+
+def test_harness_reports_the_local_maximum_mutants() -> None:
+    import re
+
+    missed = []
+    for run, (_, report) in zip(run_parity([case for case, _ in MUTANTS], world_size=2, env=REFERENCE_TILES),
+                                MUTANTS):
+        try:
+            assert_parity(run)
+        except AssertionError as error:
+            if not re.search(report, str(error)):
+                missed.append(f"{run['case'].label}: reported as {error}, expected /{report}/")
+            continue
+        missed.append(f"{run['case'].label}: not reported")
+    assert not missed, "\n".join(missed)
