@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import math
+import functools
+import importlib
 from dataclasses import asdict, replace
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import lightning as L
 import torch
 from torch import Tensor
+from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 
@@ -19,6 +21,7 @@ from lit_lm.log_steps import logs_this_batch
 from lit_lm.model import Transformer
 from lit_lm.moe import moe_layers, moe_metrics, update_router_bias
 from lit_lm.param_groups import param_groups
+from lit_lm.schedules import Schedule
 from lit_lm.planner.estimate import flops_per_token
 from lit_lm.strategies.base import BaseStrategy
 from lit_lm.strategies.checkpoint import OPTIMIZER_FQNS
@@ -28,27 +31,45 @@ from lit_lm.strategies.fp8 import check_fp8
 from lit_lm.strategies.plan import step_loss_fn
 
 SCHEDULE_HORIZON = "lit_lm_schedule_horizon"  # the checkpoint's key for the LR schedule's horizon (steps)
+DECAY_START = "lit_lm_schedule_decay_start"  # and for WSD's decay start, when the run chose it (decay_start: resume)
 
 
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """LR multiplier: linear warmup to 1 over `warmup_steps`, then cosine decay to `min_lr_ratio` at `total_steps`."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min((step - warmup_steps) / max(total_steps - warmup_steps, 1), 1.0)
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+def optimizer_target(optimizer: Callable[..., Any]) -> tuple[Optional[type], dict[str, Any]]:
+    """The class an optimizer callable builds, and its keyword arguments. jsonargparse (`OptimizerCallable`) gives
+    `partial(call_without_instantiate_context, default_class_instantiator, cls, **init_args)`; Python code may
+    pass the class, a `functools.partial` of it, or any function (class unknown: None)."""
+    if isinstance(optimizer, type):
+        return optimizer, {}
+    if isinstance(optimizer, functools.partial):
+        target, kwargs = optimizer_target(optimizer.func)
+        target = target or next((a for a in optimizer.args if isinstance(a, type)), None)
+        return target, {**kwargs, **optimizer.keywords}
+    return None, {}
+
+
+def optimizer_from(spec: dict[str, Any]) -> Callable[..., Any]:
+    """The callable saved as {class_path, init_args} in the hyper-parameters (plain types), rebuilt."""
+    module, _, name = str(spec.get("class_path")).rpartition(".")
+    try:
+        target = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        raise ConfigError(f"model.init_args.optimizer: no class {spec.get('class_path')!r}; name an optimizer "
+                          "class, e.g. torch.optim.SGD") from None
+    return functools.partial(target, **spec.get("init_args", {}))
 
 
 class LanguageModel(L.LightningModule):
-    """Next-token prediction with AdamW (decoupled weight decay, none on norms and embeddings) and warmup+cosine.
+    """Next-token prediction with AdamW (decoupled weight decay, none on norms and embeddings) and warmup+cosine,
+    or the optimizer and schedule the config names (docs/optim.md).
 
     The Transformer is built in `configure_model`, not `__init__`, so a sharding strategy can build it under its
     own context (meta device, shard-local allocation) once the process groups exist.
 
     Args:
         config: the model's shape (`model.init_args.config.*`; `vocab_size` is linked to the data's).
-        lr, betas, eps, weight_decay: AdamW.
-        warmup_steps, min_lr_ratio: the schedule; it ends at `schedule_steps`.
-        schedule_steps: the cosine's horizon. None: the trainer's `max_steps` (or the epochs' steps) when the run
+        lr, betas, eps, weight_decay: the default optimizer's, AdamW's (weight_decay on the decayed groups only).
+        warmup_steps, min_lr_ratio: every schedule's warmup and floor; it ends at `schedule_steps`.
+        schedule_steps: the schedule's horizon. None: the trainer's `max_steps` (or the epochs' steps) when the run
             first starts; a resume keeps the horizon its checkpoint was trained with, so `--ckpt_path last
             --trainer.max_steps 800` after a 400-step run goes on at the floor LR instead of jumping back up the
             cosine. Set it to change the horizon on purpose (the change is logged with the LR before and after).
@@ -61,13 +82,19 @@ class LanguageModel(L.LightningModule):
             aot_eager), applied after the strategy's engines (`lit_lm/strategies/compile.py`, docs/compile.md).
         fp8: tensorwise or rowwise: the blocks' linears compute in FP8 with dynamic scales, fp32 master weights
             (`lit_lm/strategies/fp8.py`, docs/compile.md).
+        optimizer: an optimizer class with its init_args (`--model.init_args.optimizer torch.optim.SGD
+            --model.init_args.optimizer.momentum 0.9`); its own arguments rule (lr, weight_decay, ...: the four
+            above are AdamW's only), on the same groups (no decay on norms, biases, embeddings). A class with
+            `matrix_wise = True` (lit_lm.optim.Muon) gets the hidden matrices as a group of their own. None: AdamW.
+        schedule: the LR's shape (`lit_lm.schedules.Schedule`: cosine, wsd, linear, constant; WSD's decay).
     """
 
     def __init__(self, config: ModelConfig = ModelConfig.signature_default(), lr: float = 3e-3,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
                  warmup_steps: int = 100, min_lr_ratio: float = 0.1,
                  kernels: Optional[list[str]] = None, schedule_steps: Optional[int] = None,
-                 init_from: Optional[str] = None, compile: Union[bool, str] = False, fp8: Optional[str] = None) -> None:
+                 init_from: Optional[str] = None, compile: Union[bool, str] = False, fp8: Optional[str] = None,
+                 optimizer: Optional[OptimizerCallable] = None, schedule: Schedule = Schedule()) -> None:
         super().__init__()
         if isinstance(config, dict):  # from a checkpoint's hyper-parameters (stored as plain types)
             config = ModelConfig(**config)
@@ -83,6 +110,8 @@ class LanguageModel(L.LightningModule):
             raise ConfigError(f"model.init_args: need lr > 0, warmup_steps >= 0 and 0 <= min_lr_ratio <= 1; got "
                               f"lr={lr}, warmup_steps={warmup_steps}, min_lr_ratio={min_lr_ratio}")
         self.config = config
+        self.optimizer_fn = optimizer_from(optimizer) if isinstance(optimizer, dict) else optimizer  # dict: saved
+        self.schedule = Schedule(**schedule) if isinstance(schedule, dict) else schedule
         self.kernels = list(kernels or [])
         self.compile_blocks, self.fp8 = compile_backend(compile), check_fp8(fp8)  # the strategy reads them
         # Plain types only, so `torch.load(weights_only=True)` (LightningCLI's ckpt parsing) can read them.
@@ -90,10 +119,15 @@ class LanguageModel(L.LightningModule):
                                    "weight_decay": weight_decay, "warmup_steps": warmup_steps,
                                    "min_lr_ratio": min_lr_ratio, "kernels": self.kernels,
                                    "schedule_steps": schedule_steps, "compile": self.compile_blocks,
-                                   "fp8": self.fp8})  # not init_from: `config` is its shape
+                                   "fp8": self.fp8, "optimizer": self._optimizer_hparams(),
+                                   "schedule": asdict(self.schedule)})  # not init_from: `config` is its shape
         self.model: Optional[Transformer] = None
         self._horizon: Optional[int] = None  # the LR schedule's, once known (the run's state: kept by checkpoints)
         self._saved_horizon: Optional[int] = None  # the checkpoint's, when resuming
+        self._decay_start: Optional[int] = None  # WSD's, once resolved (None: unresolved, or no decay start yet)
+        self._decay_resolved = False
+        self._saved_decay_start: Optional[int] = None  # the checkpoint's (a run that chose it), when resuming
+        self._resumed_step: Optional[int] = None  # the step a fit resumes from
         self.val_loss = MeanMetric()
         self._moe_sum: Optional[Tensor] = None  # MoE statistics summed over the interval's batches, on the device
         self._moe_batches = 0
@@ -171,6 +205,8 @@ class LanguageModel(L.LightningModule):
             checkpoint[OPTIMIZER_FQNS] = groups
         if self._horizon is not None:
             checkpoint[SCHEDULE_HORIZON] = self._horizon
+        if self._decay_start is not None and self._saved_start_kept():
+            checkpoint[DECAY_START] = self._decay_start
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Before the strict load: a sharded checkpoint names a tied head once, by the embedding's name. (lit-lm's
@@ -178,10 +214,11 @@ class LanguageModel(L.LightningModule):
         if "state_dict" in checkpoint:
             with_tied_head(checkpoint["state_dict"], self.config.tie_embeddings, prefix="model.")
         self._saved_horizon = checkpoint.get(SCHEDULE_HORIZON)
-        self._horizon = None  # resolved again at the next scheduler step, against the checkpoint's
+        self._saved_decay_start, self._resumed_step = checkpoint.get(DECAY_START), checkpoint.get("global_step")
+        self._horizon, self._decay_resolved = None, False  # resolved again at the next scheduler step
 
     def schedule_horizon(self) -> int:
-        """The step at which the cosine reaches its floor: `schedule_steps` if set, else the horizon the run
+        """The step at which the schedule reaches its floor: `schedule_steps` if set, else the horizon the run
         started with (a checkpoint's), else the trainer's total steps. Resolved once, at the first scheduler step
         (after a resume's checkpoint is loaded), and said when a resume keeps or changes it."""
         if self._horizon is None:
@@ -190,7 +227,8 @@ class LanguageModel(L.LightningModule):
             self._horizon = wanted or saved or total
             if saved is not None and self._horizon != saved:
                 step = self.trainer.global_step
-                before, after = (warmup_cosine(step, self.hparams.warmup_steps, h, self.hparams.min_lr_ratio)
+                before, after = (self.schedule.multiplier(step, self.hparams.warmup_steps, h,
+                                                          self.hparams.min_lr_ratio, self._decay_start)
                                  for h in (saved, self._horizon))
                 rank_zero_info(f"[lit-lm] LR schedule: horizon {saved} -> {self._horizon} steps (schedule_steps) at "
                                f"step {step}: the LR multiplier moves from {before:.3g} to {after:.3g}")
@@ -200,8 +238,46 @@ class LanguageModel(L.LightningModule):
                                "model.init_args.schedule_steps to change it")
         return self._horizon
 
+    def _saved_start_kept(self) -> bool:
+        """WSD's decay start is run state (saved, resumed) when the run chose it: `decay_start: resume`, or a
+        checkpoint's; a stated step is config and the default (horizon - L) follows the horizon."""
+        return self.schedule.name == "wsd" and not isinstance(self.schedule.decay_start, int)
+
+    def decay_start(self) -> Optional[int]:
+        """WSD's decay start D: `decay_start` if a step, else the checkpoint's (a branch resumed mid-decay goes on
+        with its decay), else with `decay_start: resume` the step this fit resumed from (said, with the LR
+        multiplier before and after), else None: the horizon minus the decay's length."""
+        if self._decay_resolved:
+            return self._decay_start
+        wanted, saved, resumed = self.schedule.decay_start, self._saved_decay_start, self._resumed_step
+        start = None
+        if isinstance(wanted, int):
+            start = wanted
+        elif saved is not None and self._saved_start_kept():
+            start = saved
+            rank_zero_info(f"[lit-lm] LR schedule: continues the checkpoint's WSD decay from step {saved}")
+        elif wanted == "resume" and resumed is not None:
+            start, hp, horizon = resumed, self.hparams, self.schedule_horizon()
+            before, after = (self.schedule.multiplier(resumed + 1, hp.warmup_steps, horizon, hp.min_lr_ratio, d)
+                             for d in (None, start))
+            length = self.schedule.decay_length(horizon)
+            rank_zero_info(f"[lit-lm] LR schedule: WSD decays from step {start} (decay_start: resume) over {length} "
+                           f"steps, to step {start + length}: the LR multiplier at step {start + 1} moves from "
+                           f"{before:.3g} to {after:.3g}")
+        self._decay_start, self._decay_resolved = start, True
+        return start
+
+    def lr_multiplier(self, step: int) -> float:
+        """The schedule's m(step) (lit_lm/schedules.py) for the run's horizon and decay start."""
+        hp = self.hparams
+        return self.schedule.multiplier(step, hp.warmup_steps, self.schedule_horizon(), hp.min_lr_ratio,
+                                        self.decay_start() if self.schedule.name == "wsd" else None)
+
     def on_fit_start(self) -> None:
         self._moe_sum, self._moe_batches = None, 0
+        if self.schedule.decay_start == "resume" and self.trainer.ckpt_path is None:
+            raise ConfigError("model.init_args.schedule.decay_start: resume starts the decay at the step fit "
+                              "resumes from; pass --ckpt_path <a stable-phase checkpoint>, or a step")
         cfg, seq_len = self.config, self.config.max_seq_len
         flops = flops_per_token(cfg.num_params(include_embedding=False), cfg.n_layers, cfg.d_model, seq_len)
         rank_zero_info(f"[lit-lm] model: {cfg.num_params() / 1e6:.2f}M parameters, {cfg.n_layers} layers x d_model "
@@ -325,14 +401,35 @@ class LanguageModel(L.LightningModule):
         if gradient_clip_val:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
+    def _optimizer_hparams(self) -> Optional[dict[str, Any]]:
+        """The optimizer as plain types for the checkpoint: {class_path, init_args}, or None for the default."""
+        if self.optimizer_fn is None:
+            return None
+        target, kwargs = optimizer_target(self.optimizer_fn)
+        named = target if target is not None else self.optimizer_fn
+        return {"class_path": f"{named.__module__}.{named.__qualname__}", "init_args": kwargs}
+
     def configure_optimizers(self) -> dict[str, Any]:
-        hp = self.hparams
-        groups = param_groups(self.model, hp.weight_decay, self.model.config.tie_embeddings)
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps)
-        self._horizon = None
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, self.schedule_horizon(), hp.min_lr_ratio))
+        """The optimizer on `param_groups` (a matrix-wise one, whose class says `matrix_wise = True`, gets the hidden
+        matrices as a group of their own) and a LambdaLR of the schedule's multiplier, stepped every optimizer step."""
+        hp, tied = self.hparams, self.model.config.tie_embeddings
+        if self.optimizer_fn is None:  # today's AdamW, today's groups
+            optimizer = torch.optim.AdamW(param_groups(self.model, hp.weight_decay, tied), lr=hp.lr,
+                                          betas=tuple(hp.betas), eps=hp.eps)
+        else:
+            matrix_wise = getattr(optimizer_target(self.optimizer_fn)[0], "matrix_wise", False) is True
+            groups = [{k: v for k, v in g.items() if v is not None}  # decayed: the optimizer's own weight_decay
+                      for g in param_groups(self.model, None, tied, matrix_wise)]
+            try:
+                optimizer = self.optimizer_fn(groups)
+            except (TypeError, ValueError) as e:
+                name = hp.optimizer["class_path"] if hp.optimizer else self.optimizer_fn
+                raise ConfigError(f"{name} cannot train lit-lm's parameter groups (model.init_args.optimizer): "
+                                  f"{e}; use an elementwise torch.optim optimizer (AdamW, SGD, ...) or "
+                                  "lit_lm.optim.Muon") from e
+        self._horizon, self._decay_resolved = None, False
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self.lr_multiplier(step))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-__all__ = ["LanguageModel", "warmup_cosine"]
+__all__ = ["LanguageModel", "optimizer_from", "optimizer_target"]

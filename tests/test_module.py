@@ -8,7 +8,8 @@ import torch
 
 from lit_lm.callbacks.throughput import Throughput
 from lit_lm.config import ConfigError, ModelConfig
-from lit_lm.module import LanguageModel, warmup_cosine
+from lit_lm.module import LanguageModel
+from lit_lm.schedules import warmup_cosine
 from lit_lm.moe import moe_metrics
 
 CFG = ModelConfig(vocab_size=61, d_model=32, n_layers=1, n_heads=4, max_seq_len=16)
