@@ -95,12 +95,19 @@ class RotaryEmbedding(nn.Module):
     def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         xf = x.float()
         x1, x2 = xf.chunk(2, dim=-1)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads: (T, 1, D/2)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads: (T, 1, D/2) or (B, T, 1, D/2)
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
     def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-        """`positions` (T,): the sequence positions of the T tokens; None means 0..T-1."""
-        cos, sin = self.cos_sin(q.shape[1], q.device) if positions is None else self.cos_sin_at(positions, q.device)
+        """`positions` (T,): the sequence positions of the T tokens; None means 0..T-1. (B, T): each row's own
+        positions, below T (documents restarting at 0, `lit_lm.data.packing`): rows of the 0..T-1 tables, looked
+        up on the device, so a position gets the same angle as in a row of its own."""
+        if positions is not None and positions.ndim == 2:
+            cos, sin = self.cos_sin(q.shape[1], q.device)
+            cos, sin = cos[positions], sin[positions]
+        else:
+            cos, sin = self.cos_sin(q.shape[1], q.device) if positions is None else \
+                self.cos_sin_at(positions, q.device)
         return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
 
@@ -110,8 +117,28 @@ class WeightSource(Protocol):
     def read(self, name: str, tensor: Tensor, index: tuple[slice, ...] = ()) -> None: ...
 
 
+def document_mask(documents: Tensor, window: Optional[int] = None) -> Tensor:
+    """(B, 1, T, T) bool for SDPA: query t sees key s iff they are in one document (`documents` (B, T), see
+    `lit_lm.data.packing`), s <= t and t - s < window. Made once per `documents` tensor, so every layer of a forward
+    (and a checkpointed block's recompute) shares one mask instead of holding one each for backward."""
+    last = _MASK.get("last")
+    if last is not None and last[0] is documents and last[1] == window and not torch.compiler.is_compiling():
+        return last[2]
+    t = torch.arange(documents.shape[1], device=documents.device)
+    distance = t[:, None] - t[None, :]
+    allowed = (distance >= 0) & (distance < (window or documents.shape[1]))
+    mask = (allowed & (documents[:, :, None] == documents[:, None, :]))[:, None]
+    if not torch.compiler.is_compiling():
+        _MASK["last"] = (documents, window, mask)
+    return mask
+
+
+_MASK: dict[str, tuple[Tensor, Optional[int], Tensor]] = {}  # document_mask's last (documents, window, mask)
+
+
 class CausalAttention(LogitMaxRecord, nn.Module):
-    """softmax(q k^T / sqrt(D) + causal[/sliding-window] mask) v for q (B, Hq, T, D) and k, v (B, Hkv, T, D).
+    """softmax(q k^T / sqrt(D) + causal[/sliding-window] mask) v for q (B, Hq, T, D) and k, v (B, Hkv, T, D);
+    with `documents` (B, T), within each document too (a block-diagonal causal mask: `document_mask`).
 
     Grouped-query attention is handled by SDPA's `enable_gqa`: kv heads are shared, never repeated in memory.
     While QK-clip measures (`LogitMaxRecord`), the per-head maximum logit is recomputed from the same q, k.
@@ -121,10 +148,13 @@ class CausalAttention(LogitMaxRecord, nn.Module):
         super().__init__()
         self.sliding_window = sliding_window
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, documents: Optional[Tensor] = None) -> Tensor:
         if self.measuring:
             self.record_logit_max(logit_max(q, k, self.sliding_window))
         gqa = q.shape[1] != k.shape[1]
+        if documents is not None:
+            mask = document_mask(documents, self.sliding_window)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         if self.sliding_window is None or self.sliding_window >= q.shape[2]:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         t = torch.arange(q.shape[2], device=q.device)
@@ -180,7 +210,8 @@ class Attention(nn.Module):
         self.core = CausalAttention(cfg.sliding_window)
         self.sliding_window = cfg.sliding_window
 
-    def forward(self, x: Tensor, positions: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None, cache: Optional[KVCache] = None,
+                documents: Optional[Tensor] = None) -> Tensor:
         b, t, _ = x.shape
         # Head counts come from the weights, so a tensor-parallel shard runs the same code on its heads.
         q, k = self.wq(x), self.wk(x)
@@ -192,7 +223,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cache is None:
             q, k = self.rope(q, k, positions)
-            y = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            qkv = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            y = self.core(*qkv) if documents is None else self.core(*qkv, documents)
         else:  # decoding: positions continue after the cached ones
             q, k = self.rope(q, k, torch.arange(cache.length, cache.length + t))
             k, v = cache.append(k.transpose(1, 2), v.transpose(1, 2))
@@ -228,8 +260,9 @@ class Block(nn.Module):
         else:
             self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
 
-    def forward(self, x: Tensor, positions: Optional[Tensor] = None, cache: Optional[KVCache] = None) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, cache)
+    def forward(self, x: Tensor, positions: Optional[Tensor] = None, cache: Optional[KVCache] = None,
+                documents: Optional[Tensor] = None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, cache, documents=documents)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -363,20 +396,23 @@ class Transformer(nn.Module):
         return plan
 
     # -- forward --------------------------------------------------------------------------------------------
-    def forward(self, idx: Tensor, positions: Optional[Tensor] = None, cache: Optional[list[KVCache]] = None
-                ) -> Tensor:
+    def forward(self, idx: Tensor, positions: Optional[Tensor] = None, cache: Optional[list[KVCache]] = None,
+                documents: Optional[Tensor] = None) -> Tensor:
         """idx (B, T) token ids -> logits (B, T, padded_vocab_size). `positions` (T,) are the tokens' places in
-        the sequence (for RoPE): None means 0..T-1; a context-parallel rank passes those of the chunks it holds.
+        the sequence (for RoPE): None means 0..T-1; a context-parallel rank passes those of the chunks it holds;
+        (B, T): per row (documents restarting at 0). `documents` (B, T): each token's document in its row
+        (`lit_lm.data.packing`): attention stays inside it; None: the row is one sequence.
         With `cache` (one `KVCache` per block), idx continues the cached positions and the cache is extended
         (`lit_lm.generate`)."""
         x = self.tok_embeddings(idx)
         for i, block in enumerate(self.blocks.values()):
-            x = block(x, positions, None if cache is None else cache[i])
+            x = block(x, positions, None if cache is None else cache[i], documents=documents)
         return self.lm_head(self.norm(x))
 
-    def loss(self, idx: Tensor, targets: Tensor, positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    def loss(self, idx: Tensor, targets: Tensor, positions: Optional[Tensor] = None,
+             documents: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """(loss to optimise, detached cross-entropy) for next-token prediction; MoE balancing losses included."""
-        loss, ce = self.loss_fn(self(idx, positions), targets)
+        loss, ce = self.loss_fn(self(idx, positions, documents=documents), targets)
         return loss + moe_aux_loss(self), ce
 
     def context_parallel_plan(self) -> dict:
@@ -417,14 +453,16 @@ class Transformer(nn.Module):
         The residual stream keeps the weights' dtype (under bf16 autocast the residual add promotes to fp32)."""
         return torch.Size((batch, seq_len, self.config.d_model)), next(self.parameters()).dtype
 
-    def stage_forward(self, x: Tensor, layers: list[int], targets: Optional[Tensor] = None
+    def stage_forward(self, x: Tensor, layers: list[int], targets: Optional[Tensor] = None,
+                      positions: Optional[Tensor] = None, documents: Optional[Tensor] = None
                       ) -> Union[Tensor, tuple[Tensor, Tensor]]:
         """Run `layers` of a split model: embeds `x` when it holds token ids (integer dtype), and finishes with
-        norm, head and loss -> (loss, ce) when `targets` are given; otherwise returns the hidden state."""
+        norm, head and loss -> (loss, ce) when `targets` are given; otherwise returns the hidden state.
+        `positions`, `documents`: this microbatch's, as `forward` takes them."""
         if not x.is_floating_point():
             x = self.tok_embeddings(x)
         for i in layers:
-            x = self.blocks[str(i)](x)
+            x = self.blocks[str(i)](x, positions, documents=documents)
         aux = sum((moe_aux_loss(self.blocks[str(i)]) for i in layers), 0.0)  # these layers' balancing losses
         if targets is None:
             return (x, aux) if isinstance(aux, Tensor) else x

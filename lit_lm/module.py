@@ -16,6 +16,7 @@ from torchmetrics import MeanMetric
 
 from lit_lm.checkpoints import with_tied_head
 from lit_lm.config import ConfigError, ModelConfig
+from lit_lm.data.packing import Packing
 from lit_lm.generate import generate
 from lit_lm.log_steps import logs_this_batch
 from lit_lm.model import Transformer
@@ -131,6 +132,7 @@ class LanguageModel(L.LightningModule):
         self.val_loss = MeanMetric()
         self._moe_sum: Optional[Tensor] = None  # MoE statistics summed over the interval's batches, on the device
         self._moe_batches = 0
+        self.packing: Optional[Packing] = None  # the rows' documents (data.init_args.document_mask), from setup
 
     def adopt_checkpoint_config(self, saved: dict[str, Any]) -> None:
         """Before the model is built: the config fields this run left to derivation (d_ff, n_kv_heads, moe_d_ff)
@@ -297,11 +299,25 @@ class LanguageModel(L.LightningModule):
                                   "the data's tokenizer is larger than the model's vocabulary; make them equal")
         return batch[:, :-1], batch[:, 1:]
 
+    def setup(self, stage: str) -> None:
+        """The data module's `packing()` (after its setup: the tokenizer's EOS), when it has one."""
+        data = getattr(self._trainer, "datamodule", None)
+        if hasattr(data, "packing"):
+            self.packing = data.packing()
+        if self.packing is not None and {"attention", "rope"} & set(self.kernels):
+            raise ConfigError("data.init_args.document_mask with model.init_args.kernels attention or rope: not yet "
+                              "(the Triton kernels have no varlen / per-row positions; issue 57): drop them")
+
     def step_loss(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         """The step's (loss, ce), through the strategy's loss seam (`lit_lm.strategies.plan.LossSeam`): a pipeline
         runs its schedule, a context split feeds the model its share of the tokens; other strategies call
-        `model.loss`."""
-        return step_loss_fn(getattr(self._trainer, "strategy", None), self.model)(inputs, targets)
+        `model.loss`. With `packing`, the whole rows' `documents` and `positions` (B, T) go with them (a strategy
+        that splits the batch splits them alike)."""
+        loss_fn = step_loss_fn(getattr(self._trainer, "strategy", None), self.model)
+        if self.packing is None:
+            return loss_fn(inputs, targets)
+        documents, positions = self.packing.rows(inputs)
+        return loss_fn(inputs, targets, positions=positions, documents=documents)
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         """The loss, logged every micro-batch as the ranks' mean (`sync_dist`: one scalar all-reduce queued on the

@@ -62,6 +62,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lit_lm.config import ModelConfig
+from lit_lm.data.packing import Packing
 from lit_lm.module import LanguageModel
 from lit_lm.spawn import returnable, run_distributed
 from lit_lm.strategies.base import BaseStrategy, GradPart
@@ -102,6 +103,9 @@ class Case:
     # data. `lit-lm check` draws from its model's whole vocabulary, so every row (a tp rank's vocabulary shard past
     # id 64 included) is looked up and a target
     token_vocab: Optional[int] = None
+    # packed documents (lit_lm.data.packing): (eos id, position_reset); every token drawn as a multiple of 5 becomes
+    # that EOS (documents of ~5 tokens crossing rows, one-token ones), and both sides mask attention at them
+    packing: tuple = ()
 
     def reference(self) -> "Case":
         """The same run on one process; a callback that names its `one_process_reference()` runs that there
@@ -115,7 +119,8 @@ class Case:
         callbacks = [(type(c).__name__, sorted(vars(c).items())) for c in self.callbacks]
         return repr((sorted(self.model.items()), self.optimizer, self.steps, self.global_batch,
                      sorted(self.trainer.items()), self.frozen, self.lr, callbacks,
-                     self.resume.key if self.resume else None, self.init_from, self.module, self.token_vocab))
+                     self.resume.key if self.resume else None, self.init_from, self.module, self.token_vocab,
+                     self.packing))
 
 
 class HarnessModule:
@@ -123,6 +128,11 @@ class HarnessModule:
     the layout exists)."""
 
     case: Case
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.case.packing:
+            self.packing = Packing(*self.case.packing)
 
     def configure_model(self) -> None:
         super().configure_model()
@@ -274,6 +284,8 @@ def case_tokens(case: Case) -> torch.Tensor:
     windows = case.steps * case.trainer.get("accumulate_grad_batches", 1)
     vocab = case.token_vocab or TINY["vocab_size"]
     tokens = token_data(windows * case.global_batch, case.model["max_seq_len"], vocab=vocab)
+    if case.packing:
+        tokens[tokens % 5 == 0] = case.packing[0]
     return tokens % case.model["vocab_size"]
 
 

@@ -27,6 +27,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 from lit_lm.config import ConfigError
 from lit_lm.data.corpus import Corpus, cuttable, log
 from lit_lm.data.mixture import MixtureWindows, ShardWindows
+from lit_lm.data.packing import Packing
 from lit_lm.data.prepare import PreparedSource
 from lit_lm.data.sampler import PositionSampler, ResumableSampler
 from lit_lm.data.stream import StreamBatches, stream_spec
@@ -158,14 +159,21 @@ class TextDataModule(L.LightningDataModule):
         sources: folders written by `lit-lm prepare`, mixed by weight, instead of `files`:
             `[{path: prepared/web, weight: 0.7}, {path: prepared/code, weight: 0.3}]` (`lit_lm.data.mixture`); read as
             they are (never re-tokenized), each with its own held-out split, validated per source.
+        document_mask: attention never crosses a document boundary inside a row (boundaries are the rows' own EOS
+            tokens: `lit_lm.data.packing`, docs/data.md). Default off: documents attend into the previous ones.
+        position_reset: with `document_mask`, RoPE positions restart at 0 at each document.
     """
 
     def __init__(self, files: Optional[list[str]] = None, text_field: str = "text", data_dir: str = "data",
                  vocab_size: int = 4096, seq_len: int = 256, batch_size: int = 16, val_fraction: float = 0.05,
                  corpus_mb: float = 4.0, tokenizer_dir: Optional[str] = None, num_workers: int = 0,
                  tokenizer_workers: int = 2, seed: int = 1234, skip_missing_text: bool = False,
-                 sources: Optional[list[dict[str, Any]]] = None) -> None:
+                 sources: Optional[list[dict[str, Any]]] = None, document_mask: bool = False,
+                 position_reset: bool = False) -> None:
         super().__init__()
+        if position_reset and not document_mask:
+            raise ConfigError("data.init_args.position_reset restarts positions at each document: it needs "
+                              "data.init_args.document_mask true")
         if not 0.0 < val_fraction < 1.0:
             raise ConfigError(f"data.init_args.val_fraction must be in (0, 1), got {val_fraction}")
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("vocab_size", vocab_size)):
@@ -195,6 +203,7 @@ class TextDataModule(L.LightningDataModule):
         self.tokenizer_workers = tokenizer_workers
         self.seed = seed
         self.skip_missing_text = skip_missing_text
+        self.document_mask, self.position_reset = document_mask, position_reset
         self.tokenizer: Optional[Tokenizer] = None
         self.train_set: Optional[TokenWindows] = None
         self.val_set: Optional[Dataset] = None
@@ -293,6 +302,16 @@ class TextDataModule(L.LightningDataModule):
                                   f"fewer than one batch of {self.batch_size} x {dp} data-parallel ranks "
                                   f"(data.init_args.val_fraction); {'raise' if split == 'val' else 'lower'} "
                                   "val_fraction, lower batch_size or seq_len, or add data")
+
+    def packing(self) -> Optional[Packing]:
+        """How the LightningModule reads the rows' documents (after `setup`: the tokenizer's EOS); None without
+        `document_mask`."""
+        if not self.document_mask:
+            return None
+        if self.tokenizer is None or self.tokenizer.eos_id is None:
+            raise ConfigError("data.init_args.document_mask needs the tokenizer's EOS id, known after setup; the "
+                              "tokenizer has none")
+        return Packing(self.tokenizer.eos_id, self.position_reset)
 
     def _check_model_vocabulary(self) -> None:
         model_config = getattr(getattr(self.trainer, "lightning_module", None), "config", None)

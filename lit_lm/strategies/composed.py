@@ -180,7 +180,8 @@ class ComposedStrategy(BaseStrategy):
             context.check_data_seq_len(module, c.cp)
             context.parallelize_context(model, layout.group("cp"), c.cp_method)
             loss = context.context_loss(model, layout.group("cp"))
-            self._seam = StepLoss(model, lambda x, y, **_: loss(x, y), "context parallelism")
+            self._seam = StepLoss(model, lambda x, y, train=None, scale=None, **row: loss(x, y, **row),
+                                  "context parallelism")
         if c.ep > 1:
             split.add_experts(shard_experts(module, layout.group("ep")))
         if c.pp > 1:

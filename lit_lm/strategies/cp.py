@@ -443,7 +443,10 @@ def context_loss(model: nn.Module, group: Optional[dist.ProcessGroup] = None
     returned, and the cross-entropy, are the cp group's mean, so what the step logs is the whole sequences' loss."""
     cp = dist.get_world_size(group)
 
-    def loss_fn(inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    def loss_fn(inputs: Tensor, targets: Tensor, positions: Optional[Tensor] = None,
+                documents: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        if documents is not None or positions is not None:  # the seam: split them like the inputs (zigzag_split)
+            raise ConfigError("document masking under context parallelism: not yet (issue 57)")
         share, share_targets, positions, weight = zigzag_batch(inputs, targets, group)
         loss, ce = model.loss(share, share_targets, positions)
         loss, ce = loss * weight, ce * weight

@@ -93,7 +93,8 @@ class PipelineModel(BlockModel, Protocol):
       `stage_layers`, the embedding unless first, norm/head unless last), keeping the global names.
     - `pipeline_activation(batch, seq_len)`: shape and dtype of the tensor passed between stages, so a stage can
       post its receive before the data exists.
-    - `stage_forward(x, layers, targets)`: token ids or a hidden state through `layers` (in order); with
+    - `stage_forward(x, layers, targets, positions=None, documents=None)`: token ids or a hidden state through
+      `layers` (in order), with the microbatch's `positions` / `documents` (B, T) when the rows pack documents; with
       `targets`, finish the model and return (loss, detached cross-entropy). Without, the hidden state, or
       (hidden state, auxiliary loss) when these layers add a loss of their own (MoE balancing): the runner
       backpropagates it with the stage and adds it to the reported loss.
@@ -153,7 +154,11 @@ class ContextParallelModel(Protocol):
 
 
 # -- the loss seam: a strategy that computes the model's loss its own way -----------------------------------------
-LossFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]  # (inputs, targets) -> (loss, detached ce)
+# (inputs, targets) -> (loss, detached ce). A step whose rows pack documents (lit_lm.data.packing) also passes the
+# whole rows' `documents=` (B, T) document index of each token and `positions=` (B, T) RoPE positions or None, as
+# keywords (only then: a loss function without them keeps working); a strategy that splits the batch (pipeline
+# microbatches, context parallelism's sequence chunks) splits them exactly as it splits the inputs.
+LossFn = Callable[..., tuple[Tensor, Tensor]]
 
 
 @runtime_checkable
@@ -198,7 +203,8 @@ class StepLoss:
             raise RuntimeError(f"{self.what} needs the LightningModule's step to compute its loss with the "
                                "strategy's `loss_fn(model)(inputs, targets)`; the step never called it")
 
-    def __call__(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    def __call__(self, inputs: Tensor, targets: Tensor, **rows: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+        """`rows`: the whole rows' `positions` / `documents` (B, T) when the data packs documents (see `LossFn`)."""
         if self._calls is None:
             raise RuntimeError(f"{self.what}: the strategy's loss function runs inside a training, validation or "
                                "test step only")
@@ -208,7 +214,7 @@ class StepLoss:
                                "function: call it once per step")
         self._inside = True
         try:
-            return self.fn(inputs, targets, **self._kwargs)
+            return self.fn(inputs, targets, **rows, **self._kwargs)
         finally:
             self._inside = False
 

@@ -87,16 +87,20 @@ class PipelineRunner:
         self.stats = StepStats()
         self._waited = 0.0  # seconds the current compute action spent waiting for its message
         self._grad_scale = 1.0
+        self._rows: list[dict[str, Optional[Tensor]]] = []  # each microbatch's positions/documents (packed rows)
 
     def _global(self, pp_rank: int) -> int:
         return pp_rank if self.group is None else dist.get_global_rank(self.group, pp_rank)
 
-    def run(self, inputs: Tensor, targets: Tensor, train: bool, loss_scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    def run(self, inputs: Tensor, targets: Tensor, train: bool, loss_scale: float = 1.0,
+            **rows: Optional[Tensor]) -> tuple[Tensor, Tensor]:
         """One pass of the schedule (forward-only when not `train`) over `inputs`/`targets` split into the
-        schedule's microbatches; returns (mean loss, mean ce), broadcast from the last stage to every rank."""
+        schedule's microbatches; returns (mean loss, mean ce), broadcast from the last stage to every rank.
+        `rows` (`positions`, `documents`: (B, T) or None, packed documents) are split into the same microbatches."""
         sched = self.schedule if train else self.schedule.forward_only()
         m = sched.microbatches
         xs, ys = inputs.chunk(m), targets.chunk(m)
+        self._rows = [{k: None if v is None else v.chunk(m)[i] for k, v in rows.items()} for i in range(m)]
         shape, dtype = self.model.pipeline_activation(xs[0].shape[0], xs[0].shape[1] // self.seq_shards)
         slots: dict[tuple[int, int], _Slot] = {}
         recvs: dict[tuple[str, int, int], tuple[Tensor, Any]] = {}
@@ -183,7 +187,8 @@ class PipelineRunner:
                  recvs: dict, train: bool, totals: Tensor) -> None:
         last = stage == self.schedule.num_stages - 1
         slot.input = xs[a.mb] if stage == 0 else self._wait(recvs, ("F", a.mb, a.chunk)).requires_grad_(train)
-        out = self.model.stage_forward(slot.input, self.chunk_layers[a.chunk], ys[a.mb] if last else None)
+        out = self.model.stage_forward(slot.input, self.chunk_layers[a.chunk], ys[a.mb] if last else None,
+                                       **self._rows[a.mb])
         if last:
             loss, ce = out
             totals += torch.stack([loss.detach().float(), ce.float()])

@@ -69,16 +69,17 @@ class PipelineStep:
         self._stash: list[tuple[Tensor, Optional[Tensor]]] = []
         self._window_open = False
 
-    def _run(self, inputs: Tensor, targets: Tensor, train: bool, scale: float) -> tuple[Tensor, Tensor]:
+    def _run(self, inputs: Tensor, targets: Tensor, train: bool, scale: float, **rows: Optional[Tensor]
+             ) -> tuple[Tensor, Tensor]:
         """The schedule over the step's batch. Lightning scales the returned loss by 1 / accumulate_grad_batches
         (`scale`) before a backward that is a no-op here (the schedule ran it): the runner scales its backwards."""
         if inputs.shape[0] % self.microbatches:
             raise ConfigError(f"microbatches={self.microbatches} must divide the per-replica batch size "
                               f"{inputs.shape[0]}: change microbatches or the batch size")
         if not train:
-            return self.runner.run(inputs, targets, False, loss_scale=scale)
+            return self.runner.run(inputs, targets, False, loss_scale=scale, **rows)
         with self.no_sync():
-            return self.runner.run(inputs, targets, True, loss_scale=scale)
+            return self.runner.run(inputs, targets, True, loss_scale=scale, **rows)
 
     @contextmanager
     def stash(self, module: nn.Module) -> Generator[None, None, None]:
