@@ -1,7 +1,7 @@
 """QK-clip (`lit_lm.callbacks.qk_clip.QKClip`, Kimi K2's MuonClip): the per-head maximum logit the attention cores
 measure against a brute-force recomputation from the model's weights and inputs; the rescaling of the heads over
 the threshold by the formula (MHA with q/k biases: eta^alpha and eta^(1-alpha); GQA: the query takes eta, the shared
-key is untouched), the others untouched; parity with one process under dp2, zero2, zero3, tp2 and cp2 (ring and
+key is untouched), the others untouched; parity with one process under dp2, zero2, zero3, tp2, pp2 and cp2 (ring and
 all-gather) at a threshold that clips about half the heads at every step (asserted); and the mutants that take the
 maximum over the local rank only (under dp, under cp) or measure only the keys a cp rank holds, reported by the
 harness.
@@ -28,6 +28,7 @@ from lit_lm.parity import TINY, Case, assert_parity, fit_case, run_parity
 from lit_lm.strategies import cp
 from lit_lm.strategies.composed import ComposedStrategy
 from lit_lm.strategies.ddp import DataParallelStrategy
+from lit_lm.strategies.pp import PipelineStrategy
 from lit_lm.strategies.tp import TensorParallelStrategy
 from lit_lm.strategies.zero import ZeroStrategy
 
@@ -37,25 +38,37 @@ WINDOWED = dict(TINY, sliding_window=5)
 TAU = 0.05
 
 
-def brute_force_max(q: torch.Tensor, k: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """(Hq,) max of q k^T / sqrt(D) over the batch and the causal (windowed) pairs, on the whole score matrix."""
+def brute_force_max(q: torch.Tensor, k: torch.Tensor, window: int | None = None,
+                    documents: torch.Tensor | None = None) -> torch.Tensor:
+    """(Hq,) max of q k^T / sqrt(D) over the batch and the causal (windowed, same-document) pairs, on the whole
+    score matrix."""
     b, hq, t, d = q.shape
     k = k.repeat_interleave(hq // k.shape[1], dim=1)
     s = torch.einsum("bhid,bhjd->bhij", q.double(), k.double()) / math.sqrt(d)
     distance = torch.arange(t)[:, None] - torch.arange(t)[None, :]
     allowed = (distance >= 0) & (distance < (window or t))
+    if documents is not None:
+        allowed = allowed & (documents[:, :, None] == documents[:, None, :])[:, None]
     return s.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3)).float()
 
 
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("tile_elements", [1 << 22, 2 * 4 * 13])  # one tile; one query row per tile
-def test_logit_max_is_the_maximum_of_the_masked_scores(window: int | None, tile_elements: int,
+@pytest.mark.parametrize("packed", [False, True])
+def test_logit_max_is_the_maximum_of_the_masked_scores(window: int | None, tile_elements: int, packed: bool,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lm, "TILE_ELEMENTS", tile_elements)
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 13, 8, generator=gen), torch.randn(2, 2, 13, 8, generator=gen)
     k[:, :, 9:] += 30.0  # late keys large: a mask that let a query see a later key would be seen
-    torch.testing.assert_close(lm.logit_max(q, k, window), brute_force_max(q, k, window), rtol=1e-6, atol=1e-6)
+    # packed rows: documents of 3 and 10 tokens, and 7 and 6, whose first keys are large: a query of the second
+    # document that saw them would be seen
+    documents = torch.tensor([[0] * 3 + [1] * 10, [0] * 7 + [1] * 6]) if packed else None
+    if packed:
+        k[0, :, :3] += 30.0
+        k[1, :, :7] += 30.0
+    expected = brute_force_max(q, k, window, documents)
+    torch.testing.assert_close(lm.logit_max(q, k, window, documents), expected, rtol=1e-6, atol=1e-6)
 
 
 class BeforeStep(L.Callback):
@@ -135,6 +148,8 @@ CASES = [
     _case(TensorParallelStrategy, "tp2 (MHA, q/k biases)", model=MHA_BIAS),
     _case(TensorParallelStrategy, "tp2 (GQA)"),
     _case(CP2, "cp2 ring"),
+    _case(partial(PipelineStrategy, microbatches=2), "pp2 1f1b, accumulation 2",
+          trainer={"accumulate_grad_batches": 2}),
     _case(partial(CP2, cp_method="allgather"), "cp2 allgather, window 5", model=WINDOWED),
 ]
 

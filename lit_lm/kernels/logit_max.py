@@ -23,21 +23,27 @@ TILE_ELEMENTS = 1 << 22  # fp32 scores per tile of the contiguous case: 16 MiB, 
 
 
 @torch.no_grad()
-def tile_logit_max(q: Tensor, k: Tensor, offset: int, window: int) -> Tensor:
+def tile_logit_max(q: Tensor, k: Tensor, offset: int, window: int, same_document: Optional[Tensor] = None
+                   ) -> Tensor:
     """max over batch, query rows and attended keys of q k^T / sqrt(D), per (kv head, query in group): q (B, Hkv,
-    G, M, D), k (B, Hkv, N, D) -> (Hkv, G) fp32; -inf for a head no row of the tile attends with."""
+    G, M, D), k (B, Hkv, N, D) -> (Hkv, G) fp32; -inf for a head no row of the tile attends with. `same_document`
+    (B, M, N): the pairs of packed rows in one document (the others are masked too)."""
     b, hk, g, m, d = q.shape
     n = k.shape[-2]
     s = torch.matmul(q.reshape(b, hk, g * m, d).float(), k.float().transpose(-1, -2)).view(b, hk, g, m, n)
     distance = offset + torch.arange(m, device=q.device)[:, None] - torch.arange(n, device=q.device)[None, :]
-    s = s.masked_fill(~((distance >= 0) & (distance < window)), float("-inf"))
+    allowed = (distance >= 0) & (distance < window)
+    if same_document is not None:
+        allowed = allowed & same_document[:, None, None]
+    s = s.masked_fill(~allowed, float("-inf"))
     return s.amax(dim=(0, 3, 4)) * d ** -0.5
 
 
 @torch.no_grad()
-def logit_max(q: Tensor, k: Tensor, window: Optional[int] = None) -> Tensor:
+def logit_max(q: Tensor, k: Tensor, window: Optional[int] = None, documents: Optional[Tensor] = None) -> Tensor:
     """Causal (optionally windowed) attention's S_max per query head for q (B, Hq, T, D), k (B, Hkv, T, D) at
-    positions 0..T-1 -> (Hq,) fp32. Queries in chunks of rows, each on the keys it may see: [p − window + 1, p + n)."""
+    positions 0..T-1 -> (Hq,) fp32; with `documents` (B, T) (packed rows), within each document only. Queries in
+    chunks of rows, each on the keys it may see: [p − window + 1, p + n)."""
     b, hq, t, d = q.shape
     hk = k.shape[1]
     q5 = q.view(b, hk, hq // hk, t, d)
@@ -47,7 +53,9 @@ def logit_max(q: Tensor, k: Tensor, window: Optional[int] = None) -> Tensor:
     for p in range(0, t, rows):
         n = min(rows, t - p)
         lo = max(0, p - window + 1)
-        torch.maximum(best, tile_logit_max(q5[..., p:p + n, :], k[..., lo:p + n, :], p - lo, window), out=best)
+        same = None if documents is None else documents[:, p:p + n, None] == documents[:, None, lo:p + n]
+        tile = tile_logit_max(q5[..., p:p + n, :], k[..., lo:p + n, :], p - lo, window, same)
+        torch.maximum(best, tile, out=best)
     return best.flatten()
 
 
