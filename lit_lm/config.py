@@ -18,6 +18,7 @@ def round_up(x: int, multiple: int) -> int:
 # all of them (the others, e.g. losses' weights, init_std or max_seq_len, may change between runs).
 ARCHITECTURE = ("vocab_size", "vocab_multiple_of", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
                 "tie_embeddings", "qk_norm", "qk_norm_scope", "qkv_bias", "moe_experts", "moe_every", "moe_first_dense",
+                "mla_kv_rank", "mla_q_rank", "mla_qk_nope_dim", "mla_qk_rope_dim", "mla_v_dim", "mtp_layers",
                 "moe_d_ff", "moe_shared_experts")
 
 
@@ -44,8 +45,19 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm on q and k before RoPE
     qk_norm_scope: str = "head"  # over each head's head_dim (Qwen3) or over all heads of the projection (OLMoE)
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    # -- multi-head latent attention (DeepSeek-V2/V3, lit_lm.mla); mla_kv_rank = 0 keeps grouped-query attention ----
+    mla_kv_rank: int = 0  # rank of the latent keys and values are made from (kv_lora_rank); > 0 selects MLA
+    mla_q_rank: Optional[int] = None  # rank of the query's down-projection (q_lora_rank); None = a direct projection
+    mla_qk_nope_dim: int = 0  # per-head query/key dims without position (qk_nope_head_dim)
+    mla_qk_rope_dim: int = 0  # the decoupled RoPE dims, the key's shared by all heads (qk_rope_head_dim)
+    mla_v_dim: int = 0  # per-head value dims (v_head_dim)
+    mla_rope_interleave: bool = True  # the rope dims stored as interleaved pairs (DeepSeek's layout)
     tie_embeddings: bool = False
     z_loss: float = 0.0  # weight of the z-loss term mean(logsumexp(logits)^2)
+    # multi-token prediction (DeepSeek-V3, lit_lm.mtp): mtp_layers extra blocks, the k-th predicting token t+k+1;
+    # their mean cross-entropy times mtp_weight joins the training loss (never the logits: off in generation)
+    mtp_layers: int = 0
+    mtp_weight: float = 0.3
     init_std: float = 0.02
     vocab_multiple_of: int = 64  # pad the embedding/head rows; independent of any parallel degree
     # -- Mixture-of-Experts (lit_lm.moe); moe_experts = 0 keeps every block dense --------------------------------
@@ -61,6 +73,11 @@ class ModelConfig:
     moe_aux_loss: float = 0.0  # weight of the Switch load-balancing loss E * sum_i f_i * P_i
     moe_z_loss: float = 0.0  # weight of the router z-loss mean(logsumexp(router logits)^2)
     moe_bias_update: float = 0.0  # gamma of auxiliary-loss-free balancing (DeepSeek-V3); 0 = off
+    # node-limited routing (DeepSeek-V3's n_group, topk_group): the experts in moe_groups equal groups, a token
+    # picks its moe_topk_groups best groups (a group's score: the sum of its top-2) and its experts among them only
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_routed_scale: float = 1.0  # the routed experts' gates times this (DeepSeek-V3's routed_scaling_factor)
     # load statistics (aux loss, capacity) over the global batch (token counts all-gathered over the data-parallel
     # ranks: the same result on any number of ranks) or over each rank's micro-batch (no collective)
     moe_balance: str = "global"
@@ -128,6 +145,24 @@ class ModelConfig:
         if self.z_loss < 0:
             raise ConfigError(f"model config `z_loss` must be >= 0, got {self.z_loss}")
         self._validate_moe()
+        self._validate_mla()
+        if self.mtp_layers < 0 or self.mtp_weight < 0:
+            raise ConfigError(f"model config `mtp_layers` and `mtp_weight` must be >= 0, got {self.mtp_layers}, "
+                              f"{self.mtp_weight}")
+
+    def _validate_mla(self) -> None:
+        if not self.mla_kv_rank:
+            return
+        for name in ("mla_kv_rank", "mla_qk_nope_dim", "mla_qk_rope_dim", "mla_v_dim") + \
+                (("mla_q_rank",) if self.mla_q_rank is not None else ()):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model config `{name}` must be a positive integer with multi-head latent "
+                                  f"attention (mla_kv_rank > 0), got {getattr(self, name)}")
+        if self.mla_qk_rope_dim % 2:
+            raise ConfigError(f"model config `mla_qk_rope_dim` {self.mla_qk_rope_dim} must be even for RoPE")
+        if self.qk_norm or self.qkv_bias:
+            raise ConfigError("model config `qk_norm` and `qkv_bias` are grouped-query attention's: multi-head latent "
+                              "attention (mla_kv_rank > 0) normalises its latents instead and has no biases")
 
     ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -159,6 +194,14 @@ class ModelConfig:
             raise ConfigError(f"model config `moe_balance` must be global or micro_batch, got {self.moe_balance!r}")
         if self.moe_score not in ("softmax", "sigmoid"):
             raise ConfigError(f"model config `moe_score` must be softmax or sigmoid, got {self.moe_score!r}")
+        if self.moe_groups > 1 and (self.moe_experts % self.moe_groups or self.moe_experts // self.moe_groups < 2 or
+                                    not 1 <= self.moe_topk_groups <= self.moe_groups or
+                                    self.moe_top_k > self.moe_topk_groups * self.moe_experts // self.moe_groups):
+            raise ConfigError(f"model config `moe_groups`={self.moe_groups} must split `moe_experts`="
+                              f"{self.moe_experts} into groups of 2 or more, and `moe_topk_groups`="
+                              f"{self.moe_topk_groups} groups (1 to moe_groups) must hold `moe_top_k`={self.moe_top_k}")
+        if self.moe_routed_scale <= 0:
+            raise ConfigError(f"model config `moe_routed_scale` must be > 0, got {self.moe_routed_scale}")
         if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
             raise ConfigError(f"model config `moe_capacity_factor` must be > 0 or null (dropless), "
                               f"got {self.moe_capacity_factor}")
@@ -191,6 +234,8 @@ class ModelConfig:
         d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         norms = (2 * self.head_dim if self.qk_norm_scope == "head" else q + kv) if self.qk_norm else 0
         attn = d * q * 2 + d * kv * 2 + norms + (q + 2 * kv if self.qkv_bias else 0)
+        if self.mla_kv_rank:
+            attn = self._mla_params()
         dense_mlp = 3 * d * self.d_ff
         expert = 3 * d * self.moe_d_ff
         moe_mlp = self.moe_experts * d + self.moe_shared_experts * expert + \
@@ -198,4 +243,13 @@ class ModelConfig:
         blocks = sum(attn + 2 * d + (moe_mlp if self.is_moe_layer(i) else dense_mlp) for i in range(self.n_layers))
         emb = self.padded_vocab_size * d
         head = 0 if self.tie_embeddings else emb
-        return blocks + d + head + (emb if include_embedding else 0)
+        mtp = sum(attn + 2 * d + (moe_mlp if self.is_moe_layer(self.n_layers + k) else dense_mlp) + 2 * d * d + 3 * d
+                  for k in range(self.mtp_layers))  # a block, its norms, eh_proj, enorm, hnorm and final norm
+        return blocks + mtp + d + head + (emb if include_embedding else 0)
+
+    def _mla_params(self) -> int:
+        """MLA's parameters per block (lit_lm.mla): q's projections (and norm), wkv_a, kv_norm, wkv_b, wo."""
+        d, h, qk = self.d_model, self.n_heads, self.mla_qk_nope_dim + self.mla_qk_rope_dim
+        q = d * h * qk if self.mla_q_rank is None else self.mla_q_rank * (d + 1 + h * qk)
+        return q + d * (self.mla_kv_rank + self.mla_qk_rope_dim) + self.mla_kv_rank * (
+            1 + h * (self.mla_qk_nope_dim + self.mla_v_dim)) + h * self.mla_v_dim * d

@@ -20,7 +20,9 @@ from torch import Tensor, nn
 
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.kernels.logit_max import LogitMaxRecord, logit_max
+from lit_lm.mla import LatentAttention
 from lit_lm.moe import MoE, moe_aux_loss, moe_layers
+from lit_lm.mtp import MTPModule, mtp_loss
 
 
 class RMSNorm(nn.Module):
@@ -115,6 +117,8 @@ class WeightSource(Protocol):
     """Initial values read from elsewhere (`lit_lm.hf.importer.HFWeights`), by parameter name and global slice."""
 
     def read(self, name: str, tensor: Tensor, index: tuple[slice, ...] = ()) -> None: ...
+
+    def holds(self, name: str) -> bool: ...  # whether `read` has a value for parameter or buffer `name`
 
 
 def document_mask(documents: Tensor, window: Optional[int] = None) -> Tensor:
@@ -252,7 +256,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = LatentAttention(cfg) if cfg.mla_kv_rank else Attention(cfg)  # MLA: lit_lm.mla
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if cfg.is_moe_layer(layer):
             shared = SwiGLU(cfg.d_model, cfg.moe_shared_experts * cfg.moe_d_ff) if cfg.moe_shared_experts else None
@@ -305,6 +309,9 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.tok_embeddings.weight
         self.loss_fn = LMLoss(config.z_loss)
+        # multi-token prediction (lit_lm.mtp): training's extra loss only, keyed by depth - 1
+        self.mtp = nn.ModuleDict({str(k): MTPModule(config, config.n_layers + k) for k in range(config.mtp_layers)}) \
+            if config.mtp_layers else None
         self.init_seed = torch.initial_seed()
         # Where the initial values come from instead of the seeded init (`lit_lm.hf.importer.HFWeights`): anything
         # with `read(name, tensor, index=())` filling `tensor` with `global[index]` of parameter `name`.
@@ -353,9 +360,13 @@ class Transformer(nn.Module):
         return True
 
     def init_buffer(self, name: str, tensor: Tensor) -> None:
-        """Fill a buffer built on the meta device: the MoE routers' bias and token counts start at zero."""
+        """Fill a buffer built on the meta device: the MoE routers' bias and token counts start at zero, a bias the
+        weights hold (DeepSeek-V3's e_score_correction_bias) is read from them."""
         if not name.endswith(("expert_bias", "step_counts")):
             raise ValueError(f"no initial value for buffer {name}")
+        if name.endswith("expert_bias") and self.weights is not None and self.weights.holds(name):
+            self.weights.read(name, tensor)
+            return
         with torch.no_grad():
             tensor.zero_()
 
@@ -377,12 +388,17 @@ class Transformer(nn.Module):
         heads, kv_heads = (TP("column", self.config.head_dim, name) for name in ("query heads", "kv heads"))
         plan = {"tok_embeddings": TP("vocab_embedding"), "norm": TP("sequence"), "lm_head": TP("vocab_head"),
                 "loss_fn": TP("vocab_loss")}
+        if self.mtp is not None:
+            raise ConfigError("tensor parallelism does not split the multi-token prediction modules yet: set "
+                              "model.init_args.config.mtp_layers to 0 or use ZeRO or ep")
         for i in self.blocks:
             b = f"blocks.{i}"
-            plan.update({f"{b}.attn_norm": TP("sequence"), f"{b}.attn": TP("region"), f"{b}.attn.wq": heads,
-                         f"{b}.attn.wk": kv_heads, f"{b}.attn.wv": kv_heads,
-                         f"{b}.attn.wo": TP("row", self.config.head_dim, "query heads"),
-                         f"{b}.mlp_norm": TP("sequence")})
+            plan.update({f"{b}.attn_norm": TP("sequence"), f"{b}.mlp_norm": TP("sequence")})
+            if isinstance(self.blocks[i].attn, LatentAttention):  # its own projections and replicas (lit_lm.mla)
+                plan.update(self.blocks[i].attn.tensor_parallel_plan(f"{b}.attn"))
+            else:
+                plan.update({f"{b}.attn": TP("region"), f"{b}.attn.wq": heads, f"{b}.attn.wk": kv_heads,
+                             f"{b}.attn.wv": kv_heads, f"{b}.attn.wo": TP("row", self.config.head_dim, "query heads")})
             if isinstance(self.blocks[i].mlp, MoE):  # experts replicated over tp (shard them with ep)
                 plan[f"{b}.mlp"] = TP("batch")
             else:
@@ -404,15 +420,24 @@ class Transformer(nn.Module):
         (`lit_lm.data.packing`): attention stays inside it; None: the row is one sequence.
         With `cache` (one `KVCache` per block), idx continues the cached positions and the cache is extended
         (`lit_lm.generate`)."""
+        return self.lm_head(self.norm(self.hidden(idx, positions, cache, documents)))
+
+    def hidden(self, idx: Tensor, positions: Optional[Tensor] = None, cache: Optional[list[KVCache]] = None,
+               documents: Optional[Tensor] = None) -> Tensor:
+        """The last block's output (B, T, d_model), before the final norm: `forward` without its head."""
         x = self.tok_embeddings(idx)
         for i, block in enumerate(self.blocks.values()):
             x = block(x, positions, None if cache is None else cache[i], documents=documents)
-        return self.lm_head(self.norm(x))
+        return x
 
     def loss(self, idx: Tensor, targets: Tensor, positions: Optional[Tensor] = None,
              documents: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-        """(loss to optimise, detached cross-entropy) for next-token prediction; MoE balancing losses included."""
-        loss, ce = self.loss_fn(self(idx, positions, documents=documents), targets)
+        """(loss to optimise, detached cross-entropy) for next-token prediction; MoE balancing losses and the
+        multi-token prediction loss (`lit_lm.mtp`) included, `ce` the next token's only."""
+        h = self.hidden(idx, positions, documents=documents)
+        loss, ce = self.loss_fn(self.lm_head(self.norm(h)), targets)
+        if self.mtp is not None:
+            loss = loss + mtp_loss(self, h, idx, targets, positions, documents)
         return loss + moe_aux_loss(self), ce
 
     def context_parallel_plan(self) -> dict:
@@ -421,6 +446,9 @@ class Transformer(nn.Module):
         from lit_lm.strategies.plan import ContextParallel  # the protocol's types; strategies never import lit_lm
 
         self._refuse_moe("context parallelism", "the balancing losses would count one rank's tokens only")
+        if self.config.mla_kv_rank:
+            raise ConfigError("context parallelism does not run multi-head latent attention yet (model.init_args."
+                              "config.mla_kv_rank): use tp, ZeRO, ep or pp")
         return {f"blocks.{i}.attn.core": ContextParallel(self.config.sliding_window) for i in self.blocks}
 
     def expert_plan(self) -> dict:
@@ -440,6 +468,9 @@ class Transformer(nn.Module):
     def pipeline_split(self, stage_layers: list[int], is_first: bool, is_last: bool) -> None:
         """Keep only what one pipeline stage owns: its blocks (still keyed by global index), the embedding on the
         first stage, the final norm and head on the last. A tied head keeps its Parameter on the last stage."""
+        if self.mtp is not None:
+            raise ConfigError("pipeline parallelism does not run the multi-token prediction modules (they need the "
+                              "first stage's embedding on the last): set model.init_args.config.mtp_layers to 0")
         keep = {str(i) for i in stage_layers}
         for key in [k for k in self.blocks if k not in keep]:
             del self.blocks[key]

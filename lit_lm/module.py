@@ -177,6 +177,9 @@ class LanguageModel(L.LightningModule):
             self.model = Transformer(self.config)
         if self.kernels:
             from lit_lm import kernels
+            if self.config.mla_kv_rank and {"rope", "attention"} & set(self.kernels):
+                raise ConfigError("the rope and attention kernels do not run multi-head latent attention (its value "
+                                  "head dim and interleaved shared rope key): drop them from model.init_args.kernels")
             kernels.apply(self.model, self.kernels)
         if not isinstance(getattr(self._trainer, "strategy", None), BaseStrategy):  # lit-lm's apply them after TP
             speed_up(self.model, self.fp8, self.compile_blocks)

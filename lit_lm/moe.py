@@ -54,11 +54,14 @@ class Router(nn.Module):
 
     `expert_bias` (a checkpointed buffer) shifts the scores used to *choose* experts, never the gate values, so
     the balancing nudges which experts are picked without changing what a chosen expert contributes.
+    Node-limited routing (`groups` > 1, DeepSeek-V3): a token chooses among the experts of its `topk_groups` best
+    groups only (`limit_groups`). The gates are multiplied by `scale` (DeepSeek-V3's routed_scaling_factor).
     """
 
-    def __init__(self, d_model: int, n_experts: int, top_k: int, score: str = "softmax", norm_topk: bool = True
-                 ) -> None:
+    def __init__(self, d_model: int, n_experts: int, top_k: int, score: str = "softmax", norm_topk: bool = True,
+                 groups: int = 1, topk_groups: int = 1, scale: float = 1.0) -> None:
         super().__init__()
+        self.groups, self.topk_groups, self.scale = groups, topk_groups, scale
         self.top_k = top_k
         self.score = score
         self.norm_topk = norm_topk  # the chosen scores renormalised to sum 1 (Mixtral), or as they are (OLMoE)
@@ -69,11 +72,24 @@ class Router(nn.Module):
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits = F.linear(x.float(), self.weight.float())
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
-        experts = (scores.detach() + self.expert_bias).topk(self.top_k, dim=-1).indices
+        choice = scores.detach() + self.expert_bias
+        if self.groups > 1:
+            choice = self.limit_groups(choice)
+        experts = choice.topk(self.top_k, dim=-1).indices
         chosen = scores.gather(-1, experts)
         gates = chosen / chosen.sum(-1, keepdim=True) if self.norm_topk else chosen
+        if self.scale != 1.0:
+            gates = gates * self.scale
         probs = scores if self.score == "softmax" else scores / scores.sum(-1, keepdim=True)
         return Routing(experts, gates, probs, logits)
+
+    def limit_groups(self, choice: Tensor) -> Tensor:
+        """`choice` (N, E) with -inf outside each token's `topk_groups` best groups of E / `groups` consecutive
+        experts, a group scored by the sum of its two best choices (DeepSeek-V3's node-limited routing)."""
+        grouped = choice.view(choice.shape[0], self.groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_groups, dim=-1).indices  # (N, topk_groups)
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
 
 
 class GroupedExperts(nn.Module):
@@ -168,7 +184,8 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = cfg.moe_experts, cfg.moe_top_k
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_weight, self.z_weight, self.bias_update = cfg.moe_aux_loss, cfg.moe_z_loss, cfg.moe_bias_update
-        self.router = Router(cfg.d_model, cfg.moe_experts, cfg.moe_top_k, cfg.moe_score, cfg.moe_norm_topk)
+        self.router = Router(cfg.d_model, cfg.moe_experts, cfg.moe_top_k, cfg.moe_score, cfg.moe_norm_topk,
+                             cfg.moe_groups, cfg.moe_topk_groups, cfg.moe_routed_scale)
         self.experts = GroupedExperts(cfg.moe_experts, cfg.d_model, cfg.moe_d_ff)
         self.shared = shared
         self.balance = cfg.moe_balance
