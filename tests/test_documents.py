@@ -57,7 +57,8 @@ def packed_row(lengths: tuple[int, ...], seed: int = 0) -> tuple[torch.Tensor, l
 def test_each_document_of_a_packed_row_is_computed_as_if_alone(window):
     """With position_reset, a packed row's logits are, document by document, those of each document run alone
     (sliding window: within the document and the window), and so its per-token losses; one-token documents
-    included. Fails with the mask dropped or the positions not reset."""
+    included. Fails with the mask dropped. (RoPE makes q_t . k_s depend on t - s only, so positions not reset
+    change rounding only here: `test_per_row_positions_rotate_as_each_rows_own` catches that mutant.)"""
     m = model(sliding_window=window)
     row, docs = packed_row((5, 9, 3, 1, 6, 1, 7))
     documents, positions = Packing(EOS, position_reset=True).rows(row)
@@ -71,6 +72,19 @@ def test_each_document_of_a_packed_row_is_computed_as_if_alone(window):
     for d, (a, b) in zip(docs, zip(starts[:-1], starts[1:])):
         torch.testing.assert_close(per_token[a:b], F.cross_entropy(m(d[None])[0], targets[0, a:b], reduction="none"),
                                    rtol=0, atol=1e-5)
+
+
+def test_per_row_positions_rotate_as_each_rows_own():
+    """RoPE with (B, T) positions (documents restarting at 0) gives each row exactly the rotation that row's own
+    (T,) positions give."""
+    rope = model().blocks["0"].attn.rope
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 6, 4, 8, generator=gen), torch.randn(2, 6, 2, 8, generator=gen)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0], [3, 4, 5, 0, 1, 2]])
+    got = rope(q, k, positions)
+    for b in range(2):
+        want = rope(q[b:b + 1], k[b:b + 1], positions[b].clone())
+        assert torch.equal(got[0][b], want[0][0]) and torch.equal(got[1][b], want[1][0])
 
 
 def test_without_position_reset_positions_run_on_through_the_row():
