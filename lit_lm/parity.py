@@ -64,6 +64,8 @@ from torch.utils.data import DataLoader
 from lit_lm.config import ModelConfig
 from lit_lm.data.packing import Packing
 from lit_lm.module import LanguageModel
+from lit_lm.optim import Muon
+from lit_lm.param_groups import param_groups
 from lit_lm.spawn import returnable, run_distributed
 from lit_lm.strategies.base import BaseStrategy, GradPart
 from lit_lm.strategies.clip import global_grad_norm, local_grad_shards
@@ -77,14 +79,21 @@ MOE = dict(TINY, moe_experts=4, moe_top_k=2, moe_d_ff=16, moe_shared_experts=1, 
            moe_bias_update=1e-3)
 
 
+# Muon's learning rate in the harness's cases (its AdamW groups: 3e-3, as the "adamw" cases); low, because bfloat16
+# Newton-Schulz amplifies fp32 summation-order noise through the steps (tests/test_muon_parity.py measures it)
+MUON_LR = 2e-3
+
+
 @dataclass(frozen=True)
 class Case:
     """One run to compare. `strategy` builds the strategy in the worker (None: the one-process reference)."""
 
     strategy: Optional[Callable[[], Any]] = None
     model: dict = field(default_factory=lambda: dict(TINY))  # ModelConfig arguments
-    optimizer: str = "sgd"  # "sgd": plain SGD (no momentum); "adamw": AdamW, decay on matrices only; "module":
-    # the module's own configure_optimizers (its optimizer, param groups and LR schedule: `lit-lm check`)
+    optimizer: str = "sgd"  # "sgd": plain SGD (no momentum); "adamw": AdamW, decay on matrices only; "muon":
+    # lit_lm.optim.Muon on the hidden matrices (param_groups' "matrix" group), AdamW on the rest; "module": the
+    # module's own configure_optimizers (its optimizer, param groups and LR schedule: `lit-lm check`)
+    ns_mode: str = "owner"  # Muon's: how the strategy spreads Newton-Schulz ("owner" or "replicated")
     steps: int = 3
     global_batch: int = 8
     trainer: dict = field(default_factory=dict)  # e.g. accumulate_grad_batches, gradient_clip_val, precision
@@ -145,6 +154,9 @@ class HarnessModule:
         params = list(self.parameters())  # frozen ones too: torch's optimizers skip a parameter with grad None
         if self.case.optimizer == "sgd":
             return torch.optim.SGD(params, lr=self.case.lr or 0.1)
+        if self.case.optimizer == "muon":  # Muon on the hidden matrices, AdamW on the rest (the module's groups)
+            groups = param_groups(self.model, 0.1, self.model.config.tie_embeddings, split_matrices=True)
+            return Muon(groups, lr=self.case.lr or MUON_LR, adamw_lr=3e-3, adamw_eps=1e-6, ns_mode=self.case.ns_mode)
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
         # eps 1e-6, not 1e-8: Adam's first update is lr * g / (|g| + eps), whose slope lr / eps turns fp32

@@ -53,10 +53,12 @@ from lit_lm.strategies.compile import CompileReport, check_compile, compile_bloc
 from lit_lm.strategies.dp_engine import DataParallelEngine, bind_optimizer, no_sync
 from lit_lm.strategies.errors import ConfigError
 from lit_lm.strategies.experts import shard_experts
+from lit_lm.strategies.flat_step import ELEMENTWISE, elementwise
 from lit_lm.strategies.fp8 import apply_fp8
 from lit_lm.strategies.grad_sync import GradSync, broadcast_parameters
 from lit_lm.strategies.layout import ParallelConfig, ParallelDims
 from lit_lm.strategies.params import ModelSplit, ParamIndex
+from lit_lm.strategies.orthogonalize import bind_orthogonalizer
 from lit_lm.strategies.placement import materialize
 from lit_lm.strategies.plan import (ContextParallelModel, ExpertModel, LossFn, StepLoss, TensorParallelModel,
                              find_block_model, require_plan)
@@ -231,11 +233,33 @@ class ComposedStrategy(BaseStrategy):
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
         for optimizer in self.optimizers:
+            self._check_optimizer(_unwrap(optimizer))
             bind_optimizer(_unwrap(optimizer), self._engines)
+            # a matrix-wise one (Muon) orthogonalizes whole matrices from the pieces this rank holds (after ZeRO
+            # pointed it at its master rows): `lit_lm/strategies/orthogonalize.py`
+            bind_orthogonalizer(_unwrap(optimizer), self.owned_weights(), self._replica_group)
         if self.config.zero_stage in (1, 2):  # their gathers after the step run into the next forward
             self._readers = self._readers or FlushBeforeReaders(lambda: self._engines)
             if self._readers not in trainer.callbacks:
                 trainer.callbacks.insert(0, self._readers)  # before any other reader of the weights
+
+    def _check_optimizer(self, optimizer: Optimizer) -> None:
+        """Where the layout splits parameters, only an optimizer that updates each element from that element alone
+        (the flat step's ELEMENTWISE) or a matrix-wise one with its orthogonalizer gives the one-process update."""
+        c = self.config
+        splits = [what for what, on in (("ZeRO", c.zero_stage > 0), ("tp", c.tp > 1), ("ep", c.ep > 1)) if on]
+        if splits and not elementwise(optimizer) and not getattr(optimizer, "matrix_wise", False):
+            raise ConfigError(f"{type(optimizer).__name__} under {' x '.join(splits)}: a rank holds pieces of the "
+                              "parameters, and this optimizer is neither elementwise ("
+                              f"{', '.join(t.__name__ for t in ELEMENTWISE)}) nor matrix-wise (lit_lm.optim.Muon); "
+                              "use one of those, or plain data/pipeline parallelism")
+
+    def _replica_group(self, weight: WeightShard) -> Optional[torch.distributed.ProcessGroup]:
+        """The ranks that hold a not-split parameter whole, with the same gradient: its data-parallel group."""
+        if self.config.zero_stage:
+            return None  # ZeRO cuts every parameter: its rows are the level
+        rec = self._index.by_name[weight.name]
+        return self.layout.group("edp" if rec.expert else self.config.dense_group)
 
     @override
     def teardown(self) -> None:

@@ -190,14 +190,15 @@ class ShardedOrthogonalizer:
         self.mode = mode
         self._weights = {id(w.local): w for w in weights}
         self._replica = replica_group
-        self._plans: dict[tuple[int, ...], tuple[list[Unit], list[Pool]]] = {}
+        self._plans: dict[tuple[int, ...], tuple[list[int], list[Pool]]] = {}
 
     def matrix_shape(self, tensor: Tensor) -> tuple[int, int]:
         shard = self._weights.get(id(tensor))
         return tuple((shard.global_shape if shard is not None else tensor.shape)[-2:])  # type: ignore[return-value]
 
-    def _plan(self, tensors: list[Tensor]) -> tuple[list[Unit], list[Pool]]:
-        """The call's matrices: those whole here, and the pools (sorted by key: one order on every rank)."""
+    def _plan(self, tensors: list[Tensor]) -> tuple[list[int], list[Pool]]:
+        """The call's tensors whole here (by index), and the pools of the others' matrices (sorted by key: one order
+        on every rank)."""
         key = tuple(id(t) for t in tensors)
         if key not in self._plans:
             whole, pools = [], {}
@@ -207,14 +208,13 @@ class ShardedOrthogonalizer:
                     raise ValueError("the orthogonalizer was given a tensor the strategy does not hold: bind the "
                                      "optimizer after the strategy sharded it (setup_optimizers)")
                 levels = _levels(shard, self._replica(shard), self.mode)
-                shape = tuple(shard.global_shape[-2:])
-                for e in range(t.shape[0]) if t.ndim == 3 else [None]:
-                    unit = Unit(i, e, shape, levels)
-                    if levels:
-                        pools.setdefault(tuple(level.name for level in levels), Pool(tuple(
-                            level.name for level in levels))).units.append(unit)
-                    else:
-                        whole.append(unit)
+                if not levels:
+                    whole.append(i)
+                    continue
+                names = tuple(level.name for level in levels)
+                pool = pools.setdefault(names, Pool(names))
+                for e in range(t.shape[0]) if t.ndim == 3 else [None]:  # an expert stack: each expert a matrix
+                    pool.units.append(Unit(i, e, tuple(shard.global_shape[-2:]), levels))
             for pool in pools.values():
                 if self.mode == "owner":
                     assign_owners(pool.units)
@@ -228,14 +228,16 @@ class ShardedOrthogonalizer:
     def __call__(self, tensors: list[Tensor], updates: list[Tensor], ns: NS) -> list[Tensor]:
         whole, pools = self._plan(tensors)
         self._device = updates[0].device if updates else torch.device("cpu")
-        out = [torch.empty(u.shape, dtype=torch.bfloat16, device=u.device) for u in updates]
+        out: list[Tensor] = [None] * len(updates)  # type: ignore[list-item]
 
         def part(values: list[Tensor], unit: Unit) -> Tensor:
             return values[unit.tensor] if unit.expert is None else values[unit.tensor][unit.expert]
 
-        for unit in whole:
-            part(out, unit).copy_(ns(part(updates, unit)))
+        for i in whole:
+            out[i] = orthogonalize_whole(updates[i], ns)
         for pool in pools:
+            for i in {unit.tensor for unit in pool.units}:
+                out[i] = torch.empty(updates[i].shape, dtype=torch.bfloat16, device=updates[i].device)
             held = {unit: part(updates, unit).bfloat16() for unit in pool.units}
             holds = []
             for k in range(len(pool.key)):
@@ -259,25 +261,25 @@ class ShardedOrthogonalizer:
         group (they agree on the coordinates of the levels before)."""
         if not units:
             return {}
-        level = units[0].levels[k]
+        level = units[0].levels[k]  # the group's (each unit's own level: its dim and length)
         if level.dim is None:  # a replica level: the owner holds it whole already
             return {u: held[u] for u in units if self._mine(u, k, level.rank)}
         sends = [[held[u].reshape(-1) for u in units if self._mine(u, k, r)] for r in range(level.size)]
         owned = [u for u in units if self._mine(u, k, level.rank)]
         shapes = [[u.levels[k].shape(u.shape_at(k + 1), r) for u in owned] for r in range(level.size)]
         received = self._all_to_all(level, sends, shapes, held)
-        return {u: torch.cat([received[r][j] for r in range(level.size)], dim=level.dim)
+        return {u: torch.cat([received[r][j] for r in range(level.size)], dim=u.levels[k].dim)
                 for j, u in enumerate(owned)}
 
     def _scatter(self, k: int, units: list[Unit], done: dict[Unit, Tensor]) -> dict[Unit, Tensor]:
         """Level k backwards: each owner's result, cut into the group's parts, back to them in one all-to-all."""
         if not units:
             return {}
-        level = units[0].levels[k]
+        level = units[0].levels[k]  # the group's (each unit's own level: its dim and length)
         if self.mode == "replicated":  # every rank holds every result: its own part
-            return {u: level.cut(done[u], level.rank) for u in units}
+            return {u: u.levels[k].cut(done[u], level.rank) for u in units}
         mine = [u for u in units if self._mine(u, k, level.rank)]
-        sends = [[level.cut(done[u], r).reshape(-1) for u in mine] for r in range(level.size)]
+        sends = [[u.levels[k].cut(done[u], r).reshape(-1) for u in mine] for r in range(level.size)]
         shapes = [[u.shape_at(k) for u in units if self._mine(u, k, r)] for r in range(level.size)]
         received = self._all_to_all(level, sends, shapes, done)
         parts = [iter(received[r]) for r in range(level.size)]
