@@ -191,3 +191,29 @@ CASES = {
 def test_packed_documents_match_one_process_under_dp_zero_tp_pp():
     for run in run_parity(list(CASES.values()), world_size=2):
         assert_parity(run)
+
+
+def test_the_option_reaches_the_step_through_a_trainer(tmp_path):
+    """`data.init_args.document_mask`/`position_reset`: the module takes the data module's packing at setup (the
+    tokenizer's EOS), and the step's loss is the masked one."""
+    import lightning as L
+
+    from lit_lm.data.datamodule import TextDataModule
+
+    files = []
+    for i in range(30):
+        files.append(str(tmp_path / f"doc{i}.txt"))
+        (tmp_path / f"doc{i}.txt").write_text(" ".join(["alpha beta", "gamma (x)", "y: delta"][i % 3] for _ in
+                                                       range(1 + i % 4)) + "\n")
+    losses = {}
+    for mask in (False, True):
+        torch.manual_seed(0)
+        data = TextDataModule(files=files, data_dir=str(tmp_path / "data"), vocab_size=270, seq_len=32,
+                              batch_size=2, val_fraction=0.2, document_mask=mask, position_reset=mask)
+        module = LanguageModel(ModelConfig(**dict(TINY, vocab_size=270, max_seq_len=32)))
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0)
+        trainer.fit(module, datamodule=data)
+        losses[mask] = float(trainer.callback_metrics["train_loss"])
+        assert module.packing == (Packing(data.tokenizer.eos_id, True) if mask else None)
+    assert losses[True] != losses[False]
