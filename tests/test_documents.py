@@ -169,6 +169,42 @@ def test_boundaries_survive_the_stream_and_a_resume_under_another_world_size(sha
     assert (documents.max(dim=1).values > 0).sum() >= 4
 
 
+def test_boundaries_survive_a_mixture(tmp_path):
+    """Two prepared sources of short documents mixed by weight: every mixed row's documents are its source's true
+    ones at that window (from the documents' lengths); a row is a pure function of its global position, so a resume
+    under any world size reads the same rows, hence the same documents (test_data_mixture)."""
+    from lit_lm.data.mixture import MixtureWindows, ShardWindows
+    from lit_lm.data.prepare import PreparedSource, prepare
+    from lit_lm.data.tokenizer import BPETokenizer
+    from test_data_mixture import words
+
+    BPETokenizer.train([words(200, 99)], 280).save_hf(tmp_path / "tok")
+    tok = load_tokenizer(tmp_path / "tok")
+    sources, ends = [], []
+    for i in range(2):
+        texts = [words(1 + j % 3, 100 * i + j) for j in range(60)]
+        f = tmp_path / f"s{i}.jsonl"
+        f.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        prepare([str(f)], str(tmp_path / "tok"), str(tmp_path / f"p{i}"), chunk_mb=0.001, val_fraction=0.0,
+                progress=False)
+        source = PreparedSource(str(tmp_path / f"p{i}"))
+        sources.append(ShardWindows(source.parts("train"), SEQ))
+        starts = np.cumsum([0] + [int(s["tokens"]) for s in source.index["shards"]])  # each shard's first token
+        ends.append((starts, np.cumsum([len(next(encode_documents(tok, [DocumentPart([t], True, True)]))[0])
+                                        for t in texts])))
+    mixture = MixtureWindows(sources, [0.6, 0.4], seed=3)
+    boundaries = 0
+    for p in range(60):
+        s, w = mixture.locate(p)
+        part = int(np.searchsorted(sources[s].ends, w, side="right"))
+        first = ends[s][0][part] + (w - (int(sources[s].ends[part - 1]) if part else 0)) * SEQ
+        doc = np.searchsorted(ends[s][1], first + np.arange(SEQ), side="right")
+        got = document_ids(mixture[p][None, :-1], tok.eos_id)[0]
+        assert got.tolist() == (doc - doc[0]).tolist(), p
+        boundaries += int(got.max())
+    assert boundaries >= 30 and len(sources[0].parts) > 1
+
+
 def test_the_data_module_gives_the_packing(shards):  # noqa: F811
     dm = make_dm(shards)
     assert dm.packing() is None
