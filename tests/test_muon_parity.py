@@ -18,11 +18,15 @@ Where the gradients are bit-identical (owner and replicated mode of one layout),
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
 import torch
 
-from lit_lm.parity import MOE, Case, _assert_grads, _close, assert_parity, run_parity
+from lit_lm.parity import MOE, Case, _assert_grads, _close, assert_parity, fit_case, run_parity
+from lit_lm.spawn import run_distributed
+from lit_lm.strategies.checkpoint import read_whole
 from lit_lm.strategies.composed import ComposedStrategy
 
 MUON_RTOL = 1e-2
@@ -114,6 +118,29 @@ def test_muon_on_two_ranks_matches_one_process() -> None:
     accumulated, whole = runs["zero3 accumulate 4"]["ranks"][0]["params"], runs["zero3"]["single"]["params"]
     for name, value in whole.items():
         assert (accumulated[name] - value).norm() <= MUON_RTOL * value.norm(), name
+
+
+def _save_sharded(case: Case, path: str) -> None:
+    fit_case(case, devices=2, save_to=path)
+
+
+def test_muon_momentum_saved_by_zero2_and_tp_is_the_one_process_momentum(tmp_path: Path) -> None:
+    """N ranks -> a checkpoint of whole tensors: each rank's momentum rows (ZeRO-2) or slice (tp) land where the
+    one-process run keeps its momentum (the other way, 1 -> N, is the resumed cases above; DCP reshards between)."""
+    cases = {"zero2": replace(TWO_RANKS["zero2"], steps=2), "tp": replace(TWO_RANKS["tp"], steps=2)}
+    single = tmp_path / "single.ckpt"
+    fit_case(cases["zero2"].reference(), save_to=str(single))
+    expected = torch.load(single, weights_only=False)["optimizer_states"][0]["state"]
+    assert len(expected) > 20 and all("momentum_buffer" in s or "exp_avg" in s for s in expected.values())
+    for name, case in cases.items():
+        run_distributed(_save_sharded, 2, case, str(tmp_path / name), init_process_group=False)
+        got = read_whole(tmp_path / name)["optimizer_states"][0]["state"]
+        assert got.keys() == expected.keys(), name
+        for i, state in expected.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    assert got[i][key].shape == value.shape, (name, i, key)
+                    assert (got[i][key] - value).norm() <= MUON_RTOL * value.norm(), (name, i, key)
 
 
 def test_muon_on_four_ranks_matches_one_process() -> None:
