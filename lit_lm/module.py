@@ -278,11 +278,14 @@ class LanguageModel(L.LightningModule):
         return self.schedule.multiplier(step, hp.warmup_steps, self.schedule_horizon(), hp.min_lr_ratio,
                                         self.decay_start() if self.schedule.name == "wsd" else None)
 
-    def on_fit_start(self) -> None:
-        self._moe_sum, self._moe_batches = None, 0
-        if self.schedule.decay_start == "resume" and self.trainer.ckpt_path is None:
+    def on_train_start(self) -> None:
+        """After a resume's checkpoint is loaded (under every strategy), before the first step."""
+        if self.schedule.decay_start == "resume" and self._resumed_step is None:
             raise ConfigError("model.init_args.schedule.decay_start: resume starts the decay at the step fit "
                               "resumes from; pass --ckpt_path <a stable-phase checkpoint>, or a step")
+
+    def on_fit_start(self) -> None:
+        self._moe_sum, self._moe_batches = None, 0
         cfg, seq_len = self.config, self.config.max_seq_len
         flops = flops_per_token(cfg.num_params(include_embedding=False), cfg.n_layers, cfg.d_model, seq_len)
         rank_zero_info(f"[lit-lm] model: {cfg.num_params() / 1e6:.2f}M parameters, {cfg.n_layers} layers x d_model "

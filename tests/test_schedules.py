@@ -157,3 +157,26 @@ def test_every_schedule_keeps_the_checkpoints_horizon(tmp_path):
     fit(tmp_path, 4, schedule=Schedule(name="linear"))
     resumed, _ = fit(tmp_path, 8, str(tmp_path / "last.ckpt"), schedule=Schedule(name="linear"))
     assert resumed.lrs == pytest.approx({s: 1e-2 * R for s in range(4, 8)})
+
+
+def test_decay_anytime_through_the_command_under_zero2(tmp_path):
+    """The recipe of docs/optim.md under a lit-lm strategy (2 ranks, sharded checkpoints restored after setup): one
+    flag branches the decay off the stable run's `last`, and the branch resumed mid-decay goes on with it."""
+    from test_cli import REPO, read_metrics, run_cli, tiny_args
+
+    base = [*tiny_args(tmp_path), "--config", str(REPO / "configs/strategies/zero2.yaml"), "--trainer.devices", "2",
+            "--data.init_args.batch_size", "2", "--trainer.val_check_interval", "2",
+            "--model.init_args.schedule.name", "wsd", "--model.init_args.schedule.decay", "linear",
+            "--model.init_args.schedule_steps", "100", "--model.init_args.schedule.decay_steps", "4"]
+    branch = ["--ckpt_path", "last", "--model.init_args.schedule.decay_start", "resume"]
+    for version, steps, extra in ((0, 4, []), (1, 6, branch), (2, 8, branch)):
+        done = run_cli("fit", *base, "--trainer.max_steps", str(steps), *extra, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        said = [line for line in (done.stdout + done.stderr).splitlines() if "WSD" in line]
+        assert said == {0: [], 1: ["[lit-lm] LR schedule: WSD decays from step 4 (decay_start: resume) over 4 steps, "
+                                   "to step 8: the LR multiplier at step 5 moves from 1 to 0.775"],
+                        2: ["[lit-lm] LR schedule: continues the checkpoint's WSD decay from step 4"]}[version]
+    # the branch's and its resumption's logged LRs, in order (logged after each step's scheduler step: the LR of the
+    # next step, 5 to 8)
+    lrs = [float(r["lr"]) for v in (1, 2) for r in read_metrics(tmp_path / "run", v) if r.get("lr")]
+    assert lrs == pytest.approx([3e-3 * m for m in (0.775, 0.55, 0.325, 0.1)])
