@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.kernels.logit_max import LogitMaxRecord, logit_max
 from lit_lm.mla import LatentAttention
+from lit_lm.lora import init_factor, lora_factor
 from lit_lm.moe import MoE, moe_aux_loss, moe_layers
 from lit_lm.mtp import MTPModule, mtp_loss
 
@@ -327,9 +328,11 @@ class Transformer(nn.Module):
         so the residual stream's variance does not grow with depth (GPT-2); MoE routers std/10 (near-uniform
         routing at the start); everything else N(0, std). The values come from a generator
         seeded by (init seed, name), so they do not depend on device, order, or which rank builds the block.
-        Biases start at 0. With `weights` set (`init_from`), the value is read from them instead.
+        Biases start at 0. With `weights` set (`init_from`), the value is read from them instead. LoRA's factors
+        (`lit_lm.lora`: in no weights source) draw A from the same generator, B = 0.
         """
-        if self.weights is not None:
+        factor = lora_factor(name)
+        if self.weights is not None and factor is None:
             self.weights.read(name, tensor)
             return
         if name.endswith(".bias"):
@@ -346,6 +349,9 @@ class Transformer(nn.Module):
         elif name.endswith("router.weight"):
             std /= 10
         gen = torch.Generator().manual_seed((self.init_seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        if factor is not None:
+            init_factor(tensor, factor, gen)
+            return
         values = torch.empty(tensor.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
         with torch.no_grad():
             tensor.copy_(values)
@@ -354,7 +360,7 @@ class Transformer(nn.Module):
         """Fill `tensor` with `global[index]` of parameter `name` without building the whole one, when the values
         are read from `weights` (a tp, ep or ZeRO-3 rank reads only its slice of the files); False otherwise (the
         seeded init draws the whole tensor: the strategy initialises it whole and slices it)."""
-        if self.weights is None:
+        if self.weights is None or lora_factor(name) is not None:
             return False
         self.weights.read(name, tensor, index)
         return True

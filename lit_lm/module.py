@@ -19,6 +19,7 @@ from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.data.packing import Packing
 from lit_lm.generate import generate
 from lit_lm.log_steps import logs_this_batch
+from lit_lm.lora import LoRA, add_adapters, lora_from, lora_hparams
 from lit_lm.model import Transformer
 from lit_lm.moe import moe_layers, moe_metrics, update_router_bias
 from lit_lm.param_groups import param_groups
@@ -88,6 +89,8 @@ class LanguageModel(L.LightningModule):
             above are AdamW's only), on the same groups (no decay on norms, biases, embeddings). A class with
             `matrix_wise = True` (lit_lm.optim.Muon) gets the hidden matrices as a group of their own. None: AdamW.
         schedule: the LR's shape (`lit_lm.schedules.Schedule`: cosine, wsd, linear, constant; WSD's decay).
+        lora: low-rank adapters on the blocks' linears, everything else frozen (`lit_lm.lora.LoRA`: rank, alpha,
+            targets, dropout; docs/finetune.md). None: every weight trains.
     """
 
     def __init__(self, config: ModelConfig = ModelConfig.signature_default(), lr: float = 3e-3,
@@ -95,7 +98,8 @@ class LanguageModel(L.LightningModule):
                  warmup_steps: int = 100, min_lr_ratio: float = 0.1,
                  kernels: Optional[list[str]] = None, schedule_steps: Optional[int] = None,
                  init_from: Optional[str] = None, compile: Union[bool, str] = False, fp8: Optional[str] = None,
-                 optimizer: Optional[OptimizerCallable] = None, schedule: Schedule = Schedule()) -> None:
+                 optimizer: Optional[OptimizerCallable] = None, schedule: Schedule = Schedule(),
+                 lora: Optional[LoRA] = None) -> None:
         super().__init__()
         if isinstance(config, dict):  # from a checkpoint's hyper-parameters (stored as plain types)
             config = ModelConfig(**config)
@@ -113,6 +117,7 @@ class LanguageModel(L.LightningModule):
         self.config = config
         self.optimizer_fn = optimizer_from(optimizer) if isinstance(optimizer, dict) else optimizer  # dict: saved
         self.schedule = Schedule(**schedule) if isinstance(schedule, dict) else schedule
+        self.lora = lora_from(lora)
         self.kernels = list(kernels or [])
         self.compile_blocks, self.fp8 = compile_backend(compile), check_fp8(fp8)  # the strategy reads them
         # Plain types only, so `torch.load(weights_only=True)` (LightningCLI's ckpt parsing) can read them.
@@ -121,7 +126,8 @@ class LanguageModel(L.LightningModule):
                                    "min_lr_ratio": min_lr_ratio, "kernels": self.kernels,
                                    "schedule_steps": schedule_steps, "compile": self.compile_blocks,
                                    "fp8": self.fp8, "optimizer": self._optimizer_hparams(),
-                                   "schedule": asdict(self.schedule)})  # not init_from: `config` is its shape
+                                   "schedule": asdict(self.schedule),
+                                   "lora": lora_hparams(self.lora, init_from)})  # not init_from: `config` is its shape
         self.model: Optional[Transformer] = None
         self._horizon: Optional[int] = None  # the LR schedule's, once known (the run's state: kept by checkpoints)
         self._saved_horizon: Optional[int] = None  # the checkpoint's, when resuming
@@ -175,6 +181,8 @@ class LanguageModel(L.LightningModule):
             self.model = self._from_hf()
         else:
             self.model = Transformer(self.config)
+        if self.lora is not None:
+            add_adapters(self.model, self.lora)
         if self.kernels:
             from lit_lm import kernels
             if self.config.mla_kv_rank and {"rope", "attention"} & set(self.kernels):

@@ -6,7 +6,9 @@
     decay       the other parameters with two or more dimensions: the routers (and any such parameter outside
                 the blocks that is not an embedding).
     no decay    norms, biases, and the token embedding with the LM head tied to it or not (as Moonlight and Kimi
-                keep them out of Muon, and GPT-style recipes out of weight decay).
+                keep them out of Muon, and GPT-style recipes out of weight decay); LoRA's factors (`lit_lm.lora`):
+                decay would pull the update B A towards zero at the run's (pre-training) rate, and a rank-r factor
+                is no hidden matrix for Muon to orthogonalize.
 
 `param_groups` returns torch param-group dicts. For an elementwise optimizer (AdamW, SGD, ...) two: decay (matrices
 and the rest) and no decay, as lit-lm has always built them (a checkpoint's param groups must match the run that
@@ -22,6 +24,8 @@ from typing import Any
 
 from torch import nn
 
+from lit_lm.lora import lora_factor
+
 
 def is_matrix(name: str, param: nn.Parameter) -> bool:
     """A hidden layer's weight (a matrix, or a stack of them): in the blocks, >= 2-D, not a router."""
@@ -29,9 +33,10 @@ def is_matrix(name: str, param: nn.Parameter) -> bool:
 
 
 def is_no_decay(name: str, param: nn.Parameter, tied: bool) -> bool:
-    """Norms, biases and embeddings: no weight decay. A tied head is the embedding (the last pipeline stage, which
-    holds no tok_embeddings, knows it as lm_head.weight)."""
-    return param.ndim < 2 or "tok_embeddings" in name or (tied and name.startswith("lm_head"))
+    """Norms, biases, embeddings and LoRA factors: no weight decay. A tied head is the embedding (the last pipeline
+    stage, which holds no tok_embeddings, knows it as lm_head.weight)."""
+    return param.ndim < 2 or "tok_embeddings" in name or (tied and name.startswith("lm_head")) or \
+        lora_factor(name) is not None
 
 
 def param_groups(model: nn.Module, weight_decay: float, tied: bool, split_matrices: bool = False

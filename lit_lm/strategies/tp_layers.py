@@ -296,6 +296,22 @@ def parallelize_model(model: nn.Module, plan: dict[str, TensorParallel], tp: TPG
     def partial(name: str, module: nn.Module) -> None:
         shards.partial.extend(f"{name}.{n}" if name else n for n, _ in module.named_parameters())
 
+    def shard_adapted(name: str, module: nn.Module, dim: int, spec: TensorParallel) -> None:
+        """A linear with a low-rank adapter, y = x W^T + s (x A^T) B^T (`lora_A` (r, in), `lora_B` (out, r): see
+        lit_lm.lora), cut in place, its forward unchanged. Column (W's output rows): B's rows too, A whole, and
+        A's gradient partial (each rank's outputs only). Row (W's input columns): A's columns too, B whole, its
+        input x_r A_r^T a partial sum like x_r W_r^T, so the region's exit reduces the adapter's share with the
+        base's, and B's gradient partial."""
+        if module.bias is not None and dim == 1:
+            raise ConfigError(f"{name}: an adapter (LoRA) on a row-parallel linear with a bias is not supported "
+                              "under tensor parallelism; leave it out of model.init_args.lora.targets")
+        module.weight = shard(name, module.weight, dim, spec)
+        if module.bias is not None:
+            module.bias = shard(name, module.bias, 0, spec, "bias")
+        split, whole = ("lora_B", "lora_A") if dim == 0 else ("lora_A", "lora_B")
+        setattr(module, split, shard(name, getattr(module, split), dim, spec, split))
+        shards.partial.append(f"{name}.{whole}" if name else whole)
+
     for name, spec in plan.items():
         module = model.get_submodule(name)
         bias = getattr(module, "bias", None)
@@ -303,6 +319,9 @@ def parallelize_model(model: nn.Module, plan: dict[str, TensorParallel], tp: TPG
             raise ValueError(f"{name}: row-parallel linears and vocab-parallel embeddings without bias only")
         if spec.style in ("column", "row"):
             cls = ColumnParallelLinear if spec.style == "column" else RowParallelLinear
+            if hasattr(module, "lora_A"):  # adapted (LoRA): kept, its weight and one factor cut
+                shard_adapted(name, module, cls.dim, spec)
+                continue
             model.set_submodule(name, cls(shard(name, module.weight, cls.dim, spec),
                                           None if bias is None else shard(name, bias, 0, spec, "bias")))
         elif spec.style == "region":  # hooks, not a wrapper module: the parameter names stay the same

@@ -133,6 +133,11 @@ class Unit:
     def trainable(self) -> int:
         return sum(sp.param.requires_grad for sp in self.params)
 
+    @property
+    def frozen(self) -> bool:
+        """Holds a parameter without gradient (LoRA's base weights): its last gradient does not end its backward."""
+        return any(not sp.param.requires_grad for sp in self.params)
+
 
 def _slots(buffer: Tensor, world: int, sp: ShardedParam, offset: Optional[int] = None) -> Tensor:
     """(world, chunk_rows, row_numel) view of `sp`'s padded chunk in every rank's segment of a packed buffer (at
@@ -631,7 +636,7 @@ class ZeroEngine:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         unit.ready.add(sp)
-        if len(unit.ready) == unit.trainable:
+        if len(unit.ready) == unit.trainable and not unit.frozen:
             self.reshard(unit)  # stage 3: its gradients are all out; the reduce reads those, not the weights
         while self._next_reduce < len(self._reduce_order):
             nxt = self._reduce_order[self._next_reduce]
@@ -648,7 +653,8 @@ class ZeroEngine:
         unit = self._reduce_order[self._next_reduce]
         self._launch_reduce(unit, self._next_reduce)
         self._next_reduce += 1
-        self.reshard(unit)
+        if not unit.frozen:  # one with frozen weights: when the backward has left it (`_backward_enters`)
+            self.reshard(unit)
 
     def _end_backward(self) -> None:
         """Stages 2-3, when autograd finishes a backward: launch what is left, in order (a parameter unused on this
@@ -660,6 +666,7 @@ class ZeroEngine:
         for unit in self._reduce_order:
             unit.ready.clear()
             self._complete_reduce(unit)
+            self.reshard(unit)  # a unit with frozen weights the backward never left (the first block: no input grad)
 
     def _register_grad_hooks(self) -> None:
         for unit in self.units:
@@ -673,20 +680,30 @@ class ZeroEngine:
         for i, unit in enumerate(order):
             after = order[i + 1] if i + 1 < len(order) else None
             before = self.blocks[-1] if unit is self.root and self.blocks else (order[i - 1] if i > 1 else None)
+            reader = None if unit is self.root else (after or self.root)  # the unit its output feeds
             self._hooks.append(unit.module.register_forward_pre_hook(
                 lambda _m, _args, u=unit, nxt=after: self._gather(u, nxt)))
             self._hooks.append(unit.module.register_forward_hook(
-                lambda _m, _args, out, u=unit, prev=before: self._after_forward(u, prev, out)))
+                lambda _m, _args, out, u=unit, prev=before, r=reader: self._after_forward(u, prev, r, out)))
 
     def _gather(self, unit: Unit, upcoming: Optional[Unit]) -> None:
         self.unshard(unit)
         self.prefetch(upcoming)
 
-    def _after_forward(self, unit: Unit, prev: Optional[Unit], output: Any) -> Any:
+    def _after_forward(self, unit: Unit, prev: Optional[Unit], reader: Optional[Unit], output: Any) -> Any:
         self.reshard(unit)
         if not torch.is_grad_enabled():
             return output
-        return _before_backward(output, lambda: self._gather(unit, prev))
+        return _before_backward(output, lambda: self._backward_enters(unit, prev, reader))
+
+    def _backward_enters(self, unit: Unit, prev: Optional[Unit], reader: Optional[Unit]) -> None:
+        """The gradient of `unit`'s output is complete: gather `unit` (prefetching `prev`). That gradient is the
+        last thing the backward of `reader` (the unit the output fed) computes, so a `reader` with frozen weights,
+        which its last parameter gradient does not release (the weights' input-gradient matmuls may run after it),
+        is released now."""
+        if reader is not None and reader.frozen:
+            self.reshard(reader)
+        self._gather(unit, prev)
 
     # -- the step -------------------------------------------------------------------------------------------
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

@@ -1,0 +1,183 @@
+"""LoRA (`lit_lm.lora`): the adapters start as the identity change, only they train, the factors initialise from their
+names (meta builds), the tp engine cuts them with their base linear, and every layout equals one process with the
+base bit for bit untouched and optimizer state for the adapters only."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import lightning as L
+import pytest
+import torch
+
+from lit_lm.config import ConfigError, ModelConfig
+from lit_lm.lora import LoRA, LoRAExperts, LoRALinear, lora_factor, merge_adapters
+from lit_lm.module import LanguageModel
+from lit_lm.param_groups import param_groups
+from lit_lm.parity import MOE, TINY, Case, assert_parity, run_parity
+from lit_lm.strategies.ddp import DataParallelStrategy
+from lit_lm.strategies.ep import ExpertParallelStrategy
+from lit_lm.strategies.placement import materialize
+from lit_lm.strategies.tp import TensorParallelStrategy
+from lit_lm.strategies.tp_layers import TPGroup, parallelize_model
+from lit_lm.strategies.zero import ZeroStrategy
+
+LORA = LoRA(rank=4, alpha=8.0)  # every target
+
+
+def adapted(cfg: dict = TINY, lora: LoRA = LORA, seed: int = 0) -> LanguageModel:
+    L.seed_everything(seed, verbose=False)
+    module = LanguageModel(ModelConfig(**cfg), lora=lora)
+    module.configure_model()
+    return module
+
+
+def base(cfg: dict = TINY, seed: int = 0) -> LanguageModel:
+    L.seed_everything(seed, verbose=False)
+    module = LanguageModel(ModelConfig(**cfg))
+    module.configure_model()
+    return module
+
+
+def test_bad_options_are_one_line_naming_the_valid_targets() -> None:
+    with pytest.raises(ConfigError, match=r"^model\.init_args\.lora\.targets: unknown qq; choose from q, k, v, o, "
+                                          r"gate, up, down$"):
+        LoRA(targets=["q", "qq"])
+    with pytest.raises(ConfigError, match="rank >= 1"):
+        LoRA(rank=0)
+
+
+@pytest.mark.parametrize("cfg", [TINY, MOE], ids=["dense", "moe"])
+def test_adapters_start_as_the_base_model_and_only_they_train(cfg: dict) -> None:
+    """B = 0: the adapted model's logits are the base model's bit for bit; every parameter but the factors frozen,
+    and the factors in one group without weight decay (never Muon's matrices)."""
+    lora, plain = adapted(cfg), base(cfg)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(lora.model(x), plain.model(x)), "step 0: the adapted model computes another output"
+    trainable = {n for n, p in lora.model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, _ in lora.model.named_parameters() if lora_factor(n)}
+    # two factors per adapted linear; MoE's block 1: attention, the shared expert's three, the experts' three stacks
+    per_linear = 2 * 7 * cfg["n_layers"] if not cfg.get("moe_experts") else 2 * 7 + 2 * (4 + 3 + 3)
+    assert len(trainable) == per_linear
+    for n, p in lora.model.named_parameters():  # the base's parameters are the plain model's, by name
+        if not lora_factor(n):
+            assert torch.equal(p, plain.model.get_parameter(n)), n
+    for split in (False, True):
+        groups = param_groups(lora.model, 0.1, False, split_matrices=split)
+        assert len(groups) == 1 and groups[0]["weight_decay"] == 0.0 and "matrix" not in groups[0]
+        assert sum(p.numel() for p in groups[0]["params"]) == sum(p.numel() for n, p in
+                                                                 lora.model.named_parameters() if lora_factor(n))
+    if cfg.get("moe_experts"):  # one adapter per expert, stacked like the expert weights
+        experts = lora.model.blocks["1"].mlp.experts
+        assert isinstance(experts, LoRAExperts)
+        assert experts.w_gate_lora_A.shape == (4, 4, 32) and experts.w_down_lora_B.shape == (4, 32, 4)
+    assert isinstance(lora.model.blocks["0"].attn.wq, LoRALinear)
+
+
+def test_factors_from_their_names_on_a_meta_build() -> None:
+    """A from (init seed, name) whatever builds it: a meta model materialised by name equals the eager one; B zero."""
+    eager = adapted().model
+    with torch.device("meta"):
+        meta = LanguageModel(ModelConfig(**TINY), lora=LORA)
+        meta.configure_model()
+    meta.model.init_seed = eager.init_seed
+    materialize(meta.model, torch.device("cpu"), meta.model.init_parameter, meta.model.init_buffer)
+    for n, p in eager.named_parameters():
+        assert torch.equal(p, meta.model.get_parameter(n)), n
+        assert p.requires_grad == meta.model.get_parameter(n).requires_grad, n
+    a, b = eager.blocks["0"].attn.wq.lora_A, eager.blocks["0"].attn.wq.lora_B
+    assert a.abs().max() <= 1 / 32 ** 0.5 and a.std() > 0 and not b.any()
+    assert not torch.equal(a, eager.blocks["0"].attn.wk.lora_A[:, :32])  # per name
+
+
+def test_tp_cuts_each_factor_with_its_base_linear() -> None:
+    """Column-parallel base (q, k, v, gate, up: output rows split): B's rows split, A whole with a partial gradient;
+    row-parallel base (o, down: input columns split): A's columns split, B whole with a partial gradient. Rank 1 of
+    2 holds the second half; the forward is the adapter's own on the shard."""
+    whole = adapted().model
+    model = adapted().model
+    shards = parallelize_model(model, model.tensor_parallel_plan(), TPGroup(None, 2, 1))
+    for name, style in (("attn.wq", "column"), ("attn.wk", "column"), ("mlp.w_up", "column"),
+                        ("attn.wo", "row"), ("mlp.w_down", "row")):
+        full, part = whole.get_submodule(f"blocks.0.{name}"), model.get_submodule(f"blocks.0.{name}")
+        assert isinstance(part, LoRALinear), name
+        dim, split, kept = (0, "lora_B", "lora_A") if style == "column" else (1, "lora_A", "lora_B")
+        half = full.weight.shape[dim] // 2  # W and the split factor: the same features
+        assert torch.equal(part.weight, full.weight.narrow(dim, half, half)), name
+        assert torch.equal(getattr(part, split), getattr(full, split).narrow(dim, half, half)), f"{name}.{split}"
+        assert torch.equal(getattr(part, kept), getattr(full, kept)), f"{name}.{kept}"
+        assert shards.sharded[f"blocks.0.{name}.{split}"] == (dim, getattr(full, split).shape)
+        assert f"blocks.0.{name}.{kept}" in shards.partial and f"blocks.0.{name}.{split}" not in shards.partial
+        assert getattr(part, split).requires_grad and not part.weight.requires_grad
+
+
+@pytest.mark.parametrize("cfg", [TINY, MOE], ids=["dense", "moe"])
+def test_merge_computes_what_the_adapted_model_does(cfg: dict) -> None:
+    lora = adapted(cfg).model
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if lora_factor(n) == "B":
+                p.normal_(0, 0.05)
+    merged = merge_adapters(lora.state_dict(), LORA)
+    assert not any(lora_factor(k) for k in merged)
+    plain = base(cfg).model
+    plain.load_state_dict(merged)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    moved = (lora(x) - base(cfg).model(x)).abs().max()
+    assert moved > 1e-2  # the adapters change the output ...
+    torch.testing.assert_close(plain(x), lora(x), rtol=1e-5, atol=1e-5)  # ... and the merged weights hold that
+
+
+# -- every layout against one process ---------------------------------------------------------------------------------
+class OptimizerState(L.Callback):
+    """After training: the elements of optimizer state (tensors of >= 1 dim) this rank holds."""
+
+    def __init__(self) -> None:
+        self.numel = 0
+
+    def on_train_end(self, trainer: L.Trainer, *args) -> None:
+        optimizer = trainer.optimizers[0]
+        self.numel = sum(v.numel() for s in optimizer.state.values() for v in s.values()
+                         if isinstance(v, torch.Tensor) and v.ndim >= 1)
+
+
+MODULE = ("lit_lm.module.LanguageModel", (("lora", LORA),))
+LAYOUTS = {"lm_ddp": (partial(DataParallelStrategy, bucket_cap_mb=0.01), TINY),
+           "zero1": (partial(ZeroStrategy, stage=1), TINY),
+           "zero3": (partial(ZeroStrategy, stage=3), TINY),
+           "tp2": (partial(TensorParallelStrategy, 2, sequence_parallel=True, bucket_cap_mb=0.01), TINY),
+           "ep2": (partial(ExpertParallelStrategy, expert_parallel_size=2, bucket_cap_mb=0.01), MOE)}
+CASES = [Case(strategy, model=dict(cfg), optimizer=opt, module=MODULE, callbacks=(OptimizerState(),),
+              label=f"lora {name} {opt}")
+         for name, (strategy, cfg) in LAYOUTS.items() for opt in ("sgd", "adamw")]
+
+
+def test_lora_matches_one_process_under_every_layout() -> None:
+    """lm_ddp, zero1, zero3, tp2 (sequence parallel) and ep2 (MoE): losses, every gradient part, final parameters
+    as one process, 3 steps of SGD and of AdamW; the base weights bit for bit their initial values on every rank
+    and in the reference; AdamW's state only the adapters' (2 elements per factor element: m, v), each held once
+    over the ZeRO ranks."""
+    runs = run_parity(CASES, 2)
+    for run in runs:
+        assert_parity(run)
+    for cfg in (TINY, MOE):
+        start = {f"model.{n}": p.detach() for n, p in adapted(cfg).model.named_parameters()}
+        factors = sum(p.numel() for n, p in start.items() if lora_factor(n))
+        for run in (r for r in runs if r["case"].model == cfg):
+            tag = run["case"].label
+            moved = [n for n in start if lora_factor(n) and not torch.equal(run["single"]["params"][n], start[n])]
+            assert moved, f"{tag}: the adapters did not train"
+            for got in [run["single"], *run["ranks"]]:
+                for n, value in got["params"].items():
+                    if n in start and not lora_factor(n):
+                        assert torch.equal(value, start[n]), f"{tag}: the frozen {n} changed"
+            if run["case"].optimizer != "adamw":
+                continue
+            held = [got["callbacks"][0].numel for got in run["ranks"]]
+            name = tag.split()[1]
+            if name.startswith("zero"):  # sharded over the 2 ranks: each element once
+                assert sum(held) == 2 * factors, f"{tag}: optimizer state {held}, adapters {factors}"
+            elif name == "lm_ddp":  # replicated
+                assert held == [2 * factors] * 2, f"{tag}: optimizer state {held}, adapters {factors}"
+            else:  # tp / ep: a rank holds its shard of the split factors, the whole of the others
+                assert factors < sum(held) < 4 * factors and max(held) < 2 * factors, f"{tag}: {held}, {factors}"
