@@ -4,8 +4,8 @@ jsonargparse stops at the first unknown key and prints it inside ~50 lines of us
 one typo per run learns nothing from the rest. This checks the yaml files (the default config and every
 `--config`) and the dotted options (`--trainer.max_step 3`) against the keys the CLI knows before it parses
 anything: the top level, `trainer.*` (Trainer's arguments), the model's and the data's init args (of their
-`class_path`, lit-lm's by default), `model.init_args.config.*` and `.schedule.*` (ModelConfig's and Schedule's
-fields) and `model.init_args.optimizer.*` (the named optimizer class's init args; a name that is no optimizer class
+`class_path`, lit-lm's by default), `model.init_args.config.*`, `.schedule.*` and `.lora.*` (ModelConfig's,
+Schedule's and LoRA's fields) and `model.init_args.optimizer.*` (the named optimizer class's init args; a name that is no optimizer class
 is refused too). Other values that are themselves objects (callbacks, loggers, a strategy given as a class) are left
 to jsonargparse.
 """
@@ -27,7 +27,8 @@ TOP_LEVEL = ("seed_everything", "trainer", "model", "data", "optimizer", "lr_sch
              "weights_only", "config", "print_config", "verbose", "return_predictions")
 SUBCLASS = ("class_path", "init_args", "dict_kwargs")  # what jsonargparse accepts beside a class's init args
 DEFAULT_CLASSES = {"model": "lit_lm.module.LanguageModel", "data": "lit_lm.data.datamodule.TextDataModule"}
-MODEL_DATACLASSES = {"config": "lit_lm.config.ModelConfig", "schedule": "lit_lm.schedules.Schedule"}
+MODEL_DATACLASSES = {"config": "lit_lm.config.ModelConfig", "schedule": "lit_lm.schedules.Schedule",
+                     "lora": "lit_lm.lora.LoRA"}
 OPTIMIZER = ("model", "init_args", "optimizer")
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lit_lm.config import ConfigError, ModelConfig
+from lit_lm.config_keys import unknown_keys
 from lit_lm.lora import LoRA, LoRAExperts, LoRALinear, lora_factor, merge_adapters
 from lit_lm.module import LanguageModel
 from lit_lm.param_groups import param_groups
@@ -45,6 +46,9 @@ def test_bad_options_are_one_line_naming_the_valid_targets() -> None:
         LoRA(targets=["q", "qq"])
     with pytest.raises(ConfigError, match="rank >= 1"):
         LoRA(rank=0)
+    (line,) = unknown_keys([], ["--model.init_args.lora.rankk", "3"])  # a misspelled key, before parsing
+    assert "did you mean --model.init_args.lora.rank?" in line
+    assert unknown_keys([], ["--model.init_args.lora.alpha", "3"]) == []
 
 
 @pytest.mark.parametrize("cfg", [TINY, MOE], ids=["dense", "moe"])
