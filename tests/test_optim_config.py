@@ -163,3 +163,24 @@ def test_a_checkpoint_of_before_the_options_resumes(tmp_path):
     for (name, p), q in zip(module.named_parameters(), whole_module.parameters()):
         assert torch.equal(p, q), name
     assert LanguageModel.load_from_checkpoint(path, weights_only=True).optimizer_fn is None
+
+
+def test_elementwise_optimizers_by_config_under_zero_equal_one_process():
+    """The config's optimizer and schedule through the strategies' flat step (ZeRO-2 and ZeRO-3, 2 gloo ranks):
+    SGD with Nesterov momentum and weight decay, and RMSprop with momentum, under WSD, step by step equal to one
+    process (the parity harness: losses, every gradient, final parameters)."""
+    from functools import partial
+
+    from lit_lm.parity import Case, assert_parity, run_parity
+    from lit_lm.strategies.composed import ComposedStrategy
+
+    schedule = {"name": "wsd", "decay": "cosine", "decay_steps": 2}
+    optimizers = {"sgd": {"class_path": "torch.optim.SGD",
+                          "init_args": {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}},
+                  "rmsprop": {"class_path": "torch.optim.RMSprop", "init_args": {"lr": 1e-3, "momentum": 0.5}}}
+    cases = [Case(partial(ComposedStrategy, zero_stage=stage), optimizer="module", steps=4, label=f"zero{stage} {name}",
+                  module=("lit_lm.module.LanguageModel", (("optimizer", optimizer), ("schedule", schedule),
+                                                          ("warmup_steps", 1))))
+             for name, optimizer in optimizers.items() for stage in (2, 3)]
+    for run in run_parity(cases, world_size=2):
+        assert_parity(run)
