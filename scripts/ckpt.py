@@ -3,13 +3,16 @@
     python scripts/ckpt.py inspect runs/.../checkpoints/last.ckpt      # step, topology, every tensor and its size
     python scripts/ckpt.py convert runs/.../checkpoints/last.ckpt model.ckpt   # one plain torch.save file
     python scripts/ckpt.py export-hf runs/.../checkpoints/last.ckpt hf/        # a Hugging Face model (docs/hf.md)
+    python scripts/ckpt.py export-hf --merge-lora last.ckpt hf/   # a LoRA run: adapters merged (docs/finetune.md)
 
 Every command takes any checkpoint a run writes: a single file (`make train`, Lightning's strategies) or a
 sharded directory (lit-lm's strategies), and a Hugging Face model folder (config.json + safetensors). `inspect`
 reads no tensor data: a directory's DCP metadata, marker and meta.pt, a file memory-mapped, or the safetensors
 headers, so it is instant on any size; `convert` writes the whole state as one plain torch.save file
 (`lit_lm.strategies.checkpoint.to_single_file` for a directory) and needs it in CPU memory; `export-hf`
-is `lit_lm.hf.exporter.export_hf`. Errors are one line (`lit-lm: error: ...`, exit 2; `--debug` for a traceback).
+is `lit_lm.hf.exporter.export_hf`; of a LoRA run (`model.init_args.lora`) it writes the adapter alone in PEFT's
+folder format, or with `--merge-lora` the merged model (`lit_lm.hf.peft`). Errors are one line (`lit-lm: error:
+...`, exit 2; `--debug` for a traceback).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from lit_lm.errors import pop_debug_flag, reporting_errors  # noqa: E402
 from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.hf.exporter import export_hf  # noqa: E402
 from lit_lm.hf.importer import HFWeights, is_hf_folder  # noqa: E402
+from lit_lm.hf.peft import checkpoint_lora, export_lora  # noqa: E402
 from lit_lm.strategies.checkpoint import check_complete, is_sharded_checkpoint, to_single_file  # noqa: E402
 from lit_lm.strategies.safe_load import SafeFileSystemReader  # noqa: E402
 
@@ -101,6 +105,8 @@ def main() -> None:
     export = commands.add_parser("export-hf", help="safetensors + config.json + tokenizer for transformers")
     export.add_argument("checkpoint", type=Path)
     export.add_argument("out_dir", type=Path)
+    export.add_argument("--merge-lora", action="store_true",
+                        help="a LoRA run: W + (alpha/r) B A into the base weights (default: the adapter alone, PEFT)")
     args = parser.parse_args()
     if args.command == "inspect":
         inspect(args.checkpoint)
@@ -108,7 +114,11 @@ def main() -> None:
         convert(args.checkpoint, args.out_file)
         print(f"wrote {args.out_file}")
     else:
-        export_hf(read_checkpoint(args.checkpoint), args.out_dir)
+        checkpoint = read_checkpoint(args.checkpoint)
+        if args.merge_lora or checkpoint_lora(checkpoint) is not None:
+            print(f"wrote {args.out_dir}: {export_lora(checkpoint, args.out_dir, args.merge_lora)}")
+            return
+        export_hf(checkpoint, args.out_dir)
         print(f"wrote {args.out_dir} (load with transformers.AutoModelForCausalLM.from_pretrained)")
 
 

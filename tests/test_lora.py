@@ -4,6 +4,7 @@ base bit for bit untouched and optimizer state for the adapters only."""
 
 from __future__ import annotations
 
+import json
 from functools import partial
 
 import lightning as L
@@ -185,3 +186,77 @@ def test_lora_matches_one_process_under_every_layout() -> None:
                 assert held == [2 * factors] * 2, f"{tag}: optimizer state {held}, adapters {factors}"
             else:  # tp / ep: a rank holds its shard of the split factors, the whole of the others
                 assert factors < sum(held) < 4 * factors and max(held) < 2 * factors, f"{tag}: {held}, {factors}"
+
+
+# -- export: merged into the base weights, or the adapter alone in PEFT's format ---------------------------------------
+def test_export_merged_and_peft_adapter_compute_the_adapted_model(tmp_path) -> None:
+    """A LoRA run through the CLI, exported twice by scripts/ckpt.py: `--merge-lora` loads in transformers with the
+    adapted model's logits (not the base's); without it, PEFT's adapter folder: its keys name the base export's
+    modules with PEFT's prefix and factor shapes, its config r / lora_alpha / target_modules, and W + (lora_alpha / r)
+    B A on those modules of the base export (what PEFT computes) gives the adapted logits; with peft installed,
+    `PeftModel.from_pretrained` itself (it is not in lit-lm's lock: then the format is checked as above only)."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+    from test_cli import run_cli, run_script, tiny_args
+
+    from lit_lm.checkpoints import model_state_dict, read_checkpoint
+    from lit_lm.hf.exporter import write_hf
+    from lit_lm.lora import add_adapters, lora_from
+    from lit_lm.model import Transformer
+
+    fit = run_cli("fit", *tiny_args(tmp_path), "--trainer.max_steps", "4", "--model.init_args.lr", "0.05",
+                  "--model.init_args.lora", "{rank: 4, alpha: 8, targets: [q, v, o, up, down]}", cwd=tmp_path)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    last, merged_dir, adapter_dir = tmp_path / "run/checkpoints/last.ckpt", tmp_path / "merged", tmp_path / "adapter"
+    for args in (("--merge-lora", last, merged_dir), (last, adapter_dir)):
+        export = run_script("scripts/ckpt.py", "export-hf", *args, cwd=tmp_path)
+        assert export.returncode == 0, export.stderr[-3000:]
+
+    checkpoint = read_checkpoint(last)
+    hparams = checkpoint["hyper_parameters"]
+    cfg, lora = ModelConfig(**hparams["config"]), lora_from(hparams["lora"])
+    adapted_model = Transformer(cfg).eval()
+    add_adapters(adapted_model, lora)
+    state = model_state_dict(checkpoint)
+    adapted_model.load_state_dict(state)
+    base_state = {k: v for k, v in state.items() if not lora_factor(k)}
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = adapted_model(ids)
+        base_model = Transformer(cfg).eval()
+        base_model.load_state_dict(base_state)
+        assert (expected - base_model(ids)).abs().max() > 1e-3  # the adapters trained away from zero
+
+        merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+        torch.testing.assert_close(merged(ids).logits, expected, rtol=0, atol=1e-4)
+
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
+    assert config["target_modules"] == ["down_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    tensors = load_file(adapter_dir / "adapter_model.safetensors")
+    assert len(tensors) == 2 * 5 * cfg.n_layers
+    write_hf(base_state, cfg, None, tmp_path / "base")
+    base_hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    modules = dict(base_hf.named_modules())
+    for key, value in tensors.items():
+        assert key.startswith("base_model.model.model.layers.") and key.endswith((".lora_A.weight", ".lora_B.weight"))
+        module = modules[key.removeprefix("base_model.model.").rsplit(".", 2)[0]]
+        rank_dim = 0 if ".lora_A." in key else 1
+        assert value.shape[rank_dim] == 4
+        assert value.shape[1 - rank_dim] == (module.in_features if rank_dim == 0 else module.out_features), key
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in tensors
+    try:
+        import peft
+    except ImportError:
+        peft = None
+    if peft is not None:
+        with torch.no_grad():
+            got = peft.PeftModel.from_pretrained(base_hf, adapter_dir).eval()(ids).logits
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    with torch.no_grad():  # PEFT's update, W + (lora_alpha / r) B A, on the named modules of the base export
+        for key, a in tensors.items():
+            if ".lora_A." in key:
+                module = modules[key.removeprefix("base_model.model.").rsplit(".", 2)[0]]
+                b = tensors[key.replace(".lora_A.", ".lora_B.")]
+                module.weight += config["lora_alpha"] / config["r"] * b @ a
+        torch.testing.assert_close(base_hf(ids).logits, expected, rtol=0, atol=1e-4)
