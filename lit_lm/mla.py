@@ -36,6 +36,9 @@ from torch import Tensor, nn
 from lit_lm.config import ModelConfig
 
 
+LATENT_EPS = 1e-6  # the latents' norms' epsilon: DeepSeek's RMSNorm default, whatever rms_norm_eps says
+
+
 def yarn_mscale(rope_scaling: Optional[dict]) -> float:
     """YaRN's attention temperature for the softmax of all dims: 0.1 * mscale_all_dim * ln(factor) + 1 when
     `rope_scaling` is YaRN with a factor > 1 and mscale_all_dim, else 1 (transformers' `yarn_apply_mscale`)."""
@@ -61,10 +64,10 @@ class LatentAttention(nn.Module):
             self.wq = nn.Linear(d, h * qk, bias=False)
         else:
             self.wq_a = nn.Linear(d, cfg.mla_q_rank, bias=False)
-            self.q_norm = RMSNorm(cfg.mla_q_rank, cfg.norm_eps)
+            self.q_norm = RMSNorm(cfg.mla_q_rank, LATENT_EPS)
             self.wq_b = nn.Linear(cfg.mla_q_rank, h * qk, bias=False)
         self.wkv_a = nn.Linear(d, self.kv_rank + self.rope_dim, bias=False)
-        self.kv_norm = RMSNorm(self.kv_rank, cfg.norm_eps)
+        self.kv_norm = RMSNorm(self.kv_rank, LATENT_EPS)
         self.wkv_b = nn.Linear(self.kv_rank, h * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(h * self.v_dim, d, bias=False)
         self.rope = RotaryEmbedding(self.rope_dim, cfg.rope_theta, cfg.rope_scaling)

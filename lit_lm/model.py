@@ -419,31 +419,28 @@ class Transformer(nn.Module):
 
     # -- forward --------------------------------------------------------------------------------------------
     def forward(self, idx: Tensor, positions: Optional[Tensor] = None, cache: Optional[list[KVCache]] = None,
-                documents: Optional[Tensor] = None) -> Tensor:
+                documents: Optional[Tensor] = None, targets: Optional[Tensor] = None) -> Tensor:
         """idx (B, T) token ids -> logits (B, T, padded_vocab_size). `positions` (T,) are the tokens' places in
         the sequence (for RoPE): None means 0..T-1; a context-parallel rank passes those of the chunks it holds;
         (B, T): per row (documents restarting at 0). `documents` (B, T): each token's document in its row
         (`lit_lm.data.packing`): attention stays inside it; None: the row is one sequence.
         With `cache` (one `KVCache` per block), idx continues the cached positions and the cache is extended
-        (`lit_lm.generate`)."""
-        return self.lm_head(self.norm(self.hidden(idx, positions, cache, documents)))
-
-    def hidden(self, idx: Tensor, positions: Optional[Tensor] = None, cache: Optional[list[KVCache]] = None,
-               documents: Optional[Tensor] = None) -> Tensor:
-        """The last block's output (B, T, d_model), before the final norm: `forward` without its head."""
+        (`lit_lm.generate`). With `targets` and multi-token prediction, its loss is left in `mtp_loss` (as MoE
+        layers leave theirs): inside forward, so a strategy's hooks on it (ZeRO-3's gathers) cover its modules."""
         x = self.tok_embeddings(idx)
         for i, block in enumerate(self.blocks.values()):
             x = block(x, positions, None if cache is None else cache[i], documents=documents)
-        return x
+        if targets is not None and self.mtp is not None:
+            self.mtp_loss = mtp_loss(self, x, idx, targets, positions, documents)
+        return self.lm_head(self.norm(x))
 
     def loss(self, idx: Tensor, targets: Tensor, positions: Optional[Tensor] = None,
              documents: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """(loss to optimise, detached cross-entropy) for next-token prediction; MoE balancing losses and the
         multi-token prediction loss (`lit_lm.mtp`) included, `ce` the next token's only."""
-        h = self.hidden(idx, positions, documents=documents)
-        loss, ce = self.loss_fn(self.lm_head(self.norm(h)), targets)
+        loss, ce = self.loss_fn(self(idx, positions, documents=documents, targets=targets), targets)
         if self.mtp is not None:
-            loss = loss + mtp_loss(self, h, idx, targets, positions, documents)
+            loss = loss + self.mtp_loss
         return loss + moe_aux_loss(self), ce
 
     def context_parallel_plan(self) -> dict:

@@ -48,6 +48,13 @@ FAMILIES = {
                                                      moe_intermediate_size=24, norm_topk_prob=True,
                                                      mlp_only_layers=[0]),
     "olmoe": lambda: transformers.OlmoeConfig(**BASE, **MOE, num_experts=4),
+    # MLA (non-interleaved rope here), 4 experts in 2 groups (the best 1), 2 shared experts, a dense first block: each
+    # key off transformers' default (tests/test_deepseek_v3.py: interleaved, the selection bias, layouts)
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **{**BASE, "num_key_value_heads": SHAPE["num_attention_heads"]}, **MOE, n_routed_experts=4,
+        moe_intermediate_size=16, n_shared_experts=2, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+        first_k_dense_replace=1, norm_topk_prob=False, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=4,
+        qk_rope_head_dim=4, v_head_dim=6, rope_interleave=False),
 }
 
 
@@ -151,7 +158,9 @@ def test_every_config_key_a_family_reads_matters(hf_dirs):
 # a config.json with the shape only, the heads a multiple of the default num_key_value_heads (Qwen2's, Qwen3's: 32)
 STATED = dict(vocab_size=SHAPE["vocab_size"], hidden_size=256, intermediate_size=48, num_hidden_layers=1)
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2)
-STATED_MOE = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2), "qwen3_moe": EXPERTS, "olmoe": EXPERTS}
+STATED_MOE = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2), "qwen3_moe": EXPERTS, "olmoe": EXPERTS,
+              "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                  first_k_dense_replace=0)}
 
 
 @pytest.mark.parametrize("model_type", list(ENTRIES))
@@ -172,7 +181,8 @@ def test_a_config_without_its_optional_keys_imports_with_transformers_defaults(m
         torch.testing.assert_close(load_model(tmp_path)(IDS), _transformers(tmp_path)(IDS).logits, rtol=1e-4,
                                    atol=1e-4)
     nulls = config_from_hf({**stated, "num_key_value_heads": None, "head_dim": None, "sliding_window": None})
-    assert (nulls.n_kv_heads, nulls.head_dim, nulls.sliding_window) == (heads, 256 // heads, None)
+    head_dim = 64 if model_type == "deepseek_v3" else 256 // heads  # DeepSeek-V3's: its qk_rope_head_dim
+    assert (nulls.n_kv_heads, nulls.head_dim, nulls.sliding_window) == (heads, head_dim, None)
 
 
 def test_transformers_4_config_with_top_level_rope(tmp_path):

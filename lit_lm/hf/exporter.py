@@ -31,13 +31,17 @@ from lit_lm.data.tokenizer import Tokenizer
 
 # what an exported model must keep besides ARCHITECTURE: the function of each layer
 FUNCTION = ("rope_theta", "rope_scaling", "sliding_window", "norm_eps", "moe_top_k", "moe_score", "moe_norm_topk",
-            "padded_vocab_size")
+            "padded_vocab_size", "moe_groups", "moe_topk_groups", "moe_routed_scale", "mla_rope_interleave")
 
 
 def _signature(cfg: ModelConfig) -> dict[str, Any]:
     """The fields that decide the model's tensors and function, less those that decide nothing here (the MoE
     fields of a dense model, d_ff when every block is MoE, the vocabulary's padding rule: its padded size counts)."""
-    names = [n for n in ARCHITECTURE + FUNCTION if n not in ("vocab_size", "vocab_multiple_of")]
+    names = [n for n in ARCHITECTURE + FUNCTION if n not in ("vocab_size", "vocab_multiple_of", "mtp_layers")]
+    if not cfg.mla_kv_rank:
+        names = [n for n in names if not n.startswith("mla_")]
+    else:  # multi-head latent attention has neither kv heads nor one head_dim
+        names = [n for n in names if n not in ("n_kv_heads", "head_dim")]
     if not cfg.moe_experts:
         names = [n for n in names if not n.startswith("moe_")]
     elif all(cfg.is_moe_layer(i) for i in range(cfg.n_layers)):
@@ -99,7 +103,9 @@ def hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
     family = export_family(cfg)
     out = {}
     for name, value in state.items():
-        if name.endswith("expert_bias"):
+        if name.startswith("mtp."):  # multi-token prediction: a training loss, not in the family's model
+            continue
+        if name.endswith("expert_bias") and family.experts.bias is None:
             if value.any():
                 raise ConfigError(f"{name} is not zero (moe_bias_update trained it) and changes which experts are "
                                   f"chosen; a {family.model_type} router has no such bias, so the export would route "

@@ -28,6 +28,10 @@ NO_BIAS = (("attention_bias", "lit-lm's projections have no biases (but Qwen2's 
 NO_LAYER_WINDOWS = (("use_sliding_window", "lit-lm windows every layer or none (Mistral), not per layer"),)
 
 # lit-lm module (under blocks.<i>.) -> Hugging Face module (under model.layers.<i>.), every family
+# multi-head latent attention's (lit_lm.mla, DeepSeek-V3)
+MLA_BLOCK = {"attn.wq": "self_attn.q_proj", "attn.wq_a": "self_attn.q_a_proj", "attn.q_norm": "self_attn.q_a_layernorm",
+             "attn.wq_b": "self_attn.q_b_proj", "attn.wkv_a": "self_attn.kv_a_proj_with_mqa",
+             "attn.kv_norm": "self_attn.kv_a_layernorm", "attn.wkv_b": "self_attn.kv_b_proj"}
 BLOCK = {"attn_norm": "input_layernorm", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
          "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj", "attn.q_norm": "self_attn.q_norm",
          "attn.k_norm": "self_attn.k_norm", "mlp_norm": "post_attention_layernorm", "mlp.w_gate": "mlp.gate_proj",
@@ -45,11 +49,18 @@ class Experts:
     gate: str = "gate_proj"
     up: str = "up_proj"
     down: str = "down_proj"
+    shared: Optional[str] = None  # the shared experts' SwiGLU (DeepSeek-V3: mlp.shared_experts), gate/up/down named so
+    bias: Optional[str] = None  # the router's selection bias (lit-lm's expert_bias buffer: e_score_correction_bias)
 
     def names(self, layer: str, param: str, n_experts: int) -> Union[str, list[str]]:
         """The Hugging Face name(s) of MoE parameter `param` (relative to the block's mlp) of layer `layer`."""
         if param == "router.weight":
             return f"model.layers.{layer}.{self.router}.weight"
+        if param == "router.expert_bias" and self.bias is not None:
+            return f"model.layers.{layer}.{self.bias}"
+        if param.startswith("shared.w_") and self.shared is not None:
+            proj = {"w_gate": self.gate, "w_up": self.up, "w_down": self.down}[param.split(".")[1]]
+            return f"model.layers.{layer}.{self.shared}.{proj}.weight"
         proj = {"experts.w_gate": self.gate, "experts.w_up": self.up, "experts.w_down": self.down}.get(param)
         if proj is None:
             raise KeyError(param)
@@ -66,6 +77,7 @@ class Family:
     refuse: tuple[tuple[str, str], ...] = ()  # (config.json key, why) refused when truthy
     writes: dict[str, Any] = field(default_factory=dict)  # constant config.json keys of the export
     experts: Optional[Experts] = None  # an MoE family's layer names
+    block: Optional[dict[str, str]] = None  # module names beyond (and before) BLOCK's (MLA's)
 
     @property
     def all_fields(self) -> dict[str, tuple[str, ...]]:
@@ -78,6 +90,8 @@ class Family:
         if not module.startswith("blocks."):
             return f"{TOP[module]}.{kind}"
         _, layer, rest = module.split(".", 2)
+        if self.block is not None and rest in self.block:
+            return f"model.layers.{layer}.{self.block[rest]}.{kind}"
         if rest in BLOCK:
             return f"model.layers.{layer}.{BLOCK[rest]}.{kind}"
         if self.experts is not None and rest.startswith("mlp."):
@@ -91,8 +105,9 @@ class Family:
 MOE_FIELDS = {"moe_top_k": ("num_experts_per_tok",)}
 DEFAULT = {"num_key_value_heads": None, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "head_dim": None,
            "rope_theta": 10000.0}  # transformers' values when a key is absent (a family's `defaults` first)
-NULL_IS_NONE = ("num_key_value_heads", "head_dim", "sliding_window")  # stated null: no window, or derived (the
-# heads, hidden / heads), as transformers reads it, not the value for an absent key (Mistral-7B-v0.3's null window)
+# stated null: no window, or derived (the heads, hidden / heads), or DeepSeek's direct query (no q_lora_rank), as
+# transformers reads it, not the value for an absent key (Mistral-7B-v0.3's null window)
+NULL_IS_NONE = ("num_key_value_heads", "head_dim", "sliding_window", "q_lora_rank")
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("llama", "LlamaForCausalLM", refuse=NO_BIAS, writes={"attention_bias": False, "mlp_bias": False}),
@@ -123,6 +138,26 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            defaults={"norm_topk_prob": False, "rms_norm_eps": 1e-5}, sets={"qk_norm": True, "qk_norm_scope": "all"},
            refuse=NO_BIAS[:1] + (("clip_qkv", "lit-lm does not clip q, k and v"),), writes={"attention_bias": False},
            experts=Experts()),
+    # DeepSeek-V3 (also Moonlight, Kimi K2's architecture): MLA, sigmoid node-limited routing with a selection bias
+    # and a scale, a shared expert, the first blocks dense. Its multi-token prediction layers (model.layers.<n>.*,
+    # num_nextn_predict_layers) are skipped on import as transformers skips them, and not exported.
+    Family("deepseek_v3", "DeepseekV3ForCausalLM",
+           fields={"moe_experts": ("n_routed_experts",), "moe_d_ff": ("moe_intermediate_size",),
+                   "moe_norm_topk": ("norm_topk_prob",), "moe_shared_experts": ("n_shared_experts",),
+                   "moe_first_dense": ("first_k_dense_replace",), "moe_groups": ("n_group",),
+                   "moe_topk_groups": ("topk_group",), "moe_routed_scale": ("routed_scaling_factor",),
+                   "mla_kv_rank": ("kv_lora_rank",), "mla_q_rank": ("q_lora_rank",),
+                   "mla_qk_nope_dim": ("qk_nope_head_dim",), "mla_qk_rope_dim": ("qk_rope_head_dim",),
+                   "mla_v_dim": ("v_head_dim",), "mla_rope_interleave": ("rope_interleave",), **MOE_FIELDS,
+                   "head_dim": ("qk_rope_head_dim",)},  # transformers' head_dim is always the rope dims
+           defaults={"moe_intermediate_size": 2048, "n_shared_experts": 1,
+                     "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+                     "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
+                     "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
+                     "rope_interleave": True},
+           sets={"moe_score": "sigmoid", "moe_every": 1, "n_kv_heads": None}, refuse=NO_BIAS[:1],  # MLA: no kv heads
+           writes={"attention_bias": False, "num_nextn_predict_layers": 0},
+           experts=Experts(shared="mlp.shared_experts", bias="mlp.gate.e_score_correction_bias"), block=MLA_BLOCK),
 )}
 
 # families recognised but refused, with the config.json key that lit-lm cannot express

@@ -37,7 +37,8 @@ HF_FOLDER = "lit_lm_hf_folder"  # key of `as_checkpoint`'s dict: the folder it w
 # what the import sets whatever the run's config says, before the family's fields (a dense Llama unless stated)
 PLAIN = dict(vocab_multiple_of=1, sliding_window=None, qkv_bias=False, qk_norm=False, qk_norm_scope="head",
              moe_experts=0, moe_d_ff=None, moe_norm_topk=True, moe_score="softmax", moe_every=1, moe_first_dense=0,
-             moe_shared_experts=0)
+             moe_shared_experts=0, moe_groups=1, moe_topk_groups=1, moe_routed_scale=1.0, mla_kv_rank=0,
+             mla_q_rank=None, mla_qk_nope_dim=0, mla_qk_rope_dim=0, mla_v_dim=0, mla_rope_interleave=True, mtp_layers=0)
 
 
 def is_hf_folder(path: PathLike) -> bool:
@@ -130,7 +131,7 @@ def config_from_hf(hf: dict[str, Any], base: Optional[ModelConfig] = None, where
         for ours in ("moe_experts", "moe_top_k"):
             if values[ours] is None:
                 refuse(family.all_fields[ours][0], "(missing)", "an MoE config states its experts")
-        values.update(_moe_layers(hf, refuse))
+        values = {**_moe_layers(hf, refuse), **values}  # a family's own keys for them first (DeepSeek-V3's)
     try:
         return replace(base or ModelConfig(), **{**PLAIN, **values, **family.sets}, rope_theta=theta,
                        rope_scaling=scaling)
@@ -206,14 +207,30 @@ class HFWeights:
         from lit_lm.model import Transformer
 
         with torch.device("meta"):
-            names = [n for n, _ in Transformer(self.config).named_parameters()]
+            model = Transformer(self.config)
+        names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers() if self.holds(n)]
         wanted = {s for n in names for s in self._sources(n)}
         missing = sorted(wanted - set(self.files))
-        extra = sorted(k for k in set(self.files) - wanted - {"lm_head.weight"} if not k.endswith("inv_freq"))
+        extra = sorted(k for k in set(self.files) - wanted - {"lm_head.weight"}
+                       if not k.endswith("inv_freq") and not self._past_layers(k))
         if missing or extra:
             what = f"has no tensor {missing[0]}" if missing else f"has a tensor {extra[0]} lit-lm's model has not"
             raise ConfigError(f"{self.folder}: the weights do not match its {CONFIG}: it {what} "
                               f"({len(missing)} missing, {len(extra)} unexpected) (model.init_args.init_from)")
+
+    def _past_layers(self, key: str) -> bool:
+        """A tensor of a layer past the decoder's (DeepSeek-V3's multi-token prediction layers, model.layers.<n>):
+        skipped, as transformers skips them."""
+        parts = key.split(".")
+        return key.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= self.config.n_layers
+
+    def holds(self, name: str) -> bool:
+        """Whether the files hold parameter or buffer `name` (a router's selection bias in DeepSeek-V3 only)."""
+        try:
+            self.family.hf_name(name, self.config)
+        except KeyError:
+            return False
+        return True
 
     def _source(self, name: str) -> Union[str, list[str]]:
         """The tensor in the files that holds parameter `name` (a tied head is the embedding), or one per expert

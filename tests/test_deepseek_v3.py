@@ -1,0 +1,202 @@
+"""DeepSeek-V3's architecture (transformers `deepseek_v3`): multi-head latent attention (lit_lm/mla.py), node-limited
+sigmoid routing with a selection bias and a routed scale, a shared expert, a first dense block, multi-token
+prediction (lit_lm/mtp.py); tiny random models made with `transformers` (no network).
+
+- logits equal transformers' within 1e-5 and greedy decoding token for token (the decoding cache holds the latent
+  and the rope key only); the export is the same files, loaded by transformers as DeepseekV3ForCausalLM;
+- every config.json key of the family matters: changed, the import is refused (a shape) or the logits move;
+- MTP: its loss is the stated formula, and forward / generation never run it;
+- under zero1-3, tp2 (heads split, the latent's down-projections replicated), ep2 and pp2 a step equals one
+  process (the parity harness).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from lit_lm.config import ConfigError, ModelConfig  # noqa: E402
+from lit_lm.hf.exporter import export_hf  # noqa: E402
+from lit_lm.hf.importer import as_checkpoint, load_model  # noqa: E402
+from lit_lm.model import KVCache, Transformer  # noqa: E402
+from lit_lm.parity import TINY, Case, assert_parity, run_parity  # noqa: E402
+from lit_lm.strategies.ep import ExpertParallelStrategy  # noqa: E402
+from lit_lm.strategies.pp import PipelineStrategy  # noqa: E402
+from lit_lm.strategies.tp import TensorParallelStrategy  # noqa: E402
+from lit_lm.strategies.zero import ZeroStrategy  # noqa: E402
+
+# 8 experts in 4 groups of 2, the best 2 groups, top-2: the group limit decides (see the key test's n_group)
+SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+             num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1,
+             kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, initializer_range=0.1,
+             rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+VARIANTS = {"q_lora": dict(q_lora_rank=24), "direct q": dict(q_lora_rank=None, norm_topk_prob=False)}
+IDS = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def save_deepseek(folder: Path, seed: int, **overrides) -> None:
+    """A random DeepseekV3ForCausalLM: norms around 1, routers of std 1 (clear top-k choices) and a non-zero
+    selection bias (e_score_correction_bias), so a skipped norm, scale or bias shows."""
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV3Config(**{**SHAPE, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    out = {}
+    for i, (name, overrides) in enumerate(VARIANTS.items()):
+        out[name] = tmp_path_factory.mktemp(name.replace(" ", "_"))
+        save_deepseek(out[name], seed=20 + i, **overrides)
+    return out
+
+
+def _transformers(folder: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_greedy_and_export_equal_transformers(folders, variant, tmp_path):
+    from safetensors.torch import load_file
+
+    from lit_lm.generate import generate
+
+    folder = folders[variant]
+    theirs, ours = _transformers(folder), load_model(folder)
+    assert ours.config.mla_kv_rank == 16 and ours.config.moe_groups == 4 and ours.config.mtp_layers == 0
+    with torch.no_grad():
+        expected = theirs(IDS).logits
+        torch.testing.assert_close(ours(IDS), expected, rtol=1e-5, atol=1e-5)
+    prompt = IDS[:1, :5]
+    want = theirs.generate(prompt, max_new_tokens=12, do_sample=False)[0, 5:].tolist()
+    assert generate(ours, prompt, 12, temperature=0.0)[0, 5:].tolist() == want
+    export_hf(as_checkpoint(folder), tmp_path / "out")
+    before, after = load_file(folder / "model.safetensors"), load_file(tmp_path / "out/model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    again = _transformers(tmp_path / "out")
+    assert type(again).__name__ == "DeepseekV3ForCausalLM"
+    with torch.no_grad():
+        torch.testing.assert_close(again(IDS).logits, expected, rtol=0, atol=0)
+
+
+def test_decoding_caches_the_latent_and_equals_the_full_forward(folders):
+    """Token by token with the cache = the whole sequence without it; the cache holds the normed latent
+    (kv_lora_rank) and the rotated shared rope key (qk_rope_head_dim) per position, one 'head' each."""
+    model = load_model(folders["q_lora"])
+    cache = [KVCache() for _ in model.blocks]
+    with torch.no_grad():
+        steps = [model(IDS[:, :6], cache=cache)] + [model(IDS[:, t:t + 1], cache=cache) for t in range(6, 16)]
+        torch.testing.assert_close(torch.cat(steps, dim=1), model(IDS), rtol=1e-5, atol=1e-5)
+    assert [tuple(c.k.shape) for c in cache] == [(2, 1, 16, 16)] * 3
+    assert [tuple(c.v.shape) for c in cache] == [(2, 1, 16, 4)] * 3
+
+
+# a changed value per config.json key: those that change a shape are refused on import, the others move the logits
+CHANGED = {"n_routed_experts": 4, "moe_intermediate_size": 8, "n_shared_experts": 2, "first_k_dense_replace": 0,
+           "kv_lora_rank": 8, "q_lora_rank": 12, "qk_nope_head_dim": 4, "qk_rope_head_dim": 2, "v_head_dim": 8,
+           "num_experts_per_tok": 3, "norm_topk_prob": False, "n_group": 1, "topk_group": 4,
+           "routed_scaling_factor": 1.0, "rope_interleave": False, "rms_norm_eps": 1e-2,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 100.0}}
+
+
+def test_every_config_key_matters(folders, tmp_path):
+    """Each key the family reads, changed in config.json beside the same tensors: refused (shapes) or other logits
+    (far beyond the tolerance); n_group 1 is routing without the group limit."""
+    from lit_lm.hf.families import FAMILIES
+
+    folder = folders["q_lora"]
+    expected = _transformers(folder)(IDS).logits.detach()
+    keys = {keys[0] for keys in FAMILIES["deepseek_v3"].fields.values()}
+    assert keys - {"num_nextn_predict_layers"} <= set(CHANGED), keys - set(CHANGED)
+    hf = json.loads((folder / "config.json").read_text())
+    for key, value in CHANGED.items():
+        shutil.rmtree(tmp_path / "v", ignore_errors=True)
+        shutil.copytree(folder, tmp_path / "v")
+        (tmp_path / "v/config.json").write_text(json.dumps({**hf, key: value}))
+        try:
+            with torch.no_grad():
+                got = load_model(tmp_path / "v")(IDS)
+        except ConfigError:
+            continue
+        assert (got - expected).abs().max() > 1e-3, key
+
+
+def test_mtp_loss_is_the_stated_formula_and_stays_out_of_forward():
+    """loss = main CE + mtp_weight / D * sum_k CE_k, CE_k of lm_head(norm_k(block_k(eh_proj([enorm(emb(idx[k:]));
+    hnorm(h^{k-1}[:T-k])])))) against targets[k:]; the logits are those of the same model without MTP."""
+    cfg = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, mla_kv_rank=8, mla_q_rank=None, mla_qk_nope_dim=4,
+               mla_qk_rope_dim=4, mla_v_dim=8, max_seq_len=16, vocab_multiple_of=1)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**cfg, mtp_layers=2, mtp_weight=0.5))
+    plain = Transformer(ModelConfig(**cfg))
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")})
+    idx = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    x, y = idx[:, :-1], idx[:, 1:]
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    h = plain.tok_embeddings(x)
+    for block in plain.blocks.values():
+        h = block(h)
+    want = F.cross_entropy(plain(x).flatten(0, 1), y.flatten())
+    mtp = []
+    for k, m in enumerate(model.mtp.values(), start=1):
+        n = x.shape[1] - k
+        h = m.block(m.eh_proj(torch.cat((m.enorm(model.tok_embeddings(x[:, k:])), m.hnorm(h[:, :n])), -1)))
+        mtp.append(F.cross_entropy(model.lm_head(m.norm(h)).flatten(0, 1), y[:, k:].flatten()))
+    loss, ce = model.loss(x, y)
+    torch.testing.assert_close(ce, want)
+    torch.testing.assert_close(loss, want + 0.5 / 2 * sum(mtp))
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.mtp.parameters())
+
+
+def test_refusals_in_one_line():
+    cfg = dict(TINY, mla_kv_rank=8, mla_qk_nope_dim=4, mla_qk_rope_dim=4, mla_v_dim=8)
+    with pytest.raises(ConfigError, match="context parallelism does not run multi-head latent attention"):
+        Transformer(ModelConfig(**cfg)).context_parallel_plan()
+    with pytest.raises(ConfigError, match="tensor parallelism does not split the multi-token prediction"):
+        Transformer(ModelConfig(**cfg, mtp_layers=1)).tensor_parallel_plan()
+    with pytest.raises(ConfigError, match="pipeline parallelism does not run the multi-token prediction"):
+        Transformer(ModelConfig(**cfg, mtp_layers=1)).pipeline_split([0], True, False)
+    with pytest.raises(ConfigError, match="`mla_qk_rope_dim` 3 must be even"):
+        ModelConfig(**{**cfg, "mla_qk_rope_dim": 3})
+    with pytest.raises(ConfigError, match="`moe_groups`=3 must split `moe_experts`=4"):
+        ModelConfig(**TINY, moe_experts=4, moe_groups=3)
+
+
+# lit-lm's own DeepSeek-V3-shaped model: MLA with a low-rank query, block 0 dense, block 1 MoE with 8 experts in 4
+# groups (the best 2), a shared expert, sigmoid scores, routed scale, aux-free balancing
+DEEPSEEK = dict(TINY, n_kv_heads=4, mla_kv_rank=8, mla_q_rank=12, mla_qk_nope_dim=4, mla_qk_rope_dim=4, mla_v_dim=6,
+                moe_experts=8, moe_top_k=2, moe_groups=4, moe_topk_groups=2, moe_d_ff=16, moe_shared_experts=1,
+                moe_first_dense=1, moe_score="sigmoid", moe_routed_scale=2.5, moe_bias_update=1e-3)
+
+
+def test_layouts_equal_one_process():
+    """zero1-3, tp2 (heads split; wq_a, q_norm, wkv_a, kv_norm replicated with their gradients summed over tp),
+    ep2 (4 routed experts per rank, the shared expert dense on both) and pp2: three steps as one process."""
+    cases = [Case(partial(ZeroStrategy, stage=s), model=DEEPSEEK, label=f"zero{s}") for s in (1, 2, 3)]
+    cases += [Case(partial(TensorParallelStrategy, 2, sequence_parallel=False), model=DEEPSEEK, label="tp2"),
+              Case(partial(ExpertParallelStrategy, expert_parallel_size=2), model=DEEPSEEK, label="ep2"),
+              Case(partial(PipelineStrategy, pipeline_parallel_size=2, microbatches=2, schedule="1f1b"),
+                   model=DEEPSEEK, label="pp2")]
+    for run in run_parity(cases, 2):
+        assert_parity(run)
