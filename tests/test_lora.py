@@ -23,6 +23,7 @@ from lit_lm.strategies.placement import materialize
 from lit_lm.strategies.tp import TensorParallelStrategy
 from lit_lm.strategies.tp_layers import TPGroup, parallelize_model
 from lit_lm.strategies.zero import ZeroStrategy
+from lit_lm.strategies.zero_engine import model_state_bytes
 
 LORA = LoRA(rank=4, alpha=8.0)  # every target
 
@@ -135,10 +136,15 @@ def test_merge_computes_what_the_adapted_model_does(cfg: dict) -> None:
 
 # -- every layout against one process ---------------------------------------------------------------------------------
 class OptimizerState(L.Callback):
-    """After training: the elements of optimizer state (tensors of >= 1 dim) this rank holds."""
+    """After training: the elements of optimizer state (tensors of >= 1 dim) this rank holds; at the last step the
+    bytes of parameters, gradients and optimizer state it holds (`model_state_bytes`)."""
 
     def __init__(self) -> None:
         self.numel = 0
+        self.bytes: dict[str, int] = {}
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer) -> None:
+        self.bytes = model_state_bytes(module, getattr(optimizer, "optimizer", optimizer))
 
     def on_train_end(self, trainer: L.Trainer, *args) -> None:
         optimizer = trainer.optimizers[0]
@@ -155,14 +161,16 @@ LAYOUTS = {"lm_ddp": (partial(DataParallelStrategy, bucket_cap_mb=0.01), TINY),
 CASES = [Case(strategy, model=dict(cfg), optimizer=opt, module=MODULE, callbacks=(OptimizerState(),),
               label=f"lora {name} {opt}")
          for name, (strategy, cfg) in LAYOUTS.items() for opt in ("sgd", "adamw")]
+FULL_ZERO3 = Case(LAYOUTS["zero3"][0], optimizer="adamw", callbacks=(OptimizerState(),), label="full zero3 adamw")
 
 
 def test_lora_matches_one_process_under_every_layout() -> None:
     """lm_ddp, zero1, zero3, tp2 (sequence parallel) and ep2 (MoE): losses, every gradient part, final parameters
     as one process, 3 steps of SGD and of AdamW; the base weights bit for bit their initial values on every rank
     and in the reference; AdamW's state only the adapters' (2 elements per factor element: m, v), each held once
-    over the ZeRO ranks."""
-    runs = run_parity(CASES, 2)
+    over the ZeRO ranks. Under zero3 a rank holds the frozen base's rows (1/2) as full fine-tuning does, and
+    gradients and optimizer state for the adapters' rows only."""
+    *runs, full = run_parity([*CASES, FULL_ZERO3], 2)
     for run in runs:
         assert_parity(run)
     for cfg in (TINY, MOE):
@@ -186,6 +194,13 @@ def test_lora_matches_one_process_under_every_layout() -> None:
                 assert held == [2 * factors] * 2, f"{tag}: optimizer state {held}, adapters {factors}"
             else:  # tp / ep: a rank holds its shard of the split factors, the whole of the others
                 assert factors < sum(held) < 4 * factors and max(held) < 2 * factors, f"{tag}: {held}, {factors}"
+            if name == "zero3":  # bytes per rank at the step, against full fine-tuning under zero3
+                for got, ref in zip(run["ranks"], full["ranks"]):
+                    lora_bytes, full_bytes = got["callbacks"][0].bytes, ref["callbacks"][0].bytes
+                    assert lora_bytes["grads"] == 4 * factors // 2  # the adapters' rows: none for the frozen base
+                    assert lora_bytes["params"] == full_bytes["params"] + 4 * factors // 2  # the base sharded as ever
+                    assert 0 <= lora_bytes["optimizer"] - 8 * factors // 2 < 1024  # m, v (+ step counters)
+                    assert full_bytes["grads"] == full_bytes["params"]  # full: every parameter's gradient rows
 
 
 # -- export: merged into the base weights, or the adapter alone in PEFT's format ---------------------------------------
