@@ -65,6 +65,7 @@ FOUR_RANKS = {
     "zero3 x tp replicated": muon_case("zero3 dp2 x tp2 replicated NS", zero_stage=3, tensor_parallel_size=2,
                                        ns_mode="replicated"),
     "dp x tp": muon_case("dp2 x tp2", tensor_parallel_size=2),
+    "hsdp": muon_case("HSDP 2 x 2 zero3", zero_stage=3, data_parallel_replicate_size=2),
     "dp x pp": muon_case("zero1 dp2 x pp2", zero_stage=1, pipeline_parallel_size=2, microbatches=2),
     "tp x pp": muon_case("tp2 x pp2 1f1b", tensor_parallel_size=2, pipeline_parallel_size=2, microbatches=2,
                          schedule="1f1b"),

@@ -191,6 +191,7 @@ class ShardedOrthogonalizer:
         self._weights = {id(w.local): w for w in weights}
         self._replica = replica_group
         self._plans: dict[tuple[int, ...], tuple[list[int], list[Pool]]] = {}
+        self._device = torch.device("cpu")  # the updates' (each call's)
 
     def matrix_shape(self, tensor: Tensor) -> tuple[int, int]:
         shard = self._weights.get(id(tensor))
@@ -216,6 +217,10 @@ class ShardedOrthogonalizer:
                 for e in range(t.shape[0]) if t.ndim == 3 else [None]:  # an expert stack: each expert a matrix
                     pool.units.append(Unit(i, e, tuple(shard.global_shape[-2:]), levels))
             for pool in pools.values():
+                first = pool.units[0].levels
+                if any(a.group is not b.group for u in pool.units for a, b in zip(u.levels, first)):
+                    raise ValueError(f"matrices cut over different groups that share the names {pool.key}: name "
+                                     "each group (comm.name_group) so that their all-to-alls stay apart")
                 if self.mode == "owner":
                     assign_owners(pool.units)
                 else:
@@ -227,7 +232,7 @@ class ShardedOrthogonalizer:
     @torch.no_grad()
     def __call__(self, tensors: list[Tensor], updates: list[Tensor], ns: NS) -> list[Tensor]:
         whole, pools = self._plan(tensors)
-        self._device = updates[0].device if updates else torch.device("cpu")
+        self._device = updates[0].device if updates else self._device
         out: list[Tensor] = [None] * len(updates)  # type: ignore[list-item]
 
         def part(values: list[Tensor], unit: Unit) -> Tensor:
@@ -267,7 +272,7 @@ class ShardedOrthogonalizer:
         sends = [[held[u].reshape(-1) for u in units if self._mine(u, k, r)] for r in range(level.size)]
         owned = [u for u in units if self._mine(u, k, level.rank)]
         shapes = [[u.levels[k].shape(u.shape_at(k + 1), r) for u in owned] for r in range(level.size)]
-        received = self._all_to_all(level, sends, shapes, held)
+        received = self._all_to_all(level, sends, shapes)
         return {u: torch.cat([received[r][j] for r in range(level.size)], dim=u.levels[k].dim)
                 for j, u in enumerate(owned)}
 
@@ -281,14 +286,14 @@ class ShardedOrthogonalizer:
         mine = [u for u in units if self._mine(u, k, level.rank)]
         sends = [[u.levels[k].cut(done[u], r).reshape(-1) for u in mine] for r in range(level.size)]
         shapes = [[u.shape_at(k) for u in units if self._mine(u, k, r)] for r in range(level.size)]
-        received = self._all_to_all(level, sends, shapes, done)
+        received = self._all_to_all(level, sends, shapes)
         parts = [iter(received[r]) for r in range(level.size)]
         return {u: next(parts[u.owners[k]]) for u in units}  # type: ignore[index]
 
-    def _all_to_all(self, level: Level, sends: list[list[Tensor]], shapes: list[list[tuple[int, ...]]],
-                    values: dict[Unit, Tensor]) -> list[list[Tensor]]:
+    def _all_to_all(self, level: Level, sends: list[list[Tensor]], shapes: list[list[tuple[int, ...]]]
+                    ) -> list[list[Tensor]]:
         """One all-to-all over the level's group: `sends[r]` to rank r; from rank r, tensors of `shapes[r]`."""
-        device = self._device if not values else next(iter(values.values())).device
+        device = self._device
         flat = [torch.cat(s) if s else torch.empty(0, dtype=torch.bfloat16, device=device) for s in sends]
         counts = [sum(math.prod(s) for s in shape) for shape in shapes]
         recv = torch.empty(sum(counts), dtype=torch.bfloat16, device=device)
