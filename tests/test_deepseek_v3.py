@@ -24,7 +24,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from lit_lm.config import ConfigError, ModelConfig  # noqa: E402
-from lit_lm.hf.exporter import export_hf  # noqa: E402
+from lit_lm.hf.exporter import check_exportable, export_hf  # noqa: E402
 from lit_lm.hf.importer import as_checkpoint, load_model  # noqa: E402
 from lit_lm.model import KVCache, Transformer  # noqa: E402
 from lit_lm.parity import TINY, Case, assert_parity, run_parity  # noqa: E402
@@ -181,6 +181,9 @@ def test_refusals_in_one_line():
         ModelConfig(**{**cfg, "mla_qk_rope_dim": 3})
     with pytest.raises(ConfigError, match="`moe_groups`=3 must split `moe_experts`=4"):
         ModelConfig(**TINY, moe_experts=4, moe_groups=3)
+    # grouped-query attention with DeepSeek's routing is no family's: not exported as a deepseek_v3 without MLA
+    with pytest.raises(ConfigError, match="is in no Hugging Face family"):
+        check_exportable(ModelConfig(**{k: v for k, v in DEEPSEEK.items() if not k.startswith("mla_")}))
 
 
 # lit-lm's own DeepSeek-V3-shaped model: MLA with a low-rank query, block 0 dense, block 1 MoE with 8 experts in 4
@@ -190,11 +193,16 @@ DEEPSEEK = dict(TINY, n_kv_heads=4, mla_kv_rank=8, mla_q_rank=12, mla_qk_nope_di
                 moe_first_dense=1, moe_score="sigmoid", moe_routed_scale=2.5, moe_bias_update=1e-3)
 
 
+DENSE_MLA = {k: v for k, v in DEEPSEEK.items() if not k.startswith("moe_")}  # MLA alone (sequence parallelism)
+
+
 def test_layouts_equal_one_process():
-    """zero1-3, tp2 (heads split; wq_a, q_norm, wkv_a, kv_norm replicated with their gradients summed over tp),
+    """zero1-3, tp2 (heads split; wq_a, q_norm, wkv_a, kv_norm replicated with their gradients summed over tp;
+    with sequence parallelism on a dense MLA model, MoE refusing it),
     ep2 (4 routed experts per rank, the shared expert dense on both) and pp2: three steps as one process."""
     cases = [Case(partial(ZeroStrategy, stage=s), model=DEEPSEEK, label=f"zero{s}") for s in (1, 2, 3)]
     cases += [Case(partial(TensorParallelStrategy, 2, sequence_parallel=False), model=DEEPSEEK, label="tp2"),
+              Case(partial(TensorParallelStrategy, 2, sequence_parallel=True), model=DENSE_MLA, label="tp2 sp dense"),
               Case(partial(ExpertParallelStrategy, expert_parallel_size=2), model=DEEPSEEK, label="ep2"),
               Case(partial(PipelineStrategy, pipeline_parallel_size=2, microbatches=2, schedule="1f1b"),
                    model=DEEPSEEK, label="pp2")]

@@ -132,6 +132,11 @@ def config_from_hf(hf: dict[str, Any], base: Optional[ModelConfig] = None, where
             if values[ours] is None:
                 refuse(family.all_fields[ours][0], "(missing)", "an MoE config states its experts")
         values = {**_moe_layers(hf, refuse), **values}  # a family's own keys for them first (DeepSeek-V3's)
+    if family.block is not None:  # DeepSeek-V3: latent attention and MoE blocks, or transformers builds neither
+        for ours in ("mla_kv_rank", "moe_experts"):
+            if not values[ours]:
+                refuse(family.all_fields[ours][0], values[ours], f"{family.model_type}'s attention is latent (MLA) "
+                       "and its blocks after the first dense ones are MoE")
     try:
         return replace(base or ModelConfig(), **{**PLAIN, **values, **family.sets}, rope_theta=theta,
                        rope_scaling=scaling)
