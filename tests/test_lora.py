@@ -20,6 +20,7 @@ from lit_lm.parity import MOE, TINY, Case, assert_parity, run_parity
 from lit_lm.strategies.ddp import DataParallelStrategy
 from lit_lm.strategies.ep import ExpertParallelStrategy
 from lit_lm.strategies.placement import materialize
+from lit_lm.strategies.pp import PipelineStrategy
 from lit_lm.strategies.tp import TensorParallelStrategy
 from lit_lm.strategies.tp_layers import TPGroup, parallelize_model
 from lit_lm.strategies.zero import ZeroStrategy
@@ -157,7 +158,8 @@ LAYOUTS = {"lm_ddp": (partial(DataParallelStrategy, bucket_cap_mb=0.01), TINY),
            "zero1": (partial(ZeroStrategy, stage=1), TINY),
            "zero3": (partial(ZeroStrategy, stage=3), TINY),
            "tp2": (partial(TensorParallelStrategy, 2, sequence_parallel=True, bucket_cap_mb=0.01), TINY),
-           "ep2": (partial(ExpertParallelStrategy, expert_parallel_size=2, bucket_cap_mb=0.01), MOE)}
+           "ep2": (partial(ExpertParallelStrategy, expert_parallel_size=2, bucket_cap_mb=0.01), MOE),
+           "pp2": (partial(PipelineStrategy, pipeline_parallel_size=2, microbatches=2, schedule="1f1b"), TINY)}
 CASES = [Case(strategy, model=dict(cfg), optimizer=opt, module=MODULE, callbacks=(OptimizerState(),),
               label=f"lora {name} {opt}")
          for name, (strategy, cfg) in LAYOUTS.items() for opt in ("sgd", "adamw")]
@@ -165,11 +167,11 @@ FULL_ZERO3 = Case(LAYOUTS["zero3"][0], optimizer="adamw", callbacks=(OptimizerSt
 
 
 def test_lora_matches_one_process_under_every_layout() -> None:
-    """lm_ddp, zero1, zero3, tp2 (sequence parallel) and ep2 (MoE): losses, every gradient part, final parameters
-    as one process, 3 steps of SGD and of AdamW; the base weights bit for bit their initial values on every rank
-    and in the reference; AdamW's state only the adapters' (2 elements per factor element: m, v), each held once
-    over the ZeRO ranks. Under zero3 a rank holds the frozen base's rows (1/2) as full fine-tuning does, and
-    gradients and optimizer state for the adapters' rows only."""
+    """lm_ddp, zero1, zero3, tp2 (sequence parallel), ep2 (MoE) and pp2 (1F1B): losses, every gradient part, final
+    parameters as one process, 3 steps of SGD and of AdamW; the base weights bit for bit their initial values on
+    every rank and in the reference; AdamW's state only the adapters' (m and v: 2 elements per factor element),
+    each held once over the ZeRO ranks. Under zero3 a rank holds the frozen base's rows (1/2) as full fine-tuning
+    does, and gradients and optimizer state for the adapters' rows only."""
     *runs, full = run_parity([*CASES, FULL_ZERO3], 2)
     for run in runs:
         assert_parity(run)
@@ -190,6 +192,8 @@ def test_lora_matches_one_process_under_every_layout() -> None:
             name = tag.split()[1]
             if name.startswith("zero"):  # sharded over the 2 ranks: each element once
                 assert sum(held) == 2 * factors, f"{tag}: optimizer state {held}, adapters {factors}"
+            elif name == "pp2":  # each stage its layers' adapters
+                assert sum(held) == 2 * factors and 0 < min(held), f"{tag}: optimizer state {held}, adapters {factors}"
             elif name == "lm_ddp":  # replicated
                 assert held == [2 * factors] * 2, f"{tag}: optimizer state {held}, adapters {factors}"
             else:  # tp / ep: a rank holds its shard of the split factors, the whole of the others
