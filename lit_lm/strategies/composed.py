@@ -235,9 +235,9 @@ class ComposedStrategy(BaseStrategy):
         for optimizer in self.optimizers:
             self._check_optimizer(_unwrap(optimizer))
             bind_optimizer(_unwrap(optimizer), self._engines)
-            # a matrix-wise one (Muon) orthogonalizes whole matrices from the pieces this rank holds (after ZeRO
-            # pointed it at its master rows): `lit_lm/strategies/orthogonalize.py`
-            bind_orthogonalizer(_unwrap(optimizer), self.owned_weights(), self._replica_group)
+            if getattr(_unwrap(optimizer), "matrix_wise", False):  # Muon: whole matrices from the pieces this rank
+                # holds (after ZeRO pointed it at its master rows), `lit_lm/strategies/orthogonalize.py`
+                bind_orthogonalizer(_unwrap(optimizer), self.owned_weights(), self._replica_group)
         if self.config.zero_stage in (1, 2):  # their gathers after the step run into the next forward
             self._readers = self._readers or FlushBeforeReaders(lambda: self._engines)
             if self._readers not in trainer.callbacks:
