@@ -151,11 +151,11 @@ def test_a_checkpoint_of_before_the_options_resumes(tmp_path):
     `load_from_checkpoint` builds the default."""
     whole, whole_module = fit(tmp_path / "whole", 6, schedule_steps=6)
     fit(tmp_path / "old", 4, schedule_steps=6)
-    path = tmp_path / "old" / "last.ckpt"
-    ckpt = torch.load(path, weights_only=True)
+    ckpt = torch.load(tmp_path / "old" / "last.ckpt", weights_only=True)
     for key in ("optimizer", "schedule"):
         del ckpt["hyper_parameters"][key]
     assert DECAY_START not in ckpt
+    path = tmp_path / "before.ckpt"  # not in the folder the resumed run saves to
     torch.save(ckpt, path)
     resumed, module = fit(tmp_path / "old", 6, str(path), schedule_steps=6)
     assert resumed.losses == {s: whole.losses[s] for s in (4, 5)}
