@@ -5,9 +5,9 @@ one typo per run learns nothing from the rest. This checks the yaml files (the d
 `--config`) and the dotted options (`--trainer.max_step 3`) against the keys the CLI knows before it parses
 anything: the top level, `trainer.*` (Trainer's arguments), the model's and the data's init args (of their
 `class_path`, lit-lm's by default), `model.init_args.config.*`, `.schedule.*` and `.lora.*` (ModelConfig's,
-Schedule's and LoRA's fields) and `model.init_args.optimizer.*` (the named optimizer class's init args; a name that is no optimizer class
-is refused too). Other values that are themselves objects (callbacks, loggers, a strategy given as a class) are left
-to jsonargparse.
+Schedule's and LoRA's fields) and `model.init_args.optimizer.*` (the named optimizer class's init args; a name that
+is no optimizer class is refused too). Other values that are themselves objects (callbacks, loggers, a strategy
+given as a class) are left to jsonargparse.
 """
 
 from __future__ import annotations
