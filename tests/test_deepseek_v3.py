@@ -194,17 +194,21 @@ DEEPSEEK = dict(TINY, n_kv_heads=4, mla_kv_rank=8, mla_q_rank=12, mla_qk_nope_di
 
 
 DENSE_MLA = {k: v for k, v in DEEPSEEK.items() if not k.startswith("moe_")}  # MLA alone (sequence parallelism)
+MTP = dict(DEEPSEEK, mtp_layers=1, mtp_weight=0.5)  # its module's block MoE (block index 2): experts under ep too
 
 
 def test_layouts_equal_one_process():
     """zero1-3, tp2 (heads split; wq_a, q_norm, wkv_a, kv_norm replicated with their gradients summed over tp;
     with sequence parallelism on a dense MLA model, MoE refusing it),
-    ep2 (4 routed experts per rank, the shared expert dense on both) and pp2: three steps as one process."""
+    ep2 (4 routed experts per rank, the shared expert dense on both) and pp2: three steps as one process; with a
+    multi-token prediction module under zero3 and ep2 too."""
     cases = [Case(partial(ZeroStrategy, stage=s), model=DEEPSEEK, label=f"zero{s}") for s in (1, 2, 3)]
     cases += [Case(partial(TensorParallelStrategy, 2, sequence_parallel=False), model=DEEPSEEK, label="tp2"),
               Case(partial(TensorParallelStrategy, 2, sequence_parallel=True), model=DENSE_MLA, label="tp2 sp dense"),
               Case(partial(ExpertParallelStrategy, expert_parallel_size=2), model=DEEPSEEK, label="ep2"),
               Case(partial(PipelineStrategy, pipeline_parallel_size=2, microbatches=2, schedule="1f1b"),
                    model=DEEPSEEK, label="pp2")]
+    cases += [Case(partial(ZeroStrategy, stage=3), model=MTP, label="zero3 mtp"),
+              Case(partial(ExpertParallelStrategy, expert_parallel_size=2), model=MTP, label="ep2 mtp")]
     for run in run_parity(cases, 2):
         assert_parity(run)
