@@ -19,7 +19,7 @@ def round_up(x: int, multiple: int) -> int:
 ARCHITECTURE = ("vocab_size", "vocab_multiple_of", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
                 "tie_embeddings", "qk_norm", "qk_norm_scope", "qkv_bias", "moe_experts", "moe_every", "moe_first_dense",
                 "mla_kv_rank", "mla_q_rank", "mla_qk_nope_dim", "mla_qk_rope_dim", "mla_v_dim", "mtp_layers",
-                "moe_d_ff", "moe_shared_experts")
+                "moe_d_ff", "moe_shared_experts", "attn_sinks", "o_bias", "moe_biases")
 
 
 @dataclass
@@ -42,6 +42,10 @@ class ModelConfig:
     rope_scaling: Optional[dict] = None
     norm_eps: float = 1e-5
     sliding_window: Optional[int] = None  # attend to at most this many past positions (itself included)
+    # per layer: "sliding_attention" (windowed by sliding_window) or "full_attention" (gpt-oss alternates them);
+    # None = every layer windowed by sliding_window (or none)
+    layer_types: Optional[list[str]] = None
+    attn_sinks: bool = False  # a learned logit per query head joining its softmax, its mass dropped (gpt-oss)
     qk_norm: bool = False  # RMSNorm on q and k before RoPE
     qk_norm_scope: str = "head"  # over each head's head_dim (Qwen3) or over all heads of the projection (OLMoE)
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
@@ -52,6 +56,7 @@ class ModelConfig:
     mla_qk_rope_dim: int = 0  # the decoupled RoPE dims, the key's shared by all heads (qk_rope_head_dim)
     mla_v_dim: int = 0  # per-head value dims (v_head_dim)
     mla_rope_interleave: bool = True  # the rope dims stored as interleaved pairs (DeepSeek's layout)
+    o_bias: bool = False  # a bias on the attention's output projection (gpt-oss)
     tie_embeddings: bool = False
     z_loss: float = 0.0  # weight of the z-loss term mean(logsumexp(logits)^2)
     # multi-token prediction (DeepSeek-V3, lit_lm.mtp): mtp_layers extra blocks, the k-th predicting token t+k+1;
@@ -78,6 +83,11 @@ class ModelConfig:
     moe_groups: int = 1
     moe_topk_groups: int = 1
     moe_routed_scale: float = 1.0  # the routed experts' gates times this (DeepSeek-V3's routed_scaling_factor)
+    moe_biases: bool = False  # biases in the router's linear and the experts' three projections (gpt-oss)
+    # gpt-oss's clamped SwiGLU in the experts: (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g), g = min(gate, l);
+    # None = SwiGLU (silu(gate) * up)
+    swiglu_limit: Optional[float] = None
+    swiglu_alpha: float = 1.702
     # load statistics (aux loss, capacity) over the global batch (token counts all-gathered over the data-parallel
     # ranks: the same result on any number of ranks) or over each rank's micro-batch (no collective)
     moe_balance: str = "global"
@@ -142,6 +152,7 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"model config `sliding_window` must be positive or null, got {self.sliding_window}")
         self._validate_rope_scaling()
+        self._validate_layer_types()
         if self.z_loss < 0:
             raise ConfigError(f"model config `z_loss` must be >= 0, got {self.z_loss}")
         self._validate_moe()
@@ -165,19 +176,39 @@ class ModelConfig:
                               "attention (mla_kv_rank > 0) normalises its latents instead and has no biases")
 
     ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    # YaRN's (lit_lm.yarn): the numbers it needs; beta_fast, beta_slow, truncate, attention_factor, mscale and
+    # mscale_all_dim are optional (transformers' defaults)
+    YARN_KEYS = ("factor", "original_max_position_embeddings")
 
     def _validate_rope_scaling(self) -> None:
         if self.rope_scaling is None:
             return
         kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-        if kind != "llama3":
-            raise ConfigError(f"model config `rope_scaling` rope_type {kind!r} is not supported (only llama3, or null "
-                              "for plain RoPE)")
-        missing = [k for k in self.ROPE_SCALING_KEYS if not isinstance(self.rope_scaling.get(k), (int, float))]
+        if kind not in ("llama3", "yarn"):
+            raise ConfigError(f"model config `rope_scaling` rope_type {kind!r} is not supported (llama3 or yarn, or "
+                              "null for plain RoPE)")
+        keys = self.ROPE_SCALING_KEYS if kind == "llama3" else self.YARN_KEYS
+        missing = [k for k in keys if not isinstance(self.rope_scaling.get(k), (int, float))]
         if missing:
-            raise ConfigError(f"model config `rope_scaling` (llama3) needs a number for {', '.join(missing)}")
-        if self.rope_scaling["high_freq_factor"] <= self.rope_scaling["low_freq_factor"]:
+            raise ConfigError(f"model config `rope_scaling` ({kind}) needs a number for {', '.join(missing)}")
+        if kind == "llama3" and self.rope_scaling["high_freq_factor"] <= self.rope_scaling["low_freq_factor"]:
             raise ConfigError("model config `rope_scaling` needs high_freq_factor > low_freq_factor")
+
+    LAYER_TYPES = ("sliding_attention", "full_attention")
+
+    def _validate_layer_types(self) -> None:
+        if self.layer_types is None:
+            return
+        if len(self.layer_types) != self.n_layers or not set(self.layer_types) <= set(self.LAYER_TYPES):
+            raise ConfigError(f"model config `layer_types` must name each of the {self.n_layers} layers "
+                              f"sliding_attention or full_attention, got {self.layer_types}")
+
+    def window(self, layer: int) -> Optional[int]:
+        """The attention window of block `layer`: `sliding_window` (None: none, as transformers reads a sliding layer
+        without one), or None for a full_attention layer."""
+        if self.layer_types is not None and self.layer_types[layer] == "full_attention":
+            return None
+        return self.sliding_window
 
     def _validate_moe(self) -> None:
         if self.moe_experts < 0:
@@ -205,6 +236,8 @@ class ModelConfig:
         if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
             raise ConfigError(f"model config `moe_capacity_factor` must be > 0 or null (dropless), "
                               f"got {self.moe_capacity_factor}")
+        if self.swiglu_limit is not None and self.swiglu_limit <= 0:
+            raise ConfigError(f"model config `swiglu_limit` must be > 0 or null, got {self.swiglu_limit}")
         for name in ("moe_first_dense", "moe_shared_experts", "moe_aux_loss", "moe_z_loss", "moe_bias_update"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"model config `{name}` must be >= 0, got {getattr(self, name)}")
@@ -233,12 +266,13 @@ class ModelConfig:
         its router, shared experts and `moe_top_k` routed experts only (what one token's forward multiplies by)."""
         d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         norms = (2 * self.head_dim if self.qk_norm_scope == "head" else q + kv) if self.qk_norm else 0
-        attn = d * q * 2 + d * kv * 2 + norms + (q + 2 * kv if self.qkv_bias else 0)
+        attn = d * q * 2 + d * kv * 2 + norms + (q + 2 * kv if self.qkv_bias else 0) + (d if self.o_bias else 0) + \
+            (self.n_heads if self.attn_sinks else 0)
         if self.mla_kv_rank:
             attn = self._mla_params()
         dense_mlp = 3 * d * self.d_ff
-        expert = 3 * d * self.moe_d_ff
-        moe_mlp = self.moe_experts * d + self.moe_shared_experts * expert + \
+        expert = 3 * d * self.moe_d_ff + ((2 * self.moe_d_ff + d) if self.moe_biases else 0)
+        moe_mlp = self.moe_experts * (d + self.moe_biases) + self.moe_shared_experts * 3 * d * self.moe_d_ff + \
             (self.moe_top_k if active else self.moe_experts) * expert
         blocks = sum(attn + 2 * d + (moe_mlp if self.is_moe_layer(i) else dense_mlp) for i in range(self.n_layers))
         emb = self.padded_vocab_size * d

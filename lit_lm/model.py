@@ -18,12 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lit_lm.attention_sinks import SinkAttention, causal_mask, sink_attention
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.kernels.logit_max import LogitMaxRecord, logit_max
 from lit_lm.mla import LatentAttention
 from lit_lm.lora import init_factor, lora_factor
 from lit_lm.moe import MoE, moe_aux_loss, moe_layers
 from lit_lm.mtp import MTPModule, mtp_loss
+from lit_lm.yarn import yarn_attention_factor, yarn_frequencies
 
 
 class RMSNorm(nn.Module):
@@ -43,10 +45,13 @@ class RMSNorm(nn.Module):
 def rope_frequencies(head_dim: int, theta: float, scaling: Optional[dict] = None) -> Tensor:
     """fp64 (D/2,) angular frequencies theta^(-2i/D); with Llama 3's `scaling` (`ModelConfig.rope_scaling`), the
     wavelengths longer than original_max_position_embeddings / low_freq_factor are stretched by `factor`, those
-    shorter than original / high_freq_factor kept, and the band between interpolated smoothly (Meta's formula)."""
+    shorter than original / high_freq_factor kept, and the band between interpolated smoothly (Meta's formula);
+    with rope_type "yarn", YaRN's (`lit_lm.yarn`)."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
     if scaling is None:
         return inv_freq
+    if scaling.get("rope_type", scaling.get("type")) == "yarn":
+        return yarn_frequencies(inv_freq, head_dim, theta, scaling)
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     context = scaling["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
@@ -66,6 +71,9 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.theta = theta
         self.inv_freq = rope_frequencies(head_dim, theta, scaling)  # fp64 (D/2,): theta^(-2i/D), maybe rescaled
+        # YaRN's attention factor: cos and sin (so q and k) scaled by it; 1 otherwise
+        yarn = scaling is not None and scaling.get("rope_type", scaling.get("type")) == "yarn"
+        self.attention_factor = yarn_attention_factor(scaling) if yarn else 1.0
         self._cache: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
         self._at: Optional[tuple[Tensor, torch.device, tuple[Tensor, Tensor]]] = None  # see cos_sin_at
 
@@ -92,7 +100,8 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, positions: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
         angles = torch.outer(positions.to("cpu", torch.float64), self.inv_freq)  # (T, D/2)
-        return angles.cos().float().to(device), angles.sin().float().to(device)
+        m = self.attention_factor
+        return (angles.cos() * m).float().to(device), (angles.sin() * m).float().to(device)
 
     @staticmethod
     def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -195,15 +204,17 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor, sliding_window: Optional[i
 
 class Attention(nn.Module):
     """Grouped-query self-attention with separate q/k/v projections (so tensor parallelism and checkpoint
-    resharding split heads without de-interleaving a fused weight), optional QK-norm and q/k/v biases (Qwen2)."""
+    resharding split heads without de-interleaving a fused weight), optional QK-norm, q/k/v biases (Qwen2), an
+    output bias and attention sinks (gpt-oss: `lit_lm.attention_sinks`); the window of block `layer`
+    (`ModelConfig.window`)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
         self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.o_bias)
         # QK-norm over each head (Qwen3: a head_dim weight shared by the heads) or over the whole projection (OLMoE)
         per_head = cfg.qk_norm_scope == "head"
         self.q_norm = RMSNorm(cfg.head_dim if per_head else cfg.n_heads * cfg.head_dim, cfg.norm_eps) \
@@ -212,8 +223,9 @@ class Attention(nn.Module):
             if cfg.qk_norm else None
         self.norm_projection = cfg.qk_norm and not per_head
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.core = CausalAttention(cfg.sliding_window)
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = cfg.window(layer)
+        self.core = SinkAttention(cfg.n_heads, self.sliding_window) if cfg.attn_sinks else \
+            CausalAttention(self.sliding_window)
 
     def forward(self, x: Tensor, positions: Optional[Tensor] = None, cache: Optional[KVCache] = None,
                 documents: Optional[Tensor] = None) -> Tensor:
@@ -233,7 +245,11 @@ class Attention(nn.Module):
         else:  # decoding: positions continue after the cached ones
             q, k = self.rope(q, k, torch.arange(cache.length, cache.length + t))
             k, v = cache.append(k.transpose(1, 2), v.transpose(1, 2))
-            y = cached_attention(q.transpose(1, 2), k, v, self.sliding_window)
+            if isinstance(self.core, SinkAttention):
+                mask = causal_mask(t, k.shape[2], self.sliding_window, q.device)
+                y = sink_attention(q.transpose(1, 2), k, v, self.core.sinks, mask)
+            else:
+                y = cached_attention(q.transpose(1, 2), k, v, self.sliding_window)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -257,7 +273,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = LatentAttention(cfg) if cfg.mla_kv_rank else Attention(cfg)  # MLA: lit_lm.mla
+        self.attn = LatentAttention(cfg) if cfg.mla_kv_rank else Attention(cfg, layer)  # MLA: lit_lm.mla
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if cfg.is_moe_layer(layer):
             shared = SwiGLU(cfg.d_model, cfg.moe_shared_experts * cfg.moe_d_ff) if cfg.moe_shared_experts else None
@@ -335,7 +351,7 @@ class Transformer(nn.Module):
         if self.weights is not None and factor is None:
             self.weights.read(name, tensor)
             return
-        if name.endswith(".bias"):
+        if name.endswith((".bias", "_bias")):  # the experts' gate_bias, up_bias, down_bias too
             with torch.no_grad():
                 tensor.zero_()
             return
@@ -415,6 +431,8 @@ class Transformer(nn.Module):
                                   "and k over all of them (model.init_args.config.qk_norm_scope): use ZeRO-3 or ep")
             if self.config.qk_norm:
                 plan.update({f"{b}.attn.q_norm": TP("per_head"), f"{b}.attn.k_norm": TP("per_head")})
+            if self.config.attn_sinks:  # one sink per query head: split with the heads
+                plan[f"{b}.attn.core"] = TP("heads", 1, "query heads")
         return plan
 
     # -- forward --------------------------------------------------------------------------------------------
@@ -452,7 +470,10 @@ class Transformer(nn.Module):
         if self.config.mla_kv_rank:
             raise ConfigError("context parallelism does not run multi-head latent attention yet (model.init_args."
                               "config.mla_kv_rank): use tp, ZeRO, ep or pp")
-        return {f"blocks.{i}.attn.core": ContextParallel(self.config.sliding_window) for i in self.blocks}
+        if self.config.attn_sinks:
+            raise ConfigError("context parallelism does not support attention sinks yet (model.init_args.config."
+                              "attn_sinks): use tp, ZeRO, pp or ep")
+        return {f"blocks.{i}.attn.core": ContextParallel(self.config.window(int(i))) for i in self.blocks}
 
     def expert_plan(self) -> dict:
         """WHAT expert parallelism shards (lit_lm.strategies.plan.ExpertModel): each MoE layer's `GroupedExperts`, whose

@@ -56,21 +56,24 @@ class Router(nn.Module):
     the balancing nudges which experts are picked without changing what a chosen expert contributes.
     Node-limited routing (`groups` > 1, DeepSeek-V3): a token chooses among the experts of its `topk_groups` best
     groups only (`limit_groups`). The gates are multiplied by `scale` (DeepSeek-V3's routed_scaling_factor).
+    `bias` (gpt-oss's router, a parameter) is part of the logits; softmax scores renormalised over the top k are
+    the softmax of the top k logits (gpt-oss's form).
     """
 
     def __init__(self, d_model: int, n_experts: int, top_k: int, score: str = "softmax", norm_topk: bool = True,
-                 groups: int = 1, topk_groups: int = 1, scale: float = 1.0) -> None:
+                 groups: int = 1, topk_groups: int = 1, scale: float = 1.0, bias: bool = False) -> None:
         super().__init__()
         self.groups, self.topk_groups, self.scale = groups, topk_groups, scale
         self.top_k = top_k
         self.score = score
         self.norm_topk = norm_topk  # the chosen scores renormalised to sum 1 (Mixtral), or as they are (OLMoE)
         self.weight = nn.Parameter(torch.empty(n_experts, d_model))
+        self.bias = nn.Parameter(torch.empty(n_experts)) if bias else None
         self.register_buffer("expert_bias", torch.zeros(n_experts))
 
     def forward(self, x: Tensor) -> Routing:
         with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.weight.float())
+            logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         choice = scores.detach() + self.expert_bias
         if self.groups > 1:
@@ -93,7 +96,9 @@ class Router(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts with stacked weights: w_gate, w_up (E, d_ff, d) and w_down (E, d, d_ff).
+    """E SwiGLU experts with stacked weights: w_gate, w_up (E, d_ff, d) and w_down (E, d, d_ff); with `biases`
+    (gpt-oss) gate_bias, up_bias (E, d_ff) and down_bias (E, d), each row getting its expert's; with `limit`,
+    gpt-oss's clamped SwiGLU: g = min(gate, limit), u = clamp(up, -limit, limit), h = (u + 1) * g * sigmoid(alpha g).
 
     forward(x, counts): `x` holds the tokens grouped by expert, `counts[e]` rows for expert e (in order), then
     possibly rows of no expert (dropped by a capacity) whose output is garbage: the caller masks them. Each
@@ -103,16 +108,32 @@ class GroupedExperts(nn.Module):
     parameters used.
     """
 
-    def __init__(self, n_experts: int, d_model: int, d_ff: int) -> None:
+    def __init__(self, n_experts: int, d_model: int, d_ff: int, biases: bool = False, limit: Optional[float] = None,
+                 alpha: float = 1.702) -> None:
         super().__init__()
         self.w_gate = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
         self.w_up = nn.Parameter(torch.empty(n_experts, d_ff, d_model))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_model, d_ff))
+        if biases:
+            self.gate_bias = nn.Parameter(torch.empty(n_experts, d_ff))
+            self.up_bias = nn.Parameter(torch.empty(n_experts, d_ff))
+            self.down_bias = nn.Parameter(torch.empty(n_experts, d_model))
+        self.biases, self.limit, self.alpha = biases, limit, alpha
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         offs = counts.cumsum(0).to(torch.int32)
-        h = F.silu(self.grouped(x, self.w_gate, offs)) * self.grouped(x, self.w_up, offs)
-        return self.grouped(h, self.w_down, offs)
+        gate, up = self.grouped(x, self.w_gate, offs), self.grouped(x, self.w_up, offs)
+        if self.biases:  # row r belongs to the expert whose segment holds it (rows past the last: any, masked)
+            rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
+            expert = torch.searchsorted(offs, rows, right=True).clamp(max=offs.numel() - 1)
+            gate, up = gate + self.gate_bias[expert].to(gate.dtype), up + self.up_bias[expert].to(up.dtype)
+        if self.limit is None:
+            h = F.silu(gate) * up
+        else:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            h = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        y = self.grouped(h, self.w_down, offs)
+        return y + self.down_bias[expert].to(y.dtype) if self.biases else y
 
     @staticmethod
     def grouped(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
@@ -185,8 +206,9 @@ class MoE(nn.Module):
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_weight, self.z_weight, self.bias_update = cfg.moe_aux_loss, cfg.moe_z_loss, cfg.moe_bias_update
         self.router = Router(cfg.d_model, cfg.moe_experts, cfg.moe_top_k, cfg.moe_score, cfg.moe_norm_topk,
-                             cfg.moe_groups, cfg.moe_topk_groups, cfg.moe_routed_scale)
-        self.experts = GroupedExperts(cfg.moe_experts, cfg.d_model, cfg.moe_d_ff)
+                             cfg.moe_groups, cfg.moe_topk_groups, cfg.moe_routed_scale, bias=cfg.moe_biases)
+        self.experts = GroupedExperts(cfg.moe_experts, cfg.d_model, cfg.moe_d_ff, cfg.moe_biases, cfg.swiglu_limit,
+                                      cfg.swiglu_alpha)
         self.shared = shared
         self.balance = cfg.moe_balance
         self.batch_group: Optional[dist.ProcessGroup] = None  # the ranks the global batch is split over

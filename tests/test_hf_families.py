@@ -39,6 +39,9 @@ from test_hf_import import SHAPE, BytesRead, save_hf  # noqa: E402
 NO_IDS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)  # greedy decoding never stops early
 BASE = dict(SHAPE, rms_norm_eps=1e-5, **NO_IDS)
 MOE = dict(num_experts_per_tok=2)
+# YaRN's ramp between dims 1.1 and 5.1 of head_dim 16's 8 (theta 1000, a context of 512)
+GPT_OSS_YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 512, "rope_theta": 1000.0}
 FAMILIES = {
     "qwen3 tied": lambda: transformers.Qwen3Config(**BASE, head_dim=16, tie_word_embeddings=True),
     "mistral head_dim 16": lambda: transformers.MistralConfig(**BASE, head_dim=16, sliding_window=None),
@@ -55,6 +58,15 @@ FAMILIES = {
         moe_intermediate_size=16, n_shared_experts=2, n_group=2, topk_group=1, routed_scaling_factor=1.5,
         first_k_dense_replace=1, norm_topk_prob=False, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=4,
         qk_rope_head_dim=4, v_head_dim=6, rope_interleave=False),
+    # sinks, windowed and full layers, YaRN, biases, the clamped SwiGLU (limit 1: it clamps); experts of 32 (MXFP4's
+    # blocks: tests/test_gpt_oss.py)
+    "gpt_oss": lambda: transformers.GptOssConfig(**{**BASE, "intermediate_size": 32}, **MOE, head_dim=16,
+                                                 num_local_experts=4, sliding_window=6, swiglu_limit=1.0,
+                                                 swiglu_alpha=1.5, max_position_embeddings=32,
+                                                 rope_parameters=GPT_OSS_YARN),
+    "gpt_oss full first, no attention bias": lambda: transformers.GptOssConfig(
+        **{**BASE, "intermediate_size": 24}, **MOE, head_dim=16, num_local_experts=4, sliding_window=3,
+        layer_types=["full_attention", "sliding_attention"], attention_bias=False),
 }
 
 
@@ -62,7 +74,7 @@ def save_family(folder: Path, config, seed: int) -> None:
     model = save_hf(folder, config, seed)
     with torch.no_grad():  # routers of std 1: clear top-k choices (no near-ties that rounding could flip)
         for key, p in model.named_parameters():
-            if key.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            if key.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight")):
                 p.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed))
     model.save_pretrained(folder)
 
@@ -160,7 +172,8 @@ STATED = dict(vocab_size=SHAPE["vocab_size"], hidden_size=256, intermediate_size
 EXPERTS = dict(num_experts=4, num_experts_per_tok=2)
 STATED_MOE = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2), "qwen3_moe": EXPERTS, "olmoe": EXPERTS,
               "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
-                                  first_k_dense_replace=0)}
+                                  first_k_dense_replace=0),
+              "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2)}
 
 
 @pytest.mark.parametrize("model_type", list(ENTRIES))

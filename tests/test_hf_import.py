@@ -186,7 +186,8 @@ def _edit_config(folder: Path, **changes) -> None:
     ({"intermediate_size": None}, "`intermediate_size` (missing)"),
     ({"hidden_act": "gelu"}, "`hidden_act` 'gelu'"),
     ({"attention_bias": True}, "`attention_bias` true"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "`rope_scaling` rope_type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}},
+     "`rope_scaling` rope_type 'longrope'"),  # (YaRN is imported: tests/test_gpt_oss.py)
 ])
 def test_refusals_name_the_field(tmp_path, changes, field):
     save_hf(tmp_path, FAMILIES["llama tied"]())

@@ -26,12 +26,14 @@ from safetensors.torch import save_file
 from lit_lm.checkpoints import model_state_dict, tokenizer_from
 from lit_lm.config import ARCHITECTURE, ConfigError, ModelConfig
 from lit_lm.hf.families import FAMILIES, Family
+from lit_lm.hf.gpt_oss import FusedSource, fuse
 from lit_lm.hf.importer import HF_FOLDER, config_from_hf
 from lit_lm.data.tokenizer import Tokenizer
 
 # what an exported model must keep besides ARCHITECTURE: the function of each layer
 FUNCTION = ("rope_theta", "rope_scaling", "sliding_window", "norm_eps", "moe_top_k", "moe_score", "moe_norm_topk",
-            "padded_vocab_size", "moe_groups", "moe_topk_groups", "moe_routed_scale", "mla_rope_interleave")
+            "padded_vocab_size", "moe_groups", "moe_topk_groups", "moe_routed_scale", "mla_rope_interleave",
+            "layer_types", "swiglu_limit", "swiglu_alpha")
 
 
 def _signature(cfg: ModelConfig) -> dict[str, Any]:
@@ -48,6 +50,8 @@ def _signature(cfg: ModelConfig) -> dict[str, Any]:
         names.remove("d_ff")
     if not cfg.qk_norm:
         names.remove("qk_norm_scope")
+    if cfg.swiglu_limit is None:  # alpha is read by the clamped SwiGLU only
+        names = [n for n in names if n != "swiglu_alpha"]
     return {n: getattr(cfg, n) for n in names}
 
 
@@ -102,6 +106,7 @@ def hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
     A router's balancing bias (auxiliary-loss-free balancing) has no Hugging Face tensor: refused unless zero."""
     family = export_family(cfg)
     out = {}
+    fused: dict[str, dict[str, torch.Tensor]] = {}  # gpt-oss's experts: a layer's parts, fused at the end
     for name, value in state.items():
         if name.startswith("mtp."):  # multi-token prediction: a training loss, not in the family's model
             continue
@@ -115,10 +120,14 @@ def hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
             continue
         target = family.hf_name(name, cfg)
         value = value.detach().to(torch.float32)
-        if isinstance(target, str):
+        if isinstance(target, FusedSource):
+            fused.setdefault(target.tensor.rpartition(".")[0], {})[name.rpartition(".")[2]] = value
+        elif isinstance(target, str):
             out[target] = value.contiguous()
         else:
             out.update({t: v.contiguous() for t, v in zip(target, value.unbind(0))})
+    for prefix, parts in fused.items():
+        out.update({f"{prefix}.{k}": v.contiguous() for k, v in fuse(parts).items()})
     return out
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from lit_lm.config import ModelConfig
+from lit_lm.hf.gpt_oss import GptOssExperts
 
 # config.json key(s) -> ModelConfig field, for every family (the first key present is read; the export writes it)
 COMMON_FIELDS: dict[str, tuple[str, ...]] = {
@@ -35,7 +36,8 @@ MLA_BLOCK = {"attn.wq": "self_attn.q_proj", "attn.wq_a": "self_attn.q_a_proj", "
 BLOCK = {"attn_norm": "input_layernorm", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
          "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj", "attn.q_norm": "self_attn.q_norm",
          "attn.k_norm": "self_attn.k_norm", "mlp_norm": "post_attention_layernorm", "mlp.w_gate": "mlp.gate_proj",
-         "mlp.w_up": "mlp.up_proj", "mlp.w_down": "mlp.down_proj"}
+         "mlp.w_up": "mlp.up_proj", "mlp.w_down": "mlp.down_proj",
+         "attn.core": "self_attn"}  # the core's parameters: attention sinks (gpt-oss's self_attn.sinks)
 TOP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"}
 
 
@@ -76,7 +78,7 @@ class Family:
     sets: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields the family fixes
     refuse: tuple[tuple[str, str], ...] = ()  # (config.json key, why) refused when truthy
     writes: dict[str, Any] = field(default_factory=dict)  # constant config.json keys of the export
-    experts: Optional[Experts] = None  # an MoE family's layer names
+    experts: Optional[Union[Experts, GptOssExperts]] = None  # an MoE family's layer names
     block: Optional[dict[str, str]] = None  # module names beyond (and before) BLOCK's (MLA's)
 
     @property
@@ -158,6 +160,21 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            sets={"moe_score": "sigmoid", "moe_every": 1, "n_kv_heads": None}, refuse=NO_BIAS[:1],  # MLA: no kv heads
            writes={"attention_bias": False, "num_nextn_predict_layers": 0},
            experts=Experts(shared="mlp.shared_experts", bias="mlp.gate.e_score_correction_bias"), block=MLA_BLOCK),
+    # gpt-oss: attention sinks (self_attn.sinks), sliding and full layers (layer_types), YaRN, biases in attention,
+    # router and experts, the clamped SwiGLU; its experts fused (lit_lm.hf.gpt_oss), in MXFP4 as released
+    Family("gpt_oss", "GptOssForCausalLM",
+           fields={"sliding_window": ("sliding_window",), "layer_types": ("layer_types",),
+                   "moe_experts": ("num_local_experts", "num_experts"), "moe_d_ff": ("intermediate_size",),
+                   "qkv_bias": ("attention_bias",), "o_bias": ("attention_bias",),
+                   "swiglu_limit": ("swiglu_limit",), "swiglu_alpha": ("swiglu_alpha",), **MOE_FIELDS},
+           defaults={"num_key_value_heads": 8, "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
+                     "sliding_window": 128, "attention_bias": True, "swiglu_limit": 7.0, "swiglu_alpha": 1.702,
+                     "num_local_experts": 128, "num_experts_per_tok": 4,
+                     "layer_types": lambda hf: ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                                for i in range(hf["num_hidden_layers"])],
+                     "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "original_max_position_embeddings": 4096}},
+           sets={"attn_sinks": True, "moe_biases": True, "moe_norm_topk": True}, experts=GptOssExperts()),
 )}
 
 # families recognised but refused, with the config.json key that lit-lm cannot express

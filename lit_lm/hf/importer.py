@@ -29,6 +29,7 @@ from torch import Tensor
 
 from lit_lm.config import ARCHITECTURE, ConfigError, ModelConfig
 from lit_lm.hf.families import DEFAULT, FAMILIES, NULL_IS_NONE, REFUSED, REQUIRED, Family
+from lit_lm.hf.gpt_oss import FusedSource
 
 PathLike = Union[str, Path]
 CONFIG = "config.json"
@@ -38,7 +39,8 @@ HF_FOLDER = "lit_lm_hf_folder"  # key of `as_checkpoint`'s dict: the folder it w
 PLAIN = dict(vocab_multiple_of=1, sliding_window=None, qkv_bias=False, qk_norm=False, qk_norm_scope="head",
              moe_experts=0, moe_d_ff=None, moe_norm_topk=True, moe_score="softmax", moe_every=1, moe_first_dense=0,
              moe_shared_experts=0, moe_groups=1, moe_topk_groups=1, moe_routed_scale=1.0, mla_kv_rank=0,
-             mla_q_rank=None, mla_qk_nope_dim=0, mla_qk_rope_dim=0, mla_v_dim=0, mla_rope_interleave=True, mtp_layers=0)
+             mla_q_rank=None, mla_qk_nope_dim=0, mla_qk_rope_dim=0, mla_v_dim=0, mla_rope_interleave=True, mtp_layers=0,
+             attn_sinks=False, o_bias=False, moe_biases=False, layer_types=None, swiglu_limit=None)
 
 
 def is_hf_folder(path: PathLike) -> bool:
@@ -55,23 +57,31 @@ def read_hf_config(folder: PathLike) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _default(family: Family, key: str) -> Any:
-    """transformers' value of config.json `key` when it is absent, for `family`."""
-    return family.defaults.get(key, DEFAULT.get(key))
+def _default(family: Family, key: str, hf: Optional[dict[str, Any]] = None) -> Any:
+    """transformers' value of config.json `key` when it is absent, for `family` (a callable: of the config, e.g.
+    gpt-oss's alternating layer_types)."""
+    value = family.defaults.get(key, DEFAULT.get(key))
+    return value(hf) if callable(value) else value
 
 
 def _rope(hf: dict[str, Any], family: Family, refuse: Any) -> tuple[float, Optional[dict]]:
     """(rope_theta, rope_scaling) from `rope_parameters` (transformers >= 5) or the top-level `rope_theta` and
     `rope_scaling` (transformers 4.x, most configs on the Hub)."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or _default(family, "rope_parameters") or {})
     theta = float(params.pop("rope_theta", hf.get("rope_theta", _default(family, "rope_theta"))))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "default":
         return theta, None
+    if kind == "yarn":
+        return theta, {"rope_type": "yarn", **{k: v for k, v in params.items() if k in YARN_KEYS}}
     if kind != "llama3":
-        refuse("rope_scaling", f"rope_type {kind!r}", "lit-lm implements Llama 3's (llama3) only")
+        refuse("rope_scaling", f"rope_type {kind!r}", "lit-lm implements Llama 3's (llama3) and YaRN (yarn)")
     scaling = {"rope_type": "llama3", **{k: params.get(k) for k in ModelConfig.ROPE_SCALING_KEYS}}
     return theta, scaling
+
+
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate", "attention_factor",
+             "mscale", "mscale_all_dim")  # what lit_lm.yarn reads
 
 
 def _family(hf: dict[str, Any], refuse: Any) -> Family:
@@ -114,7 +124,7 @@ def config_from_hf(hf: dict[str, Any], base: Optional[ModelConfig] = None, where
     for key, why in family.refuse:
         if hf.get(key):
             refuse(key, hf[key], why)
-    if any(t != "full_attention" for t in hf.get("layer_types") or []):
+    if "layer_types" not in family.all_fields and any(t != "full_attention" for t in hf.get("layer_types") or []):
         refuse("layer_types", "with sliding_attention", "lit-lm windows every layer or none (Mistral), not per layer")
     theta, scaling = _rope(hf, family, refuse)
     values: dict[str, Any] = {}
@@ -125,7 +135,7 @@ def config_from_hf(hf: dict[str, Any], base: Optional[ModelConfig] = None, where
         elif keys[0] in NULL_IS_NONE and any(k in hf for k in keys):
             values[ours] = None  # stated null: no window; kv heads and head_dim derived below / by ModelConfig
         else:
-            values[ours] = _default(family, keys[0])
+            values[ours] = _default(family, keys[0], hf)
     values["n_kv_heads"] = values["n_kv_heads"] or values["n_heads"]
     if family.experts is not None:
         for ours in ("moe_experts", "moe_top_k"):
@@ -249,6 +259,11 @@ class HFWeights:
 
     def _sources(self, name: str) -> list[str]:
         source = self._source(name)
+        if isinstance(source, FusedSource):
+            try:
+                return source.files(set(self.files))
+            except ConfigError as e:
+                raise ConfigError(f"{self.folder}: {e}") from None
         return [source] if isinstance(source, str) else source
 
     def _read(self, source: str, index: tuple[slice, ...]) -> Tensor:
@@ -261,7 +276,10 @@ class HFWeights:
         """Fill `tensor` with `global[index]` of parameter `name`, reading that slice only (of a stacked expert
         weight: the experts index[0] selects, each sliced by the rest of the index)."""
         source = self._source(name)
-        if isinstance(source, str):
+        if isinstance(source, FusedSource):  # gpt-oss's fused experts (maybe MXFP4): the slice's rows only
+            shape = tensor.shape if not index else self._global_shape(name)
+            part, what = source.read(self._read, set(self.files), shape, index), source.tensor
+        elif isinstance(source, str):
             part, what = self._read(source, index), source
         else:  # stacked experts (E, ...): index[0] picks the experts, the rest slices each
             experts = range(len(source))[index[0] if index else slice(None)]
@@ -273,6 +291,15 @@ class HFWeights:
                               f"lit-lm's {name} {list(tensor.shape)} (model.init_args.init_from)")
         with torch.no_grad():
             tensor.copy_(part)
+
+    def _global_shape(self, name: str) -> torch.Size:
+        """Parameter `name`'s whole shape (a fused read's index is over it)."""
+        from lit_lm.model import Transformer
+
+        if not hasattr(self, "_shapes"):
+            with torch.device("meta"):
+                self._shapes = {n: p.shape for n, p in Transformer(self.config).named_parameters()}
+        return self._shapes[name]
 
     def tensor_info(self) -> list[tuple[str, str, list[int]]]:
         """(name, dtype, shape) of every tensor in the files, from their headers (no data read)."""

@@ -85,6 +85,9 @@ class RotaryEmbedding(nn.Module):
 
     @classmethod
     def from_reference(cls, ref: nn.Module, backend: str) -> "RotaryEmbedding":
+        if getattr(ref, "attention_factor", 1.0) != 1.0:
+            raise ValueError("the rope kernel does not scale cos/sin by YaRN's attention factor: leave `rope` out of "
+                             "the kernels (model.init_args.kernels) for a YaRN model")
         rope = cls(ref.head_dim, ref.theta, backend)
         rope.inv_freq = ref.inv_freq  # the reference's frequencies, Llama 3's scaling included
         return rope

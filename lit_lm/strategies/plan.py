@@ -63,6 +63,8 @@ TensorParallelStyle = Literal[
     "vocab_loss",  # the loss on vocab-split logits: forward(logits, targets) -> (loss, detached ce), as LMLoss
     "batch",  # replicated weights whose forward needs statistics of the whole batch (MoE routing balance): every
     #           tp rank runs it on the same tokens, so it refuses sequence parallelism
+    "heads",  # a module whose own parameters hold one value per query head along dim 0 (attention sinks): each
+    #           rank keeps its heads' values, split as the column-parallel query projection splits the heads
 ]
 
 

@@ -177,9 +177,19 @@ class ColumnParallelLinear(_ShardedLinear):
 
 class RowParallelLinear(_ShardedLinear):
     """y = sum_r x_r W_r^T with W_r this rank's input features (columns of W): takes 1/t of x, gives a partial
-    sum of y (the region's exit adds them)."""
+    sum of y (the region's exit adds them). A bias (gpt-oss's attention output) is whole on every rank and added
+    to tp rank 0's partial sum only, so the exit's sum holds it once; its gradient is partial (rank 0's)."""
 
     dim = 1
+
+    def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter] = None, adds_bias: bool = True) -> None:
+        super().__init__(weight, bias)
+        self.adds_bias = adds_bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.bias is None or self.adds_bias:
+            return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias * 0)  # a (zero) gradient on every rank: one all-reduce shape
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -315,12 +325,17 @@ def parallelize_model(model: nn.Module, plan: dict[str, TensorParallel], tp: TPG
     for name, spec in plan.items():
         module = model.get_submodule(name)
         bias = getattr(module, "bias", None)
-        if bias is not None and spec.style in ("row", "vocab_embedding", "vocab_head"):
-            raise ValueError(f"{name}: row-parallel linears and vocab-parallel embeddings without bias only")
+        if bias is not None and (spec.style in ("vocab_embedding", "vocab_head") or
+                                 spec.style == "row" and hasattr(module, "lora_A")):
+            raise ValueError(f"{name}: vocab-parallel embeddings and adapted row-parallel linears without bias only")
         if spec.style in ("column", "row"):
             cls = ColumnParallelLinear if spec.style == "column" else RowParallelLinear
             if hasattr(module, "lora_A"):  # adapted (LoRA): kept, its weight and one factor cut
                 shard_adapted(name, module, cls.dim, spec)
+                continue
+            if spec.style == "row" and bias is not None:  # whole, added once (RowParallelLinear)
+                model.set_submodule(name, cls(shard(name, module.weight, cls.dim, spec), bias, tp.rank == 0))
+                shards.partial.append(f"{name}.bias")
                 continue
             model.set_submodule(name, cls(shard(name, module.weight, cls.dim, spec),
                                           None if bias is None else shard(name, bias, 0, spec, "bias")))
@@ -332,6 +347,9 @@ def parallelize_model(model: nn.Module, plan: dict[str, TensorParallel], tp: TPG
                 partial(name, module)
         elif spec.style == "per_head":
             partial(name, module)
+        elif spec.style == "heads":
+            for leaf, p in list(module.named_parameters(recurse=False)):
+                setattr(module, leaf, shard(name, p, 0, spec, leaf))
         elif spec.style == "batch":
             if tp.sequence_parallel:
                 raise ConfigError(f"{name}: computes statistics over the whole batch (MoE routing), which sequence "
