@@ -279,3 +279,25 @@ def test_export_merged_and_peft_adapter_compute_the_adapted_model(tmp_path) -> N
                 b = tensors[key.replace(".lora_A.", ".lora_B.")]
                 module.weight += config["lora_alpha"] / config["r"] * b @ a
         torch.testing.assert_close(base_hf(ids).logits, expected, rtol=0, atol=1e-4)
+
+
+def test_lora_on_an_imported_model_under_zero3_and_tp(tmp_path) -> None:
+    """From a Hugging Face folder (`init_from`: the base read by slice, the factors drawn from their names):
+    zero3 x 2 and tp2 as one process, and the base after training is the file's, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    from test_hf_import import SHAPE, save_hf
+
+    save_hf(tmp_path, transformers.LlamaConfig(**SHAPE))
+    module = ("lit_lm.module.LanguageModel", (("init_from", str(tmp_path)), ("lora", LORA)))
+    cases = [Case(LAYOUTS[name][0], model=dict(TINY), steps=2, optimizer="adamw", module=module, label=f"hf {name}")
+             for name in ("zero3", "tp2")]
+    runs = run_parity(cases, 2)
+    for run in runs:
+        assert_parity(run)
+    imported = LanguageModel(ModelConfig(**TINY), init_from=str(tmp_path))
+    imported.configure_model()
+    for name, p in imported.named_parameters():
+        for got in [runs[0]["single"], *(r for run in runs for r in run["ranks"])]:
+            assert torch.equal(got["params"][name], p.detach()), name
+    trained_b = [v for n, v in runs[0]["single"]["params"].items() if lora_factor(n) == "B"]
+    assert len(trained_b) == 14 and all(v.any() for v in trained_b)  # every B moved off zero: the adapters trained
