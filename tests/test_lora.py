@@ -301,3 +301,15 @@ def test_lora_on_an_imported_model_under_zero3_and_tp(tmp_path) -> None:
             assert torch.equal(got["params"][name], p.detach()), name
     trained_b = [v for n, v in runs[0]["single"]["params"].items() if lora_factor(n) == "B"]
     assert len(trained_b) == 14 and all(v.any() for v in trained_b)  # every B moved off zero: the adapters trained
+
+
+def test_qk_clip_refuses_frozen_projections() -> None:
+    """QK-clip scales wq and wk in place: with LoRA they are the frozen base, so it is refused in one line."""
+    from lit_lm.callbacks.qk_clip import QKClip
+
+    module = adapted()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, callbacks=[QKClip()], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    data = torch.randint(0, 64, (4, 17))
+    with pytest.raises(ConfigError, match=r"QKClip cannot clip .*frozen \(LoRA"):
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))

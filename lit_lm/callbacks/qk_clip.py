@@ -198,6 +198,9 @@ class QKClip(L.Callback):
                 raise ConfigError(f"QKClip cannot measure the logits of {name}.core ({type(attn.core).__name__}): "
                                   "use lit-lm's attention cores (lit_lm.kernels.logit_max.LogitMaxRecord)")
             q, k = list(attn.wq.parameters()), list(attn.wk.parameters())
+            if not all(p.requires_grad for p in q + k):
+                raise ConfigError(f"QKClip cannot clip {name}: it scales wq and wk in place, and they are frozen "
+                                  "(LoRA, model.init_args.lora, trains adapters beside them); drop QKClip")
             q_rows, k_rows = (_rows(by_param[id(ws[0])].param_index, by_param[id(ws[0])].global_shape)
                               for ws in (q, k))
             heads, kv_heads = ((stop - start) // attn.head_dim for start, stop in (q_rows, k_rows))
