@@ -38,7 +38,10 @@ elementwise optimizer steps one flat tensor per param group (`lit_lm/strategies/
 reduced shards into one flat fp32 gradient buffer, and separate master shards are views of one flat master buffer
 (`flatten`).
 Stage 3 gathers a unit in a forward pre-hook and, through an identity autograd function on its output, again just before
-its backward, prefetching the next unit, and frees it right after. """
+its backward, prefetching the next unit, and frees it right after: at its last parameter gradient, or, for a unit
+holding frozen parameters (LoRA's base weights, whose input-gradient matmuls may run after the last adapter gradient),
+when the backward has left it (the gradient of its input is complete; the first block's, whose input needs none, at the
+end of the backward). """
 
 from __future__ import annotations
 
