@@ -188,6 +188,9 @@ class LanguageModel(L.LightningModule):
             if self.config.mla_kv_rank and {"rope", "attention"} & set(self.kernels):
                 raise ConfigError("the rope and attention kernels do not run multi-head latent attention (its value "
                                   "head dim and interleaved shared rope key): drop them from model.init_args.kernels")
+            if self.config.attn_sinks and "attention" in self.kernels:
+                raise ConfigError("the attention kernel has no attention sinks (model.init_args.config.attn_sinks): "
+                                  "drop it from model.init_args.kernels")
             kernels.apply(self.model, self.kernels)
         if not isinstance(getattr(self._trainer, "strategy", None), BaseStrategy):  # lit-lm's apply them after TP
             speed_up(self.model, self.fp8, self.compile_blocks)

@@ -228,3 +228,20 @@ def test_gpt_oss_layouts_equal_one_process():
     for run, report in zip(runs[len(cases):], reports):
         with pytest.raises(AssertionError, match=report):
             assert_parity(run)
+
+
+def test_what_has_no_sinks_or_yarn_refuses_in_one_line():
+    """The attention kernel (no sinks), the rope kernel (no YaRN attention factor) and context parallelism (its tiled
+    cores: the sink would have to join after their merge, `apply_sink`; not built) refuse a gpt-oss model."""
+    from lit_lm import kernels
+    from lit_lm.config import ModelConfig
+    from lit_lm.model import Transformer
+    from lit_lm.module import LanguageModel
+
+    with pytest.raises(ConfigError, match=r"attention kernel has no attention sinks .*config\.attn_sinks"):
+        LanguageModel(ModelConfig(**GPT_OSS), kernels=["attention"]).configure_model()
+    with pytest.raises(ValueError, match="YaRN's attention factor"):
+        kernels.apply(Transformer(ModelConfig(**GPT_OSS)), ["rope"])
+    dense = {k: v for k, v in GPT_OSS.items() if not k.startswith(("moe_", "swiglu"))}
+    with pytest.raises(ConfigError, match=r"context parallelism does not support attention sinks"):
+        Transformer(ModelConfig(**dense)).context_parallel_plan()
