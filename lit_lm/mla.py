@@ -20,6 +20,9 @@ Decoding caches the latent: `KVCache.k` holds kv_norm(c) (B, 1, L, r_kv) and `KV
 (B, 1, L, Dr), (r_kv + Dr) numbers per token and layer instead of H (Dn + Dr + Dv); each step expands them
 through wkv_b.
 
+Context parallelism (ring, all-gather) replaces the core as for grouped-query attention (`attend`: v padded to
+the key width, which cp's k/v exchange shares); the rope follows the zigzag positions given to forward.
+
 Tensor parallelism splits the heads (wq / wq_b, wkv_b by heads, wo by its input); the down-projections wq_a,
 wkv_a and their norms are replicated: they produce the per-token latent that every head reads, and the norms
 normalise the whole latent, so a split would need a gather; each rank's backward through them sees its heads
@@ -31,6 +34,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_lm.config import ModelConfig
@@ -109,12 +113,23 @@ class LatentAttention(nn.Module):
             q = q * self.q_scale
         k_rope = k_rope.transpose(1, 2)  # (B, 1, T, Dr)
         if cache is None:
-            k, v = self.expand(latent, k_rope)
-            y = self.core(q, k, v) if documents is None else self.core(q, k, v, documents)
+            y = self.attend(q, *self.expand(latent, k_rope), documents)
         else:
             k, v = self.expand(*cache.append(latent, k_rope))
             y = cached_attention(q, k, v, self.sliding_window)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, documents: Optional[Tensor] = None) -> Tensor:
+        """The core on q, k (B, H, T, Dn + Dr) and v (B, H, T, Dv). A core that context parallelism put in place
+        (ring or all-gather, `lit_lm.strategies.cp`) moves k and v as one tensor of one width: v is zero-padded to
+        q's width and the padding's outputs (zeros) dropped, exact at (Dn + Dr - Dv) / Dv more value bytes."""
+        from lit_lm.model import CausalAttention
+
+        pad = 0 if isinstance(self.core, CausalAttention) else q.shape[-1] - v.shape[-1]
+        if pad:
+            v = F.pad(v, (0, pad))
+        y = self.core(q, k, v) if documents is None else self.core(q, k, v, documents)
+        return y[..., : self.v_dim] if pad else y
 
     def tensor_parallel_plan(self, prefix: str) -> dict:
         """Heads split (wq / wq_b and wkv_b by output, wo by input, whole heads per rank); the latent's

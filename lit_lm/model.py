@@ -467,9 +467,10 @@ class Transformer(nn.Module):
         from lit_lm.strategies.plan import ContextParallel  # the protocol's types; strategies never import lit_lm
 
         self._refuse_moe("context parallelism", "the balancing losses would count one rank's tokens only")
-        if self.config.mla_kv_rank:
-            raise ConfigError("context parallelism does not run multi-head latent attention yet (model.init_args."
-                              "config.mla_kv_rank): use tp, ZeRO, ep or pp")
+        cfg = self.config
+        if cfg.mla_kv_rank and cfg.mla_v_dim > cfg.mla_qk_nope_dim + cfg.mla_qk_rope_dim:
+            raise ConfigError(f"context parallelism pads latent attention's values to the key width (lit_lm.mla): "
+                              f"`mla_v_dim` {cfg.mla_v_dim} must be <= mla_qk_nope_dim + mla_qk_rope_dim")
         if self.config.attn_sinks:
             raise ConfigError("context parallelism does not support attention sinks yet (model.init_args.config."
                               "attn_sinks): use tp, ZeRO, pp or ep")

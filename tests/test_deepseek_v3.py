@@ -28,6 +28,7 @@ from lit_lm.hf.exporter import check_exportable, export_hf  # noqa: E402
 from lit_lm.hf.importer import as_checkpoint, load_model  # noqa: E402
 from lit_lm.model import KVCache, Transformer  # noqa: E402
 from lit_lm.parity import TINY, Case, assert_parity, run_parity  # noqa: E402
+from lit_lm.strategies.composed import ComposedStrategy  # noqa: E402
 from lit_lm.strategies.ep import ExpertParallelStrategy  # noqa: E402
 from lit_lm.strategies.pp import PipelineStrategy  # noqa: E402
 from lit_lm.strategies.tp import TensorParallelStrategy  # noqa: E402
@@ -171,8 +172,8 @@ def test_mtp_loss_is_the_stated_formula_and_stays_out_of_forward():
 
 def test_refusals_in_one_line():
     cfg = dict(TINY, mla_kv_rank=8, mla_qk_nope_dim=4, mla_qk_rope_dim=4, mla_v_dim=8)
-    with pytest.raises(ConfigError, match="context parallelism does not run multi-head latent attention"):
-        Transformer(ModelConfig(**cfg)).context_parallel_plan()
+    with pytest.raises(ConfigError, match="`mla_v_dim` 9 must be <= mla_qk_nope_dim"):
+        Transformer(ModelConfig(**{**cfg, "mla_v_dim": 9})).context_parallel_plan()
     with pytest.raises(ConfigError, match="tensor parallelism does not split the multi-token prediction"):
         Transformer(ModelConfig(**cfg, mtp_layers=1)).tensor_parallel_plan()
     with pytest.raises(ConfigError, match="pipeline parallelism does not run the multi-token prediction"):
@@ -198,16 +199,18 @@ MTP = dict(DEEPSEEK, mtp_layers=1, mtp_weight=0.5)  # its module's block MoE (bl
 
 
 def test_layouts_equal_one_process():
-    """zero1-3, tp2 (heads split; wq_a, q_norm, wkv_a, kv_norm replicated with their gradients summed over tp;
-    with sequence parallelism on a dense MLA model, MoE refusing it),
-    ep2 (4 routed experts per rank, the shared expert dense on both) and pp2: three steps as one process; with a
-    multi-token prediction module under zero3 and ep2 too."""
+    """zero1-3; cp2 ring, all-gather and ulysses (v padded to the key width, rope at the zigzag positions); tp2
+    (heads split; wq_a, q_norm, wkv_a, kv_norm replicated, their gradients summed over tp; with sequence
+    parallelism on a dense MLA model, MoE refusing it); ep2 (4 routed experts per rank, the shared expert dense on
+    both); pp2: three steps as one process; a multi-token prediction module under zero3 and ep2 too."""
     cases = [Case(partial(ZeroStrategy, stage=s), model=DEEPSEEK, label=f"zero{s}") for s in (1, 2, 3)]
     cases += [Case(partial(TensorParallelStrategy, 2, sequence_parallel=False), model=DEEPSEEK, label="tp2"),
               Case(partial(TensorParallelStrategy, 2, sequence_parallel=True), model=DENSE_MLA, label="tp2 sp dense"),
               Case(partial(ExpertParallelStrategy, expert_parallel_size=2), model=DEEPSEEK, label="ep2"),
               Case(partial(PipelineStrategy, pipeline_parallel_size=2, microbatches=2, schedule="1f1b"),
                    model=DEEPSEEK, label="pp2")]
+    cases += [Case(partial(ComposedStrategy, context_parallel_size=2, cp_method=m), model=DENSE_MLA, label=f"cp2 {m}")
+              for m in ("ring", "allgather", "ulysses")]
     cases += [Case(partial(ZeroStrategy, stage=3), model=MTP, label="zero3 mtp"),
               Case(partial(ExpertParallelStrategy, expert_parallel_size=2), model=MTP, label="ep2 mtp")]
     for run in run_parity(cases, 2):

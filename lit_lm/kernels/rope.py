@@ -2,7 +2,8 @@
 
 Position t rotates the pair (x_i, x_{i+D/2}) by angle t * theta^(-2i/D). A rotation is orthogonal, so the
 backward is the same kernel rotating the output gradient by the opposite angle (sin -> -sin): nothing but the
-cos/sin tables is saved.
+cos/sin tables is saved. Token (b, t) takes table row t, or with per-row positions (B, T) (packed documents'
+`position_reset`, `lit_lm.data.packing`) row positions[b, t], read by the kernel: no gathered tables in memory.
 """
 
 from __future__ import annotations
@@ -18,18 +19,21 @@ tl: Any = None  # triton.language, bound by `lit_lm.kernels.runtime.jit` at the 
 
 
 def rope_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x (B, T, H, D) with cos/sin tables (T, D/2), computing in fp32."""
+    """Rotate x (B, T, H, D) with cos/sin tables (T, D/2) or per row (B, T, D/2), computing in fp32."""
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
 
 @jit
-def _rope(x_ptr, cos_ptr, sin_ptr, y_ptr, seq_len, n_heads, half,
-          INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rope(x_ptr, cos_ptr, sin_ptr, pos_ptr, y_ptr, seq_len, n_heads, half,
+          INVERSE: tl.constexpr, POSITIONS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # one (batch, position) row: all heads at once; int64 before any product
-    t = row % seq_len
+    if POSITIONS:
+        t = tl.load(pos_ptr + row).to(tl.int64)  # this token's table row
+    else:
+        t = row % seq_len
     heads = tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < n_heads) & (cols < half)
@@ -45,30 +49,35 @@ def _rope(x_ptr, cos_ptr, sin_ptr, y_ptr, seq_len, n_heads, half,
 
 
 @op("rope")
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool) -> Tensor:
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, inverse: bool, positions: Optional[Tensor] = None) -> Tensor:
     x = x.contiguous()
     b, t, h, d = x.shape
     y = torch.empty_like(x)
-    launch(_rope, (b * t,), x, cos, sin, y, t, h, d // 2, INVERSE=inverse,
-           BLOCK_H=next_power_of_2(h), BLOCK_D=next_power_of_2(d // 2))
+    launch(_rope, (b * t,), x, cos, sin, x if positions is None else positions, y, t, h, d // 2, INVERSE=inverse,
+           POSITIONS=positions is not None, BLOCK_H=next_power_of_2(h), BLOCK_D=next_power_of_2(d // 2))
     return y
 
 
 class RoPEFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        ctx.save_for_backward(cos, sin)
-        return _rotate(q, cos, sin, False), _rotate(k, cos, sin, False)
+    def forward(ctx, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Optional[Tensor]
+                ) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(cos, sin, positions)
+        return _rotate(q, cos, sin, False, positions), _rotate(k, cos, sin, False, positions)
 
     @staticmethod
-    def backward(ctx, dq: Tensor, dk: Tensor) -> tuple[Tensor, Tensor, None, None]:
-        cos, sin = ctx.saved_tensors
-        return _rotate(dq, cos, sin, True), _rotate(dk, cos, sin, True), None, None
+    def backward(ctx, dq: Tensor, dk: Tensor) -> tuple[Optional[Tensor], ...]:
+        cos, sin, positions = ctx.saved_tensors
+        return _rotate(dq, cos, sin, True, positions), _rotate(dk, cos, sin, True, positions), None, None, None
 
 
-def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Triton rotation of q (B, T, Hq, D) and k (B, T, Hkv, D) by fp32 tables cos, sin (T, D/2)."""
-    return RoPEFunction.apply(q, k, cos.contiguous(), sin.contiguous())
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, positions: Optional[Tensor] = None
+         ) -> tuple[Tensor, Tensor]:
+    """Triton rotation of q (B, T, Hq, D) and k (B, T, Hkv, D) by fp32 tables cos, sin (L, D/2): token t by row t
+    (L = T), or with `positions` (B, T) (integers in [0, L)) token (b, t) by row positions[b, t]."""
+    if positions is not None:
+        positions = positions.long().contiguous()
+    return RoPEFunction.apply(q, k, cos.contiguous(), sin.contiguous(), positions)
 
 
 class RotaryEmbedding(nn.Module):
@@ -118,7 +127,15 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().float().to(device), angles.sin().float().to(device)
 
     def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-        cos, sin = self.cos_sin(q.shape[1], q.device) if positions is None else self.cos_sin_at(positions, q.device)
+        """`positions` as `lit_lm.model.RotaryEmbedding` takes them: None (0..T-1), (T,) any positions, or (B, T)
+        per row, below T (packed documents restarting at 0): rows of the 0..T-1 tables, read by the kernel."""
+        rows = positions if positions is not None and positions.ndim == 2 else None
+        if positions is None or rows is not None:
+            cos, sin = self.cos_sin(q.shape[1], q.device)
+        else:
+            cos, sin = self.cos_sin_at(positions, q.device)
         if use_triton(self.backend, q):
-            return rope(q, k, cos, sin)
+            return rope(q, k, cos, sin, rows)
+        if rows is not None:
+            cos, sin = cos[rows], sin[rows]
         return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
