@@ -140,12 +140,18 @@ class LoRALinear(nn.Module):
 class LoRAExperts(GroupedExperts):
     """`GroupedExperts` with a per-expert adapter on the chosen projections: `{proj}_lora_A` (E, r, in) and
     `{proj}_lora_B` (E, out, r) beside each stacked `{proj}` (E, out, in); expert e's rows get
-    x w[e]^T + s (x A[e]^T) B[e]^T, each term one grouped GEMM over the same segments."""
+    x w[e]^T + s (x A[e]^T) B[e]^T, each term one grouped GEMM over the same segments. It adopts the base module's
+    parameters and settings (gpt-oss's biases and clamp included) and runs its forward: only `grouped`, the GEMM of
+    one projection, adds the adapter of that projection."""
 
     def __init__(self, base: GroupedExperts, projections: tuple[str, ...], rank: int, scaling: float,
                  dropout: float = 0.0) -> None:
-        nn.Module.__init__(self)  # the base's Parameters, not new ones
-        self.w_gate, self.w_up, self.w_down = base.w_gate, base.w_up, base.w_down
+        nn.Module.__init__(self)
+        for name, value in vars(base).items():  # settings (biases, limit, alpha, ...)
+            if not name.startswith("_") and name != "training":
+                setattr(self, name, value)
+        for name, p in base.named_parameters(recurse=False):  # the base's Parameters, not new ones
+            setattr(self, name, p)
         self.projections, self.scaling = projections, scaling
         for proj in projections:
             w = getattr(self, proj)
@@ -154,14 +160,11 @@ class LoRAExperts(GroupedExperts):
             setattr(self, f"{proj}_lora_B", nn.Parameter(torch.empty(w.shape[0], w.shape[1], rank, **like)))
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
-    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        offs = counts.cumsum(0).to(torch.int32)
-        h = F.silu(self.project("w_gate", x, offs)) * self.project("w_up", x, offs)
-        return self.project("w_down", h, offs)
-
-    def project(self, proj: str, x: Tensor, offs: Tensor) -> Tensor:
-        y = self.grouped(x, getattr(self, proj), offs)  # FP8 may replace `grouped`: the base GEMM's only
-        if proj not in self.projections:
+    def grouped(self, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+        """x w^T per segment, plus the adapter's s (x A^T) B^T when `w` is an adapted projection."""
+        y = grouped_linear(x, w, offs)
+        proj = next((p for p in self.projections if getattr(self, p) is w), None)
+        if proj is None:
             return y
         a, b = getattr(self, f"{proj}_lora_A"), getattr(self, f"{proj}_lora_B")
         return y + self.scaling * grouped_linear(grouped_linear(self.dropout(x), a, offs), b, offs)

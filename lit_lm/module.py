@@ -118,6 +118,9 @@ class LanguageModel(L.LightningModule):
         self.optimizer_fn = optimizer_from(optimizer) if isinstance(optimizer, dict) else optimizer  # dict: saved
         self.schedule = Schedule(**schedule) if isinstance(schedule, dict) else schedule
         self.lora = lora_from(lora)
+        if self.lora is not None and fp8 is not None:
+            raise ConfigError("model.init_args.fp8 with model.init_args.lora: FP8 replaces the GEMMs of the linears "
+                              "and experts the adapters add to; set one of them")
         self.kernels = list(kernels or [])
         self.compile_blocks, self.fp8 = compile_backend(compile), check_fp8(fp8)  # the strategy reads them
         # Plain types only, so `torch.load(weights_only=True)` (LightningCLI's ckpt parsing) can read them.

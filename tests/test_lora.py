@@ -49,6 +49,8 @@ def test_bad_options_are_one_line_naming_the_valid_targets() -> None:
         LoRA(targets=["q", "qq"])
     with pytest.raises(ConfigError, match="rank >= 1"):
         LoRA(rank=0)
+    with pytest.raises(ConfigError, match="fp8 with model.init_args.lora"):
+        LanguageModel(ModelConfig(**TINY), lora=LORA, fp8="tensorwise")
     (line,) = unknown_keys([], ["--model.init_args.lora.rankk", "3"])  # a misspelled key, before parsing
     assert "did you mean --model.init_args.lora.rank?" in line
     assert unknown_keys([], ["--model.init_args.lora.alpha", "3"]) == []
