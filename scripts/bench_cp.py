@@ -95,7 +95,8 @@ def _measure(args: argparse.Namespace, method: str, seq_len: int) -> dict[str, A
             "wire_backward": sum(s["wire_bytes"] for s in backward.values()),
             "core_saved_theory": saved_bytes_theory(args.batch, args.heads, args.kv_heads, config.head_dim,
                                                     seq_len // cp, 4),
-            "theory": comm_theory(method, cp, kv_numel, 4)}
+            "theory": comm_theory(method, cp, kv_numel, 4, args.batch * args.heads * (seq_len // cp) * config.head_dim,
+                                  max(1, cp // args.kv_heads) if method == "ulysses" else 1)}
 
 
 def _peak_rss_mib() -> float:
@@ -159,7 +160,8 @@ def _no_collective(output: torch.Tensor, *args: Any, **kwargs: Any) -> None:
     output.zero_()
 
 
-NO_COLLECTIVES = SimpleNamespace(**{**vars(comm), "all_gather": _no_collective, "reduce_scatter": _no_collective})
+NO_COLLECTIVES = SimpleNamespace(**{**vars(comm), "all_gather": _no_collective, "reduce_scatter": _no_collective,
+                                    "all_to_all": _no_collective})
 
 
 @contextmanager

@@ -199,7 +199,7 @@ MTP = dict(DEEPSEEK, mtp_layers=1, mtp_weight=0.5)  # its module's block MoE (bl
 
 
 def test_layouts_equal_one_process():
-    """zero1-3; cp2 ring, all-gather and ulysses (v padded to the key width, rope at the zigzag positions); tp2
+    """zero1-3; cp2 ring and all-gather (v padded to the key width, rope at the zigzag positions); tp2
     (heads split; wq_a, q_norm, wkv_a, kv_norm replicated, their gradients summed over tp; with sequence
     parallelism on a dense MLA model, MoE refusing it); ep2 (4 routed experts per rank, the shared expert dense on
     both); pp2: three steps as one process; a multi-token prediction module under zero3 and ep2 too."""
@@ -210,7 +210,7 @@ def test_layouts_equal_one_process():
               Case(partial(PipelineStrategy, pipeline_parallel_size=2, microbatches=2, schedule="1f1b"),
                    model=DEEPSEEK, label="pp2")]
     cases += [Case(partial(ComposedStrategy, context_parallel_size=2, cp_method=m), model=DENSE_MLA, label=f"cp2 {m}")
-              for m in ("ring", "allgather", "ulysses")]
+              for m in ("ring", "allgather")]
     cases += [Case(partial(ZeroStrategy, stage=3), model=MTP, label="zero3 mtp"),
               Case(partial(ExpertParallelStrategy, expert_parallel_size=2), model=MTP, label="ep2 mtp")]
     for run in run_parity(cases, 2):

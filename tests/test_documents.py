@@ -1,6 +1,7 @@
 """Packed documents (`data.init_args.document_mask`, `position_reset`; lit_lm/data/packing.py): a row's documents are
 read from its EOS tokens, attention never crosses them, RoPE positions optionally restart; the same under dp, ZeRO,
-tp and pp; refused in one line where not built yet (context parallelism, the Triton attention / RoPE kernels)."""
+tp and pp (context parallelism: tests/test_cp_documents.py); refused in one line where not built yet (position_reset
+under context parallelism, the Triton attention / RoPE kernels)."""
 
 from __future__ import annotations
 
@@ -134,8 +135,8 @@ def test_where_not_built_yet_it_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(cp.dist, "get_world_size", lambda group=None: 2)
     loss_fn = cp.context_loss(model())
     x = torch.zeros(1, 8, dtype=torch.long)
-    with pytest.raises(ConfigError, match=r"document masking under context parallelism: not yet \(issue 57\)"):
-        loss_fn(x, x, positions=None, documents=document_ids(x, EOS))
+    with pytest.raises(ConfigError, match=r"position_reset under context parallelism: not yet"):
+        loss_fn(x, x, positions=document_positions(document_ids(x, EOS)), documents=document_ids(x, EOS))
     with pytest.raises(ConfigError, match="position_reset"):
         from lit_lm.data.datamodule import TextDataModule
         TextDataModule(position_reset=True)

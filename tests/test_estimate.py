@@ -337,7 +337,9 @@ def test_cp_wire_bytes_follow_the_attention_theory(method: str) -> None:
     cfg, cp = ModelConfig(**dict(MODEL, max_seq_len=SEQ)), 4
     est = estimate(Workload(cfg, SEQ, GLOBAL_BATCH, "bf16-mixed"), ParallelConfig(dp_shard=2, cp=cp, cp_method=method))
     kv_numel = 2 * GLOBAL_BATCH // 2 * SEQ // cp * cfg.n_kv_heads * cfg.head_dim
-    assert est.wire_bytes("cp") == cfg.n_layers * sum(comm_theory(method, cp, kv_numel, 2).values())
+    q_numel, copies = GLOBAL_BATCH // 2 * SEQ // cp * cfg.n_heads * cfg.head_dim, max(1, cp // cfg.n_kv_heads)
+    theory = comm_theory(method, cp, kv_numel, 2, q_numel, copies if method == "ulysses" else 1)
+    assert est.wire_bytes("cp") == cfg.n_layers * sum(theory.values())
     comm = est.ranks[0].comm
     if method == "ring":
         assert comm[("cp", "send")] == comm[("cp", "recv")] == est.wire_bytes("cp")

@@ -106,9 +106,9 @@ def ring_backward_tile_lse(monkeypatch: pytest.MonkeyPatch) -> None:
     backward = context.block_backward
 
     def with_tile_lse(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, offset: int,
-                      window: int, backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
-        _, tile_lse = context.block_forward(q, k, v, offset, window, backend)
-        return backward(q, k, v, do, tile_lse, delta, offset, window, backend)
+                      window: int, backend: str = "auto", **documents: object) -> tuple[Tensor, Tensor, Tensor]:
+        _, tile_lse = context.block_forward(q, k, v, offset, window, backend, **documents)
+        return backward(q, k, v, do, tile_lse, delta, offset, window, backend, **documents)
 
     monkeypatch.setattr(context, "block_backward", with_tile_lse)
 

@@ -29,7 +29,8 @@ Where the figures come from, so that they match what the strategies allocate and
   full logical tensor per call; on the wire times `wire_factor`): all-reduce 2(N-1)/N Φ, ZeRO-3 3(N-1)/N Φ,
   tensor parallelism 2 collectives per region (attention, a dense MLP) per step each way, pipelines their
   activations (a send and its recv each), cp's K/V and fp32 dK/dV per attention layer (the ring's sends and their
-  recvs, or all-gathers and a reduce-scatter: `lit_lm.strategies.cp.comm_theory`'s volumes), experts 4 all-to-alls of
+  recvs, or all-gathers and a reduce-scatter, or Ulysses' all-to-alls: `lit_lm.strategies.cp.comm_theory`'s
+  volumes), experts 4 all-to-alls of
   token rows and one of the counts per MoE layer and forward (the rows under balanced routing: an expectation,
   met by the mean over an ep group's ranks), MoE global balancing an all-gather of the per-expert counts over dp
   per layer and forward; gradient finishes after the dp reduce (tp partial sums, a tied embedding over the first
@@ -52,6 +53,7 @@ from typing import Optional
 import torch
 
 from lit_lm.config import ConfigError, ModelConfig
+from lit_lm.planner.optimizer import NS_BYTES, OPTIMIZERS, Cut, muon_matrix, ns_work, state_bytes
 from lit_lm.strategies.ac import MODES as CHECKPOINTING
 from lit_lm.strategies.comm import wire_factor, zero_forms
 from lit_lm.strategies.fp8 import check_fp8, fp8_experts, fp8_linears, tp_amax_numels
@@ -103,6 +105,8 @@ class Workload:
     accumulate: int = 1  # Lightning's accumulate_grad_batches: micro-steps per optimizer step
     device: str = "cuda"  # what the ranks run on (`DEVICES`): torch's default optimizer step differs there
     fp8: Optional[str] = None  # the model's FP8 recipe (`strategies.fp8`): ZeRO-3 gathers tensorwise weights in FP8
+    optimizer: str = "adamw"  # `OPTIMIZERS`: AdamW (any elementwise one with two moments) or Muon (lit_lm.optim)
+    ns_mode: str = "auto"  # Muon's: how the strategy spreads Newton-Schulz (`lit_lm.planner.optimizer.ns_work`)
 
     def __post_init__(self) -> None:
         check_fp8(self.fp8)
@@ -114,6 +118,8 @@ class Workload:
             raise ConfigError(f"accumulate {self.accumulate!r}: must be an integer >= 1")
         if self.device not in DEVICES:
             raise ConfigError(f"device {self.device!r}: the estimate knows {', '.join(DEVICES)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer {self.optimizer!r}: the estimate knows {', '.join(OPTIMIZERS)}")
 
     @property
     def tokens(self) -> int:
@@ -133,6 +139,7 @@ class RankEstimate:
     flops: float = 0.0  # model FLOPs (what MFU counts)
     replicated_flops: float = 0.0  # what the tp peers compute again (MoE layers are replicated over tp)
     recompute_flops: float = 0.0  # the forwards activation checkpointing runs again
+    optimizer_flops: float = 0.0  # Muon's Newton-Schulz on this rank (`lit_lm.planner.optimizer.ns_work`)
     comm: dict[tuple[str, str], int] = field(default_factory=dict)  # (group, op) -> logical bytes, as recorded
     _sizes: dict[str, int] = field(default_factory=dict, repr=False)  # ranks per group
 
@@ -180,8 +187,9 @@ class RankEstimate:
 
     @property
     def work_flops(self) -> float:
-        """What this rank computes: its model FLOPs, what its tp peers compute too, and the recomputation."""
-        return self.flops + self.replicated_flops + self.recompute_flops
+        """What this rank computes: its model FLOPs, what its tp peers compute too, the recomputation and the
+        optimizer's Newton-Schulz."""
+        return self.flops + self.replicated_flops + self.recompute_flops + self.optimizer_flops
 
     def wire(self, group: Optional[str] = None, op: Optional[str] = None) -> float:
         """Bytes this rank sends per step (ring algorithm), over one group (and op) or all."""
@@ -293,7 +301,8 @@ def _local_shape(p: ParamSpec, layout: ParallelConfig) -> tuple[int, ...]:
 def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], stage: int, group: int,
                  pbytes: int, group_name: str, accumulate: int, reduce_in_backward: bool,
                  fp8: Optional[dict[str, list[int]]] = None,
-                 forms: tuple[str, str] = ("reduce_scatter", "all_gather")) -> None:
+                 forms: tuple[str, str] = ("reduce_scatter", "all_gather"),
+                 matrix: Optional[dict[str, list[bool]]] = None) -> None:
     """Params, grads, optimizer state and the data-parallel collectives of `units` ({unit: local shapes}) under
     ZeRO `stage` over `group` ranks (stage 0: `GradSync`'s bucketed all-reduce). Under accumulation stages 2-3
     reduce-scatter after every micro-step's backward into the shard (docs/zero.md), stage 1 and GradSync once at the
@@ -302,13 +311,16 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
     `fp8` ({unit: per shape its amaxes, 0 when not in FP8}): ZeRO-3's FP8 weights (tensorwise), gathered as e4m3
     bytes (1 per element) after one all-reduce of the unit's fp32 amaxes, one per linear, one per expert of a
     stack (`lit_lm.strategies.zero_engine.Fp8Layout`). `forms`: the ops ZeRO's reduce-scatter and all-gather run
-    as (`lit_lm.strategies.comm.zero_forms`: the same logical bytes, an all-reduce's twice on the wire)."""
+    as (`lit_lm.strategies.comm.zero_forms`: the same logical bytes, an all-reduce's twice on the wire). `matrix`
+    ({unit: per shape whether Muon steps it}): its one momentum buffer there (`lit_lm.planner.optimizer`)."""
     shapes = [s for unit in units.values() for s in unit]
     numel = sum(math.prod(s) for s in shapes)
+    matrix = matrix or {}
     if stage == 0:
         rank.params += numel * pbytes
         rank.grads += numel * pbytes  # GradSync's buckets: the .grads are views into them
-        rank.optimizer += 2 * numel * pbytes + 4 * len(shapes)  # Adam m, v (parameter dtype), step
+        flags = [f for name, unit in units.items() for f in matrix.get(name, [False] * len(unit))]
+        rank.optimizer += state_bytes([math.prod(s) for s in shapes], flags, pbytes)  # parameter dtype
         rank.add_comm(group_name, "all_reduce", numel * pbytes, group)
         return
     master_copy = pbytes != 4  # fp32 parameters are their own master rows (a view)
@@ -332,7 +344,7 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
                     rank.add_transient(moment, PREVIOUS_GRADS, full * pbytes)
         else:
             rank.grads += local * 4 + full * pbytes * (not reduce_in_backward)
-        rank.optimizer += 2 * local * 4 + 4 * len(shapes)
+        rank.optimizer += state_bytes([mine * row for _, mine, row in rows], matrix.get(name, [False] * len(shapes)), 4)
         gathers = 2 * accumulate if stage == 3 else 1
         reduces = accumulate if stage >= 2 and reduce_in_backward else 1
         rank.add_comm(group_name, forms[0], reduces * group * segment * pbytes, group)
@@ -617,9 +629,14 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
             keep = [dataclasses.replace(q, unit="root") if q.unit == "tail" else q for q in keep]
         dense: dict[str, list[tuple[int, ...]]] = {}
         experts: dict[str, list[tuple[int, ...]]] = {}
+        matrix: dict[str, list[bool]] = {}  # Muon's: {unit: per shape whether it is a matrix}; experts' own under ep
+        expert_matrix: dict[str, list[bool]] = {}
         for q in keep:
             # experts get an engine of their own under expert parallelism only (the ranks holding the same ones)
-            (experts if q.expert and layout.ep > 1 else dense).setdefault(q.unit, []).append(_local_shape(q, layout))
+            own = q.expert and layout.ep > 1
+            (experts if own else dense).setdefault(q.unit, []).append(_local_shape(q, layout))
+            muon = work.optimizer == "muon" and muon_matrix(q.name, q.shape)
+            (expert_matrix if own else matrix).setdefault(q.unit, []).append(muon)
         # dense gradients over the strategy's group (every rank that saw other tokens; under ZeRO within a replica,
         # HSDP all-reducing the shard over the replicas), experts over the ranks holding the same experts
         dp_group = dims.size(layout.dense_group)
@@ -630,13 +647,16 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
                 in_fp8.setdefault(q.unit, []).append(amaxes)
         if experts:  # each engine holds a list of parameters without blocks (`ModelSplit.dp_parts`): its one unit is
             # its root
-            dense, in_fp8, experts = ({"root": [x for u in d.values() for x in u]} for d in (dense, in_fp8, experts))
+            dense, in_fp8, experts, matrix, expert_matrix = ({"root": [x for u in d.values() for x in u]}
+                                                              for d in (dense, in_fp8, experts, matrix, expert_matrix))
         forms = zero_forms(layout.zero_collectives, work.device, layout.zero_stage)  # the ops that run
         _model_state(rank, dense, layout.zero_stage, dp_group, pbytes, layout.dense_group, work.accumulate, p == 1,
-                     in_fp8, forms)
+                     in_fp8, forms, matrix)
         if experts:
             _model_state(rank, experts, layout.zero_stage,
-                         dims.size("edp"), pbytes, "edp", work.accumulate, p == 1, forms=forms)
+                         dims.size("edp"), pbytes, "edp", work.accumulate, p == 1, forms=forms, matrix=expert_matrix)
+        if work.optimizer == "muon":
+            _newton_schulz(rank, work, layout, keep, pbytes)
         engines = [([_local_shape(q, layout) for q in keep if not (q.expert and layout.ep > 1)], dense, dp_group)]
         if experts:
             engines.append(([_local_shape(q, layout) for q in keep if q.expert], experts, dims.size("edp")))
@@ -681,6 +701,39 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
         ranks.append(rank)
     bubble = bubble_theory(layout.schedule, p, m, v) if p > 1 else 0.0
     return Estimate(work, layout, ranks, bubble, layout.refusal(moe=cfg.moe_experts > 0))
+
+
+def _newton_schulz(rank: RankEstimate, work: Workload, layout: ParallelConfig, keep: list[ParamSpec],
+                   pbytes: int) -> None:
+    """Muon's step on this rank (`lit_lm.planner.optimizer`): Newton-Schulz FLOPs and the orthogonalizer's
+    collectives, from each matrix's cuts as the strategy makes them (inner first: ZeRO's rows of the tp slice, which
+    keep an expert stack's experts whole; the tp slice, column-parallel along dim 0, row-parallel along dim 1; a
+    matrix no cut splits is held whole by its data-parallel group, a replica level); and the step's updates (one
+    per matrix, all alive until the orthogonalizer returns) and their orthogonalized parts (the NS dtype)."""
+    dims, matrices, updates = layout.dims(), [], 0
+    for q in keep:
+        if not muon_matrix(q.name, q.shape):
+            continue
+        local, stack, cuts = _local_shape(q, layout), len(q.shape) == 3, []
+        own = q.expert and layout.ep > 1
+        group = "edp" if own else layout.dense_group
+        size = dims.size(group)
+        if layout.zero_stage and size > 1 and not stack:
+            cuts.append(Cut(group, size, 0, local[0]))
+        split = {"column": 0, "row": 1}.get(q.tp_style) if layout.tp > 1 else None
+        if split is not None:
+            cuts.append(Cut("tp", layout.tp, split, q.shape[split]))
+        if not cuts and not layout.zero_stage and size > 1:
+            cuts.append(Cut(group, size))
+        matrices += [(tuple(q.shape[-2:]), tuple(cuts))] * (local[0] if stack else 1)
+        rows = min(_chunk(local[0], size), local[0]) if layout.zero_stage and size > 1 else local[0]
+        updates += rows * math.prod(local[1:])
+    work_ns = ns_work(matrices, work.ns_mode)
+    rank.optimizer_flops = work_ns.flops
+    for (group, op), nbytes in work_ns.comm.items():
+        rank.add_comm(group, op, nbytes, work_ns.sizes[group])
+    rank.add_transient("step", "Muon's updates and their orthogonalized parts",
+                       updates * ((4 if layout.zero_stage else pbytes) + NS_BYTES))
 
 
 def _fp8_tp_comm(rank: RankEstimate, work: Workload, layout: ParallelConfig, keep: list[ParamSpec], tokens: int,
@@ -788,6 +841,11 @@ def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout:
             ring = kv * (2 * (layout.cp - 1) * abytes + layout.cp * 4)
             rank.add_comm("cp", "send", ring, layout.cp)
             rank.add_comm("cp", "recv", ring, layout.cp)
+        elif layout.cp_method == "ulysses":  # all-to-alls of q, k, v (kv heads copied up to cp) and the output,
+            # forward, and of their gradients backward, in the activations' dtype
+            q = len(layers) * local_batch * t * cfg.n_heads * cfg.head_dim // layout.tp
+            copies = max(1, layout.cp // max(1, cfg.n_kv_heads // layout.tp))
+            rank.add_comm("cp", "all_to_all", 2 * (2 * q + copies * kv) * abytes, layout.cp)
         else:  # allgather: K/V gathered forward and again backward; the fp32 dK/dV shares reduce-scattered
             rank.add_comm("cp", "all_gather", 2 * layout.cp * kv * abytes, layout.cp)
             rank.add_comm("cp", "reduce_scatter", layout.cp * kv * 4, layout.cp)

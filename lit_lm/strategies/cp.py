@@ -42,7 +42,7 @@ from lit_lm.strategies import comm
 from lit_lm.strategies.errors import ConfigError
 from lit_lm.strategies.plan import ContextParallelModel
 
-METHODS = ("ring", "allgather")
+METHODS = ("ring", "allgather", "ulysses")
 
 
 # -- the zigzag split ---------------------------------------------------------------------------------------
@@ -127,16 +127,25 @@ def tile_mask(n_q: int, n_k: int, offset: int, window: int, device: torch.device
     return (distance >= 0) & (distance < window)
 
 
-def block_forward_reference(q: Tensor, k: Tensor, v: Tensor, offset: int, window: int) -> tuple[Tensor, Tensor]:
+def masked_scores(s: Tensor, offset: int, window: int, same_document: Optional[Tensor]) -> Tensor:
+    """Scores s (B, Hkv, G, M, N) with the pairs that do not attend at −inf: `tile_mask`, and with `same_document`
+    (B, M, N) (packed rows) the pairs of two documents too."""
+    mask = tile_mask(s.shape[-2], s.shape[-1], offset, window, s.device)
+    if same_document is not None:
+        same = same_document[:, None, None]
+        mask = same if mask is None else mask & same
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def block_forward_reference(q: Tensor, k: Tensor, v: Tensor, offset: int, window: int,
+                            same_document: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Causal attention of grouped queries q (B, Hkv, G, M, D) on k, v (B, Hkv, N, D) -> (out fp32, lse fp32),
-    query row i sitting `offset` positions after key 0 (see `tile_mask`).
+    query row i sitting `offset` positions after key 0 (see `tile_mask`), within documents (`masked_scores`).
 
     A row with no key gets out 0 and lse −inf, which the merge weighs by exp(−inf) = 0."""
     b, hk, g, m, d = q.shape
     s = torch.matmul(q.reshape(b, hk, g * m, d), k.transpose(-1, -2)).float().view(b, hk, g, m, -1) * d ** -0.5
-    mask = tile_mask(m, k.shape[-2], offset, window, q.device)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+    s = masked_scores(s, offset, window, same_document)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
     out = torch.matmul(p.view(b, hk, g * m, -1).to(v.dtype), v).float().view(b, hk, g, m, d)
@@ -144,17 +153,16 @@ def block_forward_reference(q: Tensor, k: Tensor, v: Tensor, offset: int, window
 
 
 def block_backward_reference(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
-                             offset: int, window: int) -> tuple[Tensor, Tensor, Tensor]:
+                             offset: int, window: int, same_document: Optional[Tensor] = None
+                             ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (fp32) of one tile given the *final* lse and delta = rowsum(dO ∘ O) of the merged output:
     P = exp(S − lse), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − delta), dQ = dS K / √D, dK = dSᵀ Q / √D (FlashAttention-2)."""
     b, hk, g, m, d = q.shape
     scale = d ** -0.5
     qf, dof = q.reshape(b, hk, g * m, d).float(), do.reshape(b, hk, g * m, d).float()
     kf, vf = k.float(), v.float()
-    s = torch.matmul(qf, kf.transpose(-1, -2)).view(b, hk, g, m, -1) * scale
-    mask = tile_mask(m, k.shape[-2], offset, window, q.device)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
+    s = masked_scores(torch.matmul(qf, kf.transpose(-1, -2)).view(b, hk, g, m, -1) * scale, offset, window,
+                      same_document)
     p = torch.exp(s - lse.unsqueeze(-1))
     ds = p * (torch.matmul(dof, vf.transpose(-1, -2)).view(b, hk, g, m, -1) - delta.unsqueeze(-1))
     p, ds = p.view(b, hk, g * m, -1), ds.view(b, hk, g * m, -1)
@@ -162,43 +170,50 @@ def block_backward_reference(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: T
     return dq, torch.matmul(ds.transpose(-1, -2), qf) * scale, torch.matmul(p.transpose(-1, -2), dof)
 
 
-def block_forward(q: Tensor, k: Tensor, v: Tensor, offset: int, window: int, backend: str = "auto"
-                  ) -> tuple[Tensor, Tensor]:
+def block_forward(q: Tensor, k: Tensor, v: Tensor, offset: int, window: int, backend: str = "auto",
+                  same_document: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """The kernel seam: lit-lm's FlashAttention where `lit_lm.kernels.runtime.use_triton(backend, q)` says ("auto": CUDA
-    tensors, or CPU under TRITON_INTERPRET=1), else the reference."""
-    if not use_triton(backend, q):
-        return block_forward_reference(q, k, v, offset, window)
+    tensors, or CPU under TRITON_INTERPRET=1), else the reference; a tile with documents (`same_document`) runs on
+    the reference (the kernel has no document mask yet)."""
+    if same_document is not None or not use_triton(backend, q):
+        return block_forward_reference(q, k, v, offset, window, same_document)
     b, hk, g, m, d = q.shape
     out, lse = flash_attention_lse(q.reshape(b, hk * g, m, d), k, v, offset, window)
     return out.float().view(b, hk, g, m, d), lse.view(b, hk, g, m)
 
 
 def block_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, offset: int,
-                   window: int, backend: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
+                   window: int, backend: str = "auto", same_document: Optional[Tensor] = None
+                   ) -> tuple[Tensor, Tensor, Tensor]:
     """The kernel seam of the backward, as `block_forward`."""
-    if not use_triton(backend, q):
-        return block_backward_reference(q, k, v, do, lse, delta, offset, window)
+    if same_document is not None or not use_triton(backend, q):
+        return block_backward_reference(q, k, v, do, lse, delta, offset, window, same_document)
     b, hk, g, m, d = q.shape
     dq, dk, dv = flash_attention_lse_backward(q.reshape(b, hk * g, m, d), k, v, do.reshape(b, hk * g, m, d),
                                               lse.reshape(b, hk * g, m), delta.reshape(b, hk * g, m), offset, window)
     return dq.float().view(b, hk, g, m, d), dk.float(), dv.float()
 
 
-def block_plan(q_runs: Runs, k_runs: Runs, window: int, chunk: int) -> Iterator[tuple[slice, slice, int]]:
+def block_plan(q_runs: Runs, k_runs: Runs, window: int, chunk: int, first_key: Optional[tuple[int, ...]] = None
+               ) -> Iterator[tuple[slice, slice, int]]:
     """The tiles to compute, (query rows, keys, offset), for each piece of at most `chunk` query rows of a run:
     within each run of keys, the keys some row of the piece sees (causal, within `window`), so both sides of a
     tile are consecutive positions and query row i sits `offset` + i positions after its first key. Pieces that
     see no key of a run are skipped (causal block skipping). Key runs must increase in position.
 
     Integer arithmetic on the runs only: nothing here reads a tensor, so planning a tile never waits for the
-    device. A piece of rows at positions [p, p + n) sees key positions [p − window + 1, p + n − 1]."""
+    device. A piece of rows at positions [p, p + n) sees key positions [p − window + 1, p + n − 1], and with packed
+    documents (`first_key`: per piece p // chunk, the first position of the document p is in, the earliest over
+    the batch rows; pieces start at multiples of `chunk`) none before first_key[p // chunk]: every later row is in
+    that document or a later one. So a tile whose rows' documents no key shares is skipped, not computed."""
     row = 0
     for q_first, q_len in q_runs:
         for start in range(0, q_len, chunk):
             n, p = min(chunk, q_len - start), q_first + start
+            earliest = max(p - window + 1, 0 if first_key is None else first_key[p // chunk])
             key = 0
             for k_first, k_len in k_runs:
-                lo, hi = max(k_first, p - window + 1), min(k_first + k_len, p + n)  # seen positions [lo, hi)
+                lo, hi = max(k_first, earliest), min(k_first + k_len, p + n)  # seen positions [lo, hi)
                 if lo < hi:
                     yield slice(row + start, row + start + n), slice(key + lo - k_first, key + hi - k_first), p - lo
                 key += k_len
@@ -215,16 +230,39 @@ def merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -
 
 
 @dataclass(frozen=True)
+class Documents:
+    """Packed rows' documents as the cp cores use them. `ids` (B, T): each token's document in its row, in
+    sequence order (`lit_lm.data.packing`: non-decreasing along T); every cp peer was given the whole rows, so each
+    rank's keys' ids are read here rather than sent with the keys (no bytes). `first_key` (2·cp,): for each zigzag
+    chunk k, the first position of the document its first token is in, the earliest over the rows (`block_plan`
+    skips the keys before it): host integers, read once per step (`row_documents`)."""
+
+    ids: Tensor
+    shares: tuple[Tensor, ...]  # zigzag_split(ids, r, cp) for each cp rank r: the ids of rank r's tokens
+    first_key: tuple[int, ...]
+
+
+def row_documents(ids: Tensor, cp: int) -> Documents:
+    """`Documents` of (B, T) rows for a cp group of `cp` ranks. The one host read with documents: 2·cp integers
+    per step, before the model runs (a tile's skip is a host decision, as varlen kernels' cu_seqlens are).
+    Chunk k starts at k·c; its first document starts at #{s : ids[s] < ids[k·c]} (ids non-decreasing)."""
+    c = check_seq_len(ids.shape[1], cp)
+    starts = (ids[:, None, :] < ids[:, ::c, None]).sum(-1).amin(0)  # (2·cp,) min over the rows
+    return Documents(ids, tuple(zigzag_split(ids, r, cp) for r in range(cp)), tuple(starts.tolist()))
+
+
+@dataclass(frozen=True)
 class Call:
     """What every step of one attention call needs: the cp group, the whole sequence's length, the window (the
-    sequence length when there is none), the kernel backend (`lit_lm.kernels.runtime.BACKENDS`) and, while QK-clip
-    measures, the (Hkv, G) running maximum logit the forward's tiles raise."""
+    sequence length when there is none), the kernel backend (`lit_lm.kernels.runtime.BACKENDS`), while QK-clip
+    measures the (Hkv, G) running maximum logit the forward's tiles raise, and the rows' `Documents`, if packed."""
 
     group: Optional[dist.ProcessGroup]
     seq_len: int
     window: int
     backend: str = "auto"
     logit_max: Optional[Tensor] = field(default=None, compare=False)
+    documents: Optional[Documents] = field(default=None, compare=False)
 
     @property
     def rank(self) -> int:
@@ -234,25 +272,48 @@ class Call:
     def cp(self) -> int:
         return dist.get_world_size(self.group)
 
+    @property
+    def chunk(self) -> int:
+        """c = T / (2·cp): a zigzag chunk, and the query rows of one tile."""
+        return self.seq_len // (2 * self.cp)
 
-def attend(q: Tensor, kv: Tensor, q_pos: Runs, k_pos: Runs, call: Call, out: Tensor, lse: Tensor) -> None:
-    """Merge the attention of queries q at `q_pos` on kv = stack(k, v) at `k_pos` into (out, lse), tile by tile."""
-    for rows, keys, offset in block_plan(q_pos, k_pos, call.window, q.shape[-2] // 2):
+    def ids(self, rank: Optional[int] = None) -> Optional[Tensor]:
+        """The document ids of cp rank `rank`'s tokens (None: of the whole sequence); None without documents."""
+        docs = self.documents
+        return None if docs is None else docs.ids if rank is None else docs.shares[rank]
+
+    def tiles(self, q_pos: Runs, k_pos: Runs) -> Iterator[tuple[slice, slice, int]]:
+        return block_plan(q_pos, k_pos, self.window, self.chunk,
+                          None if self.documents is None else self.documents.first_key)
+
+
+def _same_document(q_ids: Optional[Tensor], k_ids: Optional[Tensor], rows: slice, keys: slice) -> Optional[Tensor]:
+    """(B, M, N): which (query row, key) pairs of a tile lie in one document; None without documents."""
+    return None if q_ids is None or k_ids is None else q_ids[:, rows, None] == k_ids[:, None, keys]
+
+
+def attend(q: Tensor, kv: Tensor, q_pos: Runs, k_pos: Runs, call: Call, out: Tensor, lse: Tensor,
+           q_ids: Optional[Tensor] = None, k_ids: Optional[Tensor] = None) -> None:
+    """Merge the attention of queries q at `q_pos` on kv = stack(k, v) at `k_pos` into (out, lse), tile by tile;
+    `q_ids`/`k_ids` (B, ·): the queries' and keys' document ids, with packed documents."""
+    for rows, keys, offset in call.tiles(q_pos, k_pos):
+        same = _same_document(q_ids, k_ids, rows, keys)
         block_out, block_lse = block_forward(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], offset,
-                                             call.window, call.backend)
+                                             call.window, call.backend, same_document=same)
         merge_into(out[..., rows, :], lse[..., rows], block_out, block_lse)
         if call.logit_max is not None:
-            tile = tile_logit_max(q[..., rows, :], kv[0][..., keys, :], offset, call.window)
+            tile = tile_logit_max(q[..., rows, :], kv[0][..., keys, :], offset, call.window, same)
             torch.maximum(call.logit_max, tile, out=call.logit_max)
 
 
 def attend_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor, q_pos: Runs, k_pos: Runs,
-                    call: Call, dq: Tensor, dkv: Tensor) -> None:
+                    call: Call, dq: Tensor, dkv: Tensor, q_ids: Optional[Tensor] = None,
+                    k_ids: Optional[Tensor] = None) -> None:
     """Add this (queries, keys) pair's gradients to dq and dkv = stack(dk, dv), tile by tile."""
-    for rows, keys, offset in block_plan(q_pos, k_pos, call.window, q.shape[-2] // 2):
+    for rows, keys, offset in call.tiles(q_pos, k_pos):
         dq_b, dk_b, dv_b = block_backward(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :],
                                           do[..., rows, :], lse[..., rows], delta[..., rows], offset, call.window,
-                                          call.backend)
+                                          call.backend, same_document=_same_document(q_ids, k_ids, rows, keys))
         dq[..., rows, :] += dq_b
         dkv[0][..., keys, :] += dk_b
         dkv[1][..., keys, :] += dv_b
@@ -285,7 +346,8 @@ def ring_forward(q: Tensor, kv: Tensor, call: Call) -> tuple[Tensor, Tensor]:
     for step in range(cp):
         if step < cp - 1:
             next_kv, works = _ring_pass(kv, call.group)
-        attend(q, kv, q_pos, zigzag_runs(call.seq_len, (rank - step) % cp, cp), call, out, lse)
+        src = (rank - step) % cp  # whose block is in hand
+        attend(q, kv, q_pos, zigzag_runs(call.seq_len, src, cp), call, out, lse, call.ids(rank), call.ids(src))
         if step < cp - 1:
             _wait(works)
             kv = next_kv
@@ -304,8 +366,9 @@ def ring_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
         if step < cp - 1:
             next_kv, kv_works = _ring_pass(kv, call.group)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        attend_backward(q, kv, do, lse, delta, q_pos, zigzag_runs(call.seq_len, (rank - step) % cp, cp), call,
-                        dq, dkv)
+        src = (rank - step) % cp
+        attend_backward(q, kv, do, lse, delta, q_pos, zigzag_runs(call.seq_len, src, cp), call, dq, dkv,
+                        call.ids(rank), call.ids(src))
         if in_flight is not None:  # what the ranks before added to this block's gradient
             _wait(in_flight[1])
             dkv += in_flight[0]
@@ -326,7 +389,7 @@ def allgather_forward(q: Tensor, kv: Tensor, call: Call) -> tuple[Tensor, Tensor
     q_pos = zigzag_runs(call.seq_len, call.rank, call.cp)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
-    attend(q, full, q_pos, ((0, call.seq_len),), call, out, lse)
+    attend(q, full, q_pos, ((0, call.seq_len),), call, out, lse, call.ids(call.rank), call.ids())
     return out, lse
 
 
@@ -337,20 +400,97 @@ def allgather_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Te
     q_pos = zigzag_runs(call.seq_len, rank, cp)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_full = torch.zeros(full.shape, dtype=torch.float32, device=q.device)
-    attend_backward(q, full, do, lse, delta, q_pos, ((0, call.seq_len),), call, dq, dkv_full)
+    attend_backward(q, full, do, lse, delta, q_pos, ((0, call.seq_len),), call, dq, dkv_full, call.ids(rank),
+                    call.ids())
     shares = torch.cat([zigzag_split(dkv_full, r, cp, dim=-2) for r in range(cp)])  # rank r's share r-th
     dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
     comm.reduce_scatter(dkv, shares, call.group)
     return dq, dkv
 
 
-_FORWARD = {"ring": ring_forward, "allgather": allgather_forward}
-_BACKWARD = {"ring": ring_backward, "allgather": allgather_backward}
+# -- Ulysses: sequence-sharded to head-sharded and back, by all-to-all ---------------------------------------
+def ulysses_kv_copies(q_heads: int, kv_heads: int, cp: int) -> int:
+    """How many copies of each kv head the exchange sends (1, or cp / Hkv when fewer kv heads than ranks: a rank's
+    Hq/cp query heads then share one kv head, each rank gets a copy, and autograd sums the copies' gradients).
+    Refuses heads the cp ranks cannot share out."""
+    if q_heads % cp or (kv_heads % cp and cp % kv_heads):
+        raise ConfigError(f"cp_method ulysses splits attention heads over the {cp} cp ranks: this rank's {q_heads} "
+                          f"query and {kv_heads} kv heads (after tp) do not divide by {cp} (nor kv heads divide {cp})"
+                          "; use ring or allgather, or another cp/tp")
+    return max(1, cp // kv_heads)
+
+
+class HeadExchange(torch.autograd.Function):
+    """One all-to-all over the cp group of x (cp, ...): part r goes to rank r, and part r of the result came from
+    rank r. Its gradient is the same exchange of the gradient (part r of the result's gradient goes back to r)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+        ctx.group = group
+        x = x.contiguous()  # (empty_like of a strided view keeps its strides; the collective writes densely)
+        out = torch.empty_like(x)
+        comm.all_to_all(out, x, group, label="cp ulysses")
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        return HeadExchange.apply(grad, ctx.group), None
+
+
+def sequence_to_heads(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup]
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    """This rank's zigzag share of q (B, Hq, L, D), k/v (B, Hkv, L, D) -> the whole sequence (T = L·cp, in order)
+    of its heads: query heads [r·Hq/cp, (r+1)·Hq/cp) and their kv heads. One all-to-all for q, k and v together:
+    head group r of every rank's share goes to rank r, which puts the shares back in sequence order."""
+    cp = dist.get_world_size(group)
+    copies = ulysses_kv_copies(q.shape[1], k.shape[1], cp)
+    if copies > 1:
+        k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
+    b, _, length, d = q.shape
+    parts = torch.cat([t.view(b, cp, t.shape[1] // cp, length, d) for t in (q, k, v)], dim=2).transpose(0, 1)
+    received = HeadExchange.apply(parts, group)  # (cp, B, Hq/cp + 2·Hkv'/cp, L, D): rank r's share r-th
+    hq, hk = q.shape[1] // cp, k.shape[1] // cp
+    # each merged on its own (a tensor of its own: the attention saves q alone, not a view holding k and v too)
+    return tuple(zigzag_merge(received[:, :, heads], dim=-2)  # type: ignore[return-value]
+                 for heads in (slice(0, hq), slice(hq, hq + hk), slice(hq + hk, None)))
+
+
+def heads_to_sequence(out: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """The inverse for the output: (B, Hq/cp, T, D) of this rank's heads -> (B, Hq, L, D), its zigzag share of
+    every head (rank r's sequence share to rank r; what comes back from rank r is head group r)."""
+    cp = dist.get_world_size(group)
+    shares = torch.stack([zigzag_split(out, r, cp, dim=-2) for r in range(cp)])  # (cp, B, Hq/cp, L, D)
+    heads = HeadExchange.apply(shares, group).transpose(0, 1)  # (B, cp, Hq/cp, L, D), head group r from rank r
+    return heads.reshape(heads.shape[0], -1, *heads.shape[3:])
+
+
+def ulysses_forward(q: Tensor, kv: Tensor, call: Call) -> tuple[Tensor, Tensor]:
+    """After the exchange: the whole sequence of this rank's heads, attended locally (tiles as the other methods,
+    chunks of c = T/(2·cp) query rows; with documents, skipping what no row's document sees)."""
+    whole = ((0, call.seq_len),)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+    attend(q, kv, whole, whole, call, out, lse, call.ids(), call.ids())
+    return out, lse
+
+
+def ulysses_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor, call: Call
+                     ) -> tuple[Tensor, Tensor]:
+    whole = ((0, call.seq_len),)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    attend_backward(q, kv, do, lse, delta, whole, whole, call, dq, dkv, call.ids(), call.ids())
+    return dq, dkv
+
+
+_FORWARD = {"ring": ring_forward, "allgather": allgather_forward, "ulysses": ulysses_forward}
+_BACKWARD = {"ring": ring_backward, "allgather": allgather_backward, "ulysses": ulysses_backward}
 
 
 class ContextAttentionFunction(torch.autograd.Function):
-    """Causal attention of this rank's zigzag share of q, k, v over the whole sequence held by the cp group.
-    Saves only local tensors (q, k, v, out, lse): activation memory per rank is 1/cp of the whole."""
+    """Causal attention of q, k, v by one method's forward and backward (`_FORWARD`, `_BACKWARD`): ring and allgather
+    take this rank's zigzag share and attend over the whole sequence held by the cp group; ulysses' take the whole
+    sequence of this rank's heads. Saves only what it was given (q, k, v, out, lse): 1/cp of the whole."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, method: str, call: Call) -> Tensor:
@@ -375,11 +515,12 @@ class ContextAttentionFunction(torch.autograd.Function):
 
 def context_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup] = None,
                       method: str = "ring", window: Optional[int] = None, backend: str = "auto",
-                      logit_max: Optional[Tensor] = None) -> Tensor:
+                      logit_max: Optional[Tensor] = None, documents: Optional[Documents] = None) -> Tensor:
     """q (B, Hq, L, D), k/v (B, Hkv, L, D): this rank's zigzag share (L = 2c tokens) -> its share of the output of
     causal attention over the whole sequence of L·cp tokens; `window` as `CausalAttention.sliding_window`;
-    `backend` picks the tile kernel as in `kernels.apply`; `logit_max` (Hkv, Hq/Hkv), if given, is raised to the
-    maximum logit of this rank's queries over the whole sequence's keys."""
+    `backend` picks the tile kernel as in `kernels.apply`; `logit_max` (Hq,), if given, is raised to the maximum
+    logit of this rank's queries over the whole sequence's keys (ulysses: of its heads over the whole sequence, the
+    other heads left alone); `documents` (`row_documents`): attention within each document only."""
     if method not in METHODS:
         raise ValueError(f"unknown cp_method {method!r}: choose one of {', '.join(METHODS)}")
     if q.shape[1] % k.shape[1]:
@@ -387,13 +528,21 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.Proc
     cp = dist.get_world_size(group)
     seq_len = q.shape[2] * cp
     check_seq_len(seq_len, cp)
-    return ContextAttentionFunction.apply(q, k, v, method, Call(group, seq_len, window or seq_len,
-                                                                check_backend(backend), logit_max))
+    if method == "ulysses":
+        q, k, v = sequence_to_heads(q, k, v, group)
+        if logit_max is not None:  # this rank's head group, a view: the tiles raise it in place
+            n = q.shape[1]
+            logit_max = logit_max[dist.get_rank(group) * n:(dist.get_rank(group) + 1) * n]
+    heads = None if logit_max is None else logit_max.view(k.shape[1], -1)
+    call = Call(group, seq_len, window or seq_len, check_backend(backend), heads, documents)
+    out = ContextAttentionFunction.apply(q, k, v, method, call)
+    return heads_to_sequence(out, group) if method == "ulysses" else out
 
 
 class ContextParallelAttention(LogitMaxRecord, nn.Module):
-    """Drop-in for a causal attention core `forward(q, k, v)` (no parameters), attending over the cp group; measures
-    QK-clip's maximum as the other cores do (`LogitMaxRecord`), its queries on every rank's keys."""
+    """Drop-in for a causal attention core `forward(q, k, v, documents=None)` (no parameters), attending over the cp
+    group (`documents`: the rows' `Documents`, from `context_loss`); measures QK-clip's maximum as the other cores
+    do (`LogitMaxRecord`), its queries on every rank's keys (ulysses: its heads; the max over cp fills the rest)."""
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, method: str = "ring",
                  sliding_window: Optional[int] = None, backend: str = "auto") -> None:
@@ -403,12 +552,11 @@ class ContextParallelAttention(LogitMaxRecord, nn.Module):
         self.group, self.method, self.sliding_window = group, method, sliding_window
         self.backend = check_backend(backend)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if not self.measuring:
-            return context_attention(q, k, v, self.group, self.method, self.sliding_window, self.backend)
-        heads = torch.full((k.shape[1], q.shape[1] // k.shape[1]), float("-inf"), device=q.device)
-        out = context_attention(q, k, v, self.group, self.method, self.sliding_window, self.backend, heads)
-        self.record_logit_max(heads.flatten())
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, documents: Optional[Documents] = None) -> Tensor:
+        heads = torch.full((q.shape[1],), float("-inf"), device=q.device) if self.measuring else None
+        out = context_attention(q, k, v, self.group, self.method, self.sliding_window, self.backend, heads, documents)
+        if heads is not None:
+            self.record_logit_max(heads)
         return out
 
 
@@ -440,15 +588,20 @@ def context_loss(model: nn.Module, group: Optional[dist.ProcessGroup] = None
     """The step's loss under context parallelism: `model.loss(inputs, targets)` of the whole (B, T) sequences run on
     this cp rank's zigzag share (with its positions, for RoPE). Autograd sees this rank's loss times the share of
     valid targets it holds (`zigzag_batch`), whose gradients the dp x cp mean makes the whole batch's; the VALUE
-    returned, and the cross-entropy, are the cp group's mean, so what the step logs is the whole sequences' loss."""
+    returned, and the cross-entropy, are the cp group's mean, so what the step logs is the whole sequences' loss.
+    Packed rows' `documents` (B, T) go to the attention cores as `Documents` (`row_documents`: made once per step,
+    shared by every layer and recomputation)."""
     cp = dist.get_world_size(group)
 
     def loss_fn(inputs: Tensor, targets: Tensor, positions: Optional[Tensor] = None,
                 documents: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-        if documents is not None or positions is not None:  # the seam: split them like the inputs (zigzag_split)
-            raise ConfigError("document masking under context parallelism: not yet (issue 57)")
+        if positions is not None:
+            raise ConfigError("data.init_args.position_reset under context parallelism: not yet (RoPE's per-row "
+                              "tables would need the whole row's length on each rank; issue 57): drop it")
         share, share_targets, positions, weight = zigzag_batch(inputs, targets, group)
-        loss, ce = model.loss(share, share_targets, positions)
+        rows = None if documents is None else row_documents(documents, cp)
+        loss, ce = model.loss(share, share_targets, positions) if rows is None else \
+            model.loss(share, share_targets, positions, documents=rows)
         loss, ce = loss * weight, ce * weight
         mean = torch.stack((loss.detach(), ce.detach()))
         comm.all_reduce(mean, group, label="cp loss")
@@ -459,12 +612,19 @@ def context_loss(model: nn.Module, group: Optional[dist.ProcessGroup] = None
 
 
 # -- communication theory (per rank, per attention call), for tests and benchmarks -----------------------------
-def comm_theory(method: str, cp: int, kv_numel: int, element_size: int) -> dict[str, float]:
+def comm_theory(method: str, cp: int, kv_numel: int, element_size: int, q_numel: int = 0, kv_copies: int = 1
+                ) -> dict[str, float]:
     """Wire bytes one rank sends for one attention call (as `comm.CommRecord.wire_bytes` counts them), for its share
-    of stack(k, v) of `kv_numel` elements. Both methods move (cp−1) shares of K/V forward and again backward; the
-    dK/dV (fp32) make cp hops around the ring, (cp−1)/cp of cp shares in the reduce-scatter."""
+    of stack(k, v) of `kv_numel` elements (and of q, `q_numel`). Ring and allgather move (cp−1) shares of K/V
+    forward and again backward; the dK/dV (fp32) make cp hops around the ring, (cp−1)/cp of cp shares in the
+    reduce-scatter. Ulysses sends (cp−1)/cp of its q, k, v (k, v times `kv_copies`) and of its output, forward,
+    and the same of their gradients backward (in the model's dtype). Documents add nothing: every rank has the
+    rows' ids."""
     if method not in METHODS:
         raise ValueError(f"unknown cp_method {method!r}: choose one of {', '.join(METHODS)}")
+    if method == "ulysses":
+        exchanged = (cp - 1) / cp * (2 * q_numel + kv_copies * kv_numel) * element_size
+        return {"forward": float(exchanged), "backward": float(exchanged)}
     kv = (cp - 1) * kv_numel * element_size
     dkv_hops = cp if method == "ring" and cp > 1 else cp - 1
     return {"forward": float(kv), "backward": float(kv + dkv_hops * kv_numel * 4)}

@@ -1,0 +1,223 @@
+"""Packed documents under context parallelism (lit_lm/strategies/cp.py: ring, allgather, ulysses): attention against
+one process with the same block-diagonal causal mask, forward and backward; the tiles a document mask skips (wholly
+masked ones, never partly masked ones); the mutants reported: the mask dropped on one rank, Ulysses' heads back in
+the wrong order, a tile skipped that had a visible pair."""
+
+from __future__ import annotations
+
+import itertools
+from functools import partial
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from lit_lm.model import document_mask
+from lit_lm.parity import Case, assert_parity, run_parity
+from lit_lm.spawn import run_distributed
+from lit_lm.strategies import cp as context
+from lit_lm.strategies.comm import COMM_LOG
+from lit_lm.strategies.composed import ComposedStrategy
+from lit_lm.strategies.cp import (METHODS, ContextParallelAttention, block_plan, comm_theory, row_documents,
+                                  zigzag_gather, zigzag_runs, zigzag_split)
+
+REFERENCE_TILES = {"TRITON_INTERPRET": "0"}
+
+
+def rows(seq_len: int) -> Tensor:
+    """(2, T) document ids: row 0 has one-token documents, documents crossing chunk boundaries and one longer than a
+    chunk (T/(2·cp) <= T/4); row 1 is a single document (today's result)."""
+    ends = {0, 1, 2, 5, seq_len // 2 + 3, seq_len - 2}  # EOS positions: a document ends at each
+    row = torch.tensor([sum(e < t for e in ends) for t in range(seq_len)])
+    return torch.stack((row, torch.zeros(seq_len, dtype=torch.long)))
+
+
+def reference(q: Tensor, k: Tensor, v: Tensor, ids: Optional[Tensor], window: Optional[int]) -> Tensor:
+    """One process: SDPA with the block-diagonal causal mask the model uses (`lit_lm.model.document_mask`)."""
+    t = q.shape[2]
+    mask = document_mask(ids if ids is not None else torch.zeros(q.shape[0], t, dtype=torch.long), window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def drop_mask_on_rank_1(patch: pytest.MonkeyPatch) -> None:
+    """Mutant: rank 1's core attends across documents (it is given no documents)."""
+    forward = ContextParallelAttention.forward
+
+    def without(self: Any, q: Tensor, k: Tensor, v: Tensor, documents: Any = None) -> Tensor:
+        return forward(self, q, k, v, None if dist.get_rank() == 1 else documents)
+
+    patch.setattr(ContextParallelAttention, "forward", without)
+
+
+def heads_reversed(patch: pytest.MonkeyPatch) -> None:
+    """Mutant: Ulysses' return all-to-all puts the head groups back in reverse order."""
+    exchange = context.heads_to_sequence
+
+    def reversed_heads(out: Tensor, group: Any) -> Tensor:
+        y = exchange(out, group)
+        b, h, length, d = y.shape
+        cp = dist.get_world_size(group)
+        return y.view(b, cp, h // cp, length, d).flip(1).reshape(b, h, length, d)
+
+    patch.setattr(context, "heads_to_sequence", reversed_heads)
+
+
+def skip_one_key_too_many(patch: pytest.MonkeyPatch) -> None:
+    """Mutant: each piece's first visible key is taken one position late (its first key never computed)."""
+    plan = context.row_documents
+
+    def late(ids: Tensor, cp: int) -> context.Documents:
+        docs = plan(ids, cp)
+        return context.Documents(docs.ids, docs.shares, tuple(k + 1 for k in docs.first_key))
+
+    patch.setattr(context, "row_documents", late)
+
+
+MUTANTS = {"mask dropped on rank 1": drop_mask_on_rank_1, "ulysses heads reversed": heads_reversed,
+           "a visible key skipped": skip_one_key_too_many}
+
+
+def _attention_worker(seq_len: int, cases: list[tuple]) -> dict[str, Any]:
+    """Every (method, heads, window, documents): max |error| of out, dq, dk, dv against one process, wire bytes of
+    forward and backward (with documents) and their theory, and whether the packed-row output equals the unpacked
+    one when every row is a single document."""
+    rank, cp = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    for method, (hq, hk, window, packed) in itertools.product(METHODS, cases):
+        gen = torch.Generator().manual_seed(hq * 100 + hk * 10 + (window or 0))
+        q, k, v, grad = (torch.randn(2, h, seq_len, 8, generator=gen) for h in (hq, hk, hk, hq))
+        ids = rows(seq_len) if packed else torch.zeros(2, seq_len, dtype=torch.long)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        reference(*leaves, ids, window).backward(grad)
+        local = [zigzag_split(t, rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
+        core = ContextParallelAttention(None, method, window, "reference")
+        COMM_LOG.reset()
+        y = core(*local, documents=context.row_documents(ids, cp))
+        forward = COMM_LOG.summary()
+        COMM_LOG.reset()
+        y.backward(zigzag_split(grad, rank, cp, dim=2))
+        backward = COMM_LOG.summary()
+        errors = [(zigzag_gather(y.detach(), dim=2) - reference(q, k, v, ids, window)).abs().max()]
+        errors += [(zigzag_gather(t.grad, dim=2) - leaf.grad).abs().max() for t, leaf in zip(local, leaves)]
+        copies = max(1, cp // hk) if method == "ulysses" else 1
+        name = f"{method} {hq}/{hk} w={window} {'packed' if packed else 'one document'}"
+        out[name] = {
+            "errors": [float(e) for e in errors],
+            "wire": [sum(s["wire_bytes"] for s in summary.values()) for summary in (forward, backward)],
+            "theory": comm_theory(method, cp, 2 * k.numel() // cp, 4, q.numel() // cp, copies)}
+        if not packed:  # a row of one document is today's result, bit for bit
+            out[name]["today"] = torch.equal(y.detach(), core(*local).detach())
+    return out
+
+
+# (query heads, kv heads, window, packed): MHA, GQA (kv heads fewer than cp: ulysses copies them), a window
+# across chunks, rows of a single document
+CASES = [(4, 4, None, True), (4, 2, None, True), (4, 1, 5, True), (4, 2, None, False)]
+
+
+@pytest.mark.parametrize("cp, seq_len", [(2, 12), (4, 16)])
+def test_attention_with_documents_matches_one_process(cp: int, seq_len: int) -> None:
+    for rank in run_distributed(_attention_worker, cp, seq_len, CASES, env=REFERENCE_TILES):
+        for name, r in rank.items():
+            assert max(r["errors"]) < 1e-5, (name, r["errors"])
+            assert r["wire"] == [r["theory"]["forward"], r["theory"]["backward"]], name
+            assert r.get("today", True), name
+
+
+def _mutant_worker(seq_len: int) -> dict[str, dict[str, float]]:
+    """Each mutant in turn (undone after): the largest error of the packed cases, per method."""
+    found: dict[str, dict[str, float]] = {}
+    for name, mutant in MUTANTS.items():
+        with pytest.MonkeyPatch.context() as patch:
+            mutant(patch)
+            result = _attention_worker(seq_len, [case for case in CASES if case[3]])
+        found[name] = {}
+        for case, r in result.items():
+            method = case.split()[0]
+            found[name][method] = max(found[name].get(method, 0.0), *r["errors"])
+    return found
+
+
+def test_the_mutants_are_reported() -> None:
+    """cp=2: the mask dropped on rank 1 and a visible key skipped break every method; Ulysses' heads in the wrong
+    order break Ulysses (the others never exchange heads)."""
+    for rank in run_distributed(_mutant_worker, 2, 12, env=REFERENCE_TILES):
+        for method in METHODS:
+            assert rank["mask dropped on rank 1"][method] > 1e-2, method
+            assert rank["a visible key skipped"][method] > 1e-2, method
+        assert rank["ulysses heads reversed"]["ulysses"] > 1e-2
+
+
+# -- the tiles a document mask skips ---------------------------------------------------------------------------
+def visible(ids: Tensor, q_pos: int, k_pos: int, window: int) -> bool:
+    """Whether some row's query at q_pos sees the key at k_pos (causal, window, one document)."""
+    return 0 <= q_pos - k_pos < window and bool((ids[:, q_pos] == ids[:, k_pos]).any())
+
+
+@pytest.mark.parametrize("cp, window", [(2, 16), (4, 16), (2, 5)])
+def test_the_tiles_hold_every_visible_pair_and_no_tile_is_wholly_masked(cp: int, window: int) -> None:
+    """Ring (each rank's queries on each rank's keys) and Ulysses/all-gather (the whole sequence): every visible pair
+    in exactly one tile, and every tile holds a visible pair (a wholly masked tile is skipped)."""
+    seq_len, c = 16, 16 // (2 * cp)
+    ids = rows(seq_len)
+    docs = row_documents(ids, cp)
+    whole = ((0, seq_len),)
+    plans = [(zigzag_runs(seq_len, r, cp), zigzag_runs(seq_len, s, cp)) for r in range(cp) for s in range(cp)]
+    for q_runs, k_runs in plans + [(whole, whole)]:
+        q_at = [p for first, n in q_runs for p in range(first, first + n)]
+        k_at = [p for first, n in k_runs for p in range(first, first + n)]
+        covered = []
+        for rows_, keys, _ in block_plan(q_runs, k_runs, window, c, docs.first_key):
+            pairs = [(q_at[i], k_at[j]) for i in range(rows_.start, rows_.stop) for j in range(keys.start, keys.stop)]
+            assert any(visible(ids, *pair, window) for pair in pairs), (q_runs, k_runs, rows_, keys)
+            covered += [pair for pair in pairs if visible(ids, *pair, window)]
+        expected = [(i, j) for i in q_at for j in k_at if visible(ids, i, j, window)]
+        assert sorted(covered) == sorted(expected)
+
+
+def test_a_wholly_masked_tile_is_skipped_and_a_partly_masked_one_is_not() -> None:
+    """cp=2, T=16 (chunks of 4): rank 0's second chunk (positions 12-15) against rank 1's block (4-11). A document
+    starting at 12 in every row masks the whole tile: skipped. Starting at 10 in one row: the tile is computed, on
+    keys 10-11 (the keys before the earliest row's document are masked for every row and not computed either)."""
+    def tiles(starts: list[int]) -> list[tuple[slice, slice, int]]:
+        ids = torch.stack([(torch.arange(16) >= s).long() for s in starts])
+        first_key = row_documents(ids, 2).first_key
+        return list(block_plan(((12, 4),), zigzag_runs(16, 1, 2), 16, 4, first_key))
+
+    assert len(list(block_plan(((12, 4),), zigzag_runs(16, 1, 2), 16, 4))) == 1  # unpacked: 4 x 8 keys
+    assert tiles([12, 12]) == []
+    assert tiles([12, 10]) == [(slice(0, 4), slice(6, 8), 2)]  # keys 10, 11; query 12 sits 2 after key 10
+
+
+# -- through the composed strategy: parity with one process (lit_lm/parity.py, documents at every EOS) -----------
+PACKED = (1, False)  # the harness's EOS id (every token drawn as a multiple of 5), RoPE positions not reset
+
+
+def _case(label: str, cp: int = 2, **strategy: Any) -> Case:
+    return Case(partial(ComposedStrategy, context_parallel_size=cp, **strategy), packing=PACKED,
+                label=f"{label}, packed documents")
+
+
+PARITY = {2: [_case("cp2 ring"), _case("cp2 allgather", cp_method="allgather"),
+              _case("cp2 ulysses", cp_method="ulysses")],
+          4: [_case("dp2 x cp2 ring"), _case("cp2 x tp2 ulysses", cp_method="ulysses", tensor_parallel_size=2),
+              _case("cp4 allgather", cp=4, cp_method="allgather")]}
+
+
+MASK_DROPPED = Case(partial(ComposedStrategy, context_parallel_size=2), packing=PACKED, steps=1,
+                    mutation=drop_mask_on_rank_1, label="cp2 ring, the mask dropped on rank 1")
+
+
+@pytest.mark.parametrize("world", PARITY)
+def test_packed_documents_match_one_process_under_cp(world: int) -> None:
+    """Parity under ring, allgather and ulysses (cp2, dp2 x cp2, cp2 x tp2, cp4); at world 2, in the same launch,
+    the mask dropped on one rank is reported by the first batch's loss."""
+    runs = run_parity(PARITY[world] + ([MASK_DROPPED] if world == 2 else []), world_size=world, env=REFERENCE_TILES)
+    for run in runs[:len(PARITY[world])]:
+        assert_parity(run)
+    if world == 2:
+        with pytest.raises(AssertionError, match=r"mask dropped on rank 1: batch 0 rank \d: loss"):
+            assert_parity(runs[-1])
