@@ -315,3 +315,14 @@ def test_qk_clip_refuses_frozen_projections() -> None:
     data = torch.randint(0, 64, (4, 17))
     with pytest.raises(ConfigError, match=r"QKClip cannot clip .*frozen \(LoRA"):
         trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+
+
+def test_lora_resumes_a_one_process_checkpoint_under_zero3_and_tp() -> None:
+    """A one-process LoRA run's checkpoint (the frozen base, the adapters, AdamW's state for the adapters only)
+    resumed under zero3 x 2 and tp2: the state each rank starts from, then 2 more steps, as one process."""
+    first = Case(model=dict(TINY), optimizer="adamw", module=MODULE, steps=2)
+    cases = [Case(LAYOUTS[name][0], model=dict(TINY), optimizer="adamw", module=MODULE, steps=2, resume=first,
+                  label=f"resumed {name}") for name in ("zero3", "tp2")]
+    for run in run_parity(cases, 2):
+        assert run["single"]["start"] is not None
+        assert_parity(run)
