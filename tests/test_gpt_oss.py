@@ -149,12 +149,12 @@ def test_mxfp4_experts_import_as_their_dequantized_values(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(ours(IDS), transformers.AutoModelForCausalLM.from_pretrained(
             plain, dtype=torch.float32).eval()(IDS).logits, rtol=1e-5, atol=1e-5)
-    # an expert-parallel rank's slice (experts 2:4, rows 4:12 of w_gate) reads just those experts' blocks
+    # a slice (experts 2:4, rows 4:12 of w_gate) reads just its blocks: the gate's rows of the fused ones (strided)
     weights = HFWeights(tmp_path / "mxfp4", model_config(tmp_path / "mxfp4"))
     part = torch.empty(2, 8, 32)
     weights.read("blocks.0.mlp.experts.w_gate", part, (slice(2, 4), slice(4, 12)))
     assert torch.equal(part, want.blocks["0"].mlp.experts.w_gate[2:4, 4:12])
-    assert weights.bytes_read == 2 * 16 * 1 * 16 + 2 * 16 * 1  # 2 experts x 16 fused rows x 1 block, its scales
+    assert weights.bytes_read == 2 * 8 * 1 * 16 + 2 * 8 * 1  # 2 experts x 8 rows x 1 block of 16 bytes, its scales
 
 
 def test_mxfp4_blocks_without_scales_are_refused(tmp_path):
@@ -245,3 +245,33 @@ def test_what_has_no_sinks_or_yarn_refuses_in_one_line():
     dense = {k: v for k, v in GPT_OSS.items() if not k.startswith(("moe_", "swiglu"))}
     with pytest.raises(ConfigError, match=r"context parallelism does not support attention sinks"):
         Transformer(ModelConfig(**dense)).context_parallel_plan()
+
+
+def test_imported_gpt_oss_under_layouts_reads_each_ranks_share(tmp_path):
+    """A gpt-oss folder's first step under zero3, tp2 and ep2 equals one process, and ep2 from its MXFP4 copy too;
+    each rank read its share of the bytes: under ZeRO-3 the two ranks together every byte once, under ep2 the
+    dense parameters and half of the experts (strided reads: a gate's rows only, not the up's between), under tp2
+    half of what tp splits and whatever it replicates (norms, the MoE blocks, `wo`'s bias)."""
+    from test_hf_import import BytesRead
+
+    plain = _folder(tmp_path)
+    _mxfp4_folder(plain, tmp_path / "mxfp4")
+    case = partial(Case, steps=1, callbacks=(BytesRead(),))
+    runs = run_parity([case(partial(ZeroStrategy, stage=3), init_from=str(plain), label="zero3"),
+                       case(partial(TensorParallelStrategy, 2, sequence_parallel=False), init_from=str(plain),
+                            label="tp2"),
+                       case(partial(ExpertParallelStrategy, expert_parallel_size=2), init_from=str(plain), label="ep2"),
+                       case(partial(ExpertParallelStrategy, expert_parallel_size=2), init_from=str(tmp_path / "mxfp4"),
+                            label="ep2 mxfp4")], 2)
+    for run in runs:
+        assert_parity(run)
+    read = {run["case"].label: [r["callbacks"][0].read for r in run["ranks"]] for run in runs}
+
+    def nbytes(keep=lambda name: True) -> int:
+        return sum(p.numel() * p.element_size() for n, p in load_model(plain).named_parameters() if keep(n))
+
+    whole, experts = nbytes(), nbytes(lambda n: ".experts." in n)
+    assert sum(read["zero3"]) == whole and max(read["zero3"]) < 0.6 * whole, read
+    assert read["ep2"] == [whole - experts // 2] * 2, read
+    replicated = nbytes(lambda n: "norm" in n or ".mlp." in n or n.endswith("wo.bias"))
+    assert read["tp2"] == [(whole - replicated) // 2 + replicated] * 2, read

@@ -85,28 +85,24 @@ class FusedSource:
         spans = [range(n)[i] for n, i in zip(shape, index)]
         experts = slice(spans[0].start, spans[0].stop)
         if not self.transposed:  # a bias (E, 2I) or (E, d): features last
-            return self._columns(read(self.tensor, (experts, self._span(spans[1]))))
+            return read(self.tensor, (experts, self._features(spans[1])))
         out_rows, in_cols = spans[1], spans[2]  # lit-lm's (E, out, in)
-        if self.tensor in available:  # stored (E, in, out): read in_cols x the fused out columns, then swap
-            part = read(self.tensor, (experts, slice(in_cols.start, in_cols.stop), self._span(out_rows)))
-            return self._columns(part).transpose(-1, -2)
+        if self.tensor in available:  # stored (E, in, out): in_cols x this part's out columns, then swapped
+            return read(self.tensor, (experts, slice(in_cols.start, in_cols.stop), self._features(out_rows))
+                        ).transpose(-1, -2)
         first, last = in_cols.start // BLOCK, -(-in_cols.stop // BLOCK)  # MXFP4 (E, out, G, 16): whole blocks
-        rows = self._span(out_rows)
+        rows = self._features(out_rows)
         blocks = read(f"{self.tensor}_blocks", (experts, rows, slice(first, last)))
         scales = read(f"{self.tensor}_scales", (experts, rows, slice(first, last)))
-        values = dequantize_mxfp4(blocks, scales)[..., in_cols.start - first * BLOCK: in_cols.stop - first * BLOCK]
-        return self._columns(values.transpose(-1, -2)).transpose(-1, -2)
+        return dequantize_mxfp4(blocks, scales)[..., in_cols.start - first * BLOCK: in_cols.stop - first * BLOCK]
 
-    def _span(self, features: range) -> slice:
-        """The fused tensor's feature range holding lit-lm's `features` (interleaved: twice as many)."""
-        return slice(features.start, features.stop) if self.part == "all" else \
-            slice(2 * features.start, 2 * features.stop)
-
-    def _columns(self, fused: Tensor) -> Tensor:
-        """This part's features (the last dim) of a fused span."""
+    def _features(self, features: range) -> slice:
+        """Where lit-lm's `features` are in the fused tensor's feature dim: every other one when interleaved (a
+        strided read: only this part's bytes)."""
         if self.part == "all":
-            return fused
-        return fused[..., 0::2] if self.part == "even" else fused[..., 1::2]
+            return slice(features.start, features.stop)
+        odd = self.part == "odd"
+        return slice(2 * features.start + odd, 2 * features.stop, 2)
 
 
 def fused_source(layer: str, param: str) -> FusedSource:
