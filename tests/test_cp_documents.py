@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from lit_lm.config import ConfigError
 from lit_lm.model import document_mask
 from lit_lm.parity import Case, assert_parity, run_parity
 from lit_lm.spawn import run_distributed
@@ -221,3 +222,13 @@ def test_packed_documents_match_one_process_under_cp(world: int) -> None:
     if world == 2:
         with pytest.raises(AssertionError, match=r"mask dropped on rank 1: batch 0 rank \d: loss"):
             assert_parity(runs[-1])
+
+
+def test_ulysses_shares_out_heads_or_refuses_in_one_line() -> None:
+    """kv heads fewer than the cp ranks are copied (each rank's query heads share one); heads the ranks cannot share
+    out are refused, naming cp_method."""
+    assert context.ulysses_kv_copies(8, 8, 4) == 1 and context.ulysses_kv_copies(8, 4, 4) == 1
+    assert context.ulysses_kv_copies(8, 2, 4) == 2 and context.ulysses_kv_copies(8, 1, 8) == 8
+    for hq, hk, cp in [(2, 2, 4), (12, 6, 4)]:
+        with pytest.raises(ConfigError, match=r"cp_method ulysses splits attention heads over the \d cp ranks"):
+            context.ulysses_kv_copies(hq, hk, cp)

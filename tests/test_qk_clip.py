@@ -151,6 +151,7 @@ CASES = [
     _case(partial(PipelineStrategy, microbatches=2), "pp2 1f1b, accumulation 2",
           trainer={"accumulate_grad_batches": 2}),
     _case(partial(CP2, cp_method="allgather"), "cp2 allgather, window 5", model=WINDOWED),
+    _case(partial(CP2, cp_method="ulysses"), "cp2 ulysses (each rank measures its heads)"),
 ]
 
 
