@@ -17,6 +17,7 @@ from lit_lm.lora import LoRA, LoRAExperts, LoRALinear, lora_factor, merge_adapte
 from lit_lm.module import LanguageModel
 from lit_lm.param_groups import param_groups
 from lit_lm.parity import MOE, TINY, Case, assert_parity, run_parity
+from lit_lm.strategies.composed import ComposedStrategy
 from lit_lm.strategies.ddp import DataParallelStrategy
 from lit_lm.strategies.ep import ExpertParallelStrategy
 from lit_lm.strategies.placement import materialize
@@ -161,7 +162,8 @@ LAYOUTS = {"lm_ddp": (partial(DataParallelStrategy, bucket_cap_mb=0.01), TINY),
            "zero3": (partial(ZeroStrategy, stage=3), TINY),
            "tp2": (partial(TensorParallelStrategy, 2, sequence_parallel=True, bucket_cap_mb=0.01), TINY),
            "ep2": (partial(ExpertParallelStrategy, expert_parallel_size=2, bucket_cap_mb=0.01), MOE),
-           "pp2": (partial(PipelineStrategy, pipeline_parallel_size=2, microbatches=2, schedule="1f1b"), TINY)}
+           "pp2": (partial(PipelineStrategy, pipeline_parallel_size=2, microbatches=2, schedule="1f1b"), TINY),
+           "cp2": (partial(ComposedStrategy, context_parallel_size=2), TINY)}
 CASES = [Case(strategy, model=dict(cfg), optimizer=opt, module=MODULE, callbacks=(OptimizerState(),),
               label=f"lora {name} {opt}")
          for name, (strategy, cfg) in LAYOUTS.items() for opt in ("sgd", "adamw")]
@@ -169,7 +171,7 @@ FULL_ZERO3 = Case(LAYOUTS["zero3"][0], optimizer="adamw", callbacks=(OptimizerSt
 
 
 def test_lora_matches_one_process_under_every_layout() -> None:
-    """lm_ddp, zero1, zero3, tp2 (sequence parallel), ep2 (MoE) and pp2 (1F1B): losses, every gradient part, final
+    """lm_ddp, zero1, zero3, tp2 (sequence parallel), ep2 (MoE), pp2 (1F1B), cp2: losses, every gradient part, final
     parameters as one process, 3 steps of SGD and of AdamW; the base weights bit for bit their initial values on
     every rank and in the reference; AdamW's state only the adapters' (m and v: 2 elements per factor element),
     each held once over the ZeRO ranks. Under zero3 a rank holds the frozen base's rows (1/2) as full fine-tuning
@@ -196,7 +198,7 @@ def test_lora_matches_one_process_under_every_layout() -> None:
                 assert sum(held) == 2 * factors, f"{tag}: optimizer state {held}, adapters {factors}"
             elif name == "pp2":  # each stage its layers' adapters
                 assert sum(held) == 2 * factors and 0 < min(held), f"{tag}: optimizer state {held}, adapters {factors}"
-            elif name == "lm_ddp":  # replicated
+            elif name in ("lm_ddp", "cp2"):  # replicated
                 assert held == [2 * factors] * 2, f"{tag}: optimizer state {held}, adapters {factors}"
             else:  # tp / ep: a rank holds its shard of the split factors, the whole of the others
                 assert factors < sum(held) < 4 * factors and max(held) < 2 * factors, f"{tag}: {held}, {factors}"
