@@ -5,7 +5,7 @@ Load-balanced (zigzag) split: the sequence is cut into 2·cp chunks of c = T/(2�
 i and 2·cp−1−i, so under a causal mask every rank has the same work (an early chunk with few keys, a late one
 with many). Inputs, targets and RoPE positions are split alike (`zigzag_batch`).
 
-Two ways to attend over the whole sequence (`METHODS`), one autograd function:
+Three ways to attend over the whole sequence (`METHODS`), one autograd function:
 - `ring`: K/V blocks travel around the ring (rank r sends to r+1); while the next block is in flight the rank
   attends to the block in hand, and merges the partial outputs by their log-sum-exp (online softmax):
       lse = logaddexp(lse_a, lse_b),  o = exp(lse_a − lse)·o_a + exp(lse_b − lse)·o_b.
@@ -14,6 +14,12 @@ Two ways to attend over the whole sequence (`METHODS`), one autograd function:
   window) are skipped: with the zigzag split, every step but the first is exactly half a block.
 - `allgather` (Llama 3): all-gather K/V (small under GQA), attend locally, reduce-scatter dK/dV in backward
   (K/V are gathered again there rather than kept, so saved activations stay 1/cp).
+- `ulysses` (DeepSpeed-Ulysses): one all-to-all turns this rank's sequence share of every head into the whole
+  sequence of Hq/cp heads (kv heads copied when fewer than cp), attention runs locally, one all-to-all turns the
+  output back; under tp, the heads tp left this rank are split again.
+Packed documents (`Documents`, from the rows' ids every cp peer holds): a tile also masks pairs of two documents,
+and `block_plan` skips the keys before the earliest document a tile's rows are in, so a tile whose rows' documents
+no key shares is skipped, not computed.
 Grouped-query attention folds the query heads sharing a kv head into the rows of one matmul: K/V are never
 repeated. Attention runs in tiles of consecutive positions (`block_plan`), each by lit-lm's FlashAttention kernel
 (`lit_lm.kernels.attention.flash_attention_lse`) on CUDA tensors or under TRITON_INTERPRET=1, else by the PyTorch
