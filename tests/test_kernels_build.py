@@ -61,7 +61,8 @@ def test_every_integer_product_is_64_bit(built: dict) -> None:
 def test_fp32_dots_are_ieee_and_16_bit_dots_are_not_forced(built: dict) -> None:
     dots = {name: [DOT_PRECISION.search(line) for line in ir.splitlines() if "tt.dot " in line]
             for name, ir in built["ttir"].items() if name.startswith(("attention", "matmul")) and "delta" not in name}
-    assert len(dots) == 14 and sum(map(len, dots.values())) == 2 * 2 * (2 + 4 + 3) + 2  # fwd, dkdv, dq; matmul
+    # 2 dtypes x (causal, full, varlen) x (fwd, dkdv, dq) and 2 matmuls
+    assert len(dots) == 20 and sum(map(len, dots.values())) == 2 * 3 * (2 + 4 + 3) + 2
     for name, found in dots.items():
         precisions = {match.group(1) if match else "ieee" for match in found}
         if "_fp32" in name:

@@ -32,7 +32,8 @@ TARGET = ("cuda", 90, 32)  # H100/H200: compute capability 9.0, warps of 32 thre
 FLOAT_ARGS = {"eps", "qk_scale", "scale", "z_loss"}
 POINTER_DTYPES = {  # pointer arguments whose dtype does not follow the case's
     "lse_ptr": "fp32", "delta_ptr": "fp32", "rstd_ptr": "fp32", "dw_partial_ptr": "fp32", "scale_ptr": "fp32",
-    "cos_ptr": "fp32", "sin_ptr": "fp32", "targets_ptr": "i64",
+    "cos_ptr": "fp32", "sin_ptr": "fp32", "targets_ptr": "i64", "pos_ptr": "i64",
+    "qdoc_ptr": "i64", "qlo_ptr": "i64", "kdoc_ptr": "i64", "khi_ptr": "i64",  # packed documents (varlen)
 }
 TRITON_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -66,10 +67,10 @@ def _attention_cases() -> dict[str, Case]:
         cfg = attention._launch_config(128, dtype, gpu=True)
         options = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
         tag = TRITON_DTYPES[dtype]
-        for causal in (True, False):
+        for mask, causal, documents in (("causal", True, False), ("full", False, False), ("varlen", True, True)):
             for name in ("fwd", "bwd_dkdv", "bwd_dq"):
-                cases[f"attention_{name}_{tag}_{'causal' if causal else 'full'}"] = Case(
-                    getattr(attention, f"_attn_{name}"), dtype, dict(cfg, CAUSAL=causal), options)
+                cases[f"attention_{name}_{tag}_{mask}"] = Case(
+                    getattr(attention, f"_attn_{name}"), dtype, dict(cfg, CAUSAL=causal, DOCUMENTS=documents), options)
         cases[f"attention_bwd_delta_{tag}"] = Case(attention._attn_bwd_delta, dtype,
                                                    dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_D=cfg["BLOCK_D"]), options)
     return cases
@@ -102,7 +103,8 @@ def cases() -> dict[str, Case]:
         **_attention_cases(), **_matmul_cases(), **_rmsnorm_cases(),
         "cross_entropy_fwd": Case(cross_entropy._ce_fwd, bf16, dict(BLOCK_V=cross_entropy.MAX_BLOCK_V)),
         "cross_entropy_bwd": Case(cross_entropy._ce_bwd, bf16, dict(BLOCK_V=cross_entropy.MAX_BLOCK_V)),
-        "rope": Case(rope._rope, bf16, dict(INVERSE=False, BLOCK_H=32, BLOCK_D=64)),
+        "rope": Case(rope._rope, bf16, dict(INVERSE=False, POSITIONS=False, BLOCK_H=32, BLOCK_D=64)),
+        "rope_positions": Case(rope._rope, bf16, dict(INVERSE=False, POSITIONS=True, BLOCK_H=32, BLOCK_D=64)),
         "swiglu_fwd": Case(swiglu._swiglu_fwd, bf16, dict(BLOCK=swiglu.BLOCK)),
         "swiglu_bwd": Case(swiglu._swiglu_bwd, bf16, dict(BLOCK=swiglu.BLOCK)),
         "gelu_fwd": Case(gelu._gelu_fwd, bf16, dict(BLOCK=gelu.BLOCK)),
