@@ -13,6 +13,7 @@ prediction (lit_lm/mtp.py); tiny random models made with `transformers` (no netw
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from functools import partial
 from pathlib import Path
@@ -98,6 +99,28 @@ def test_logits_greedy_and_export_equal_transformers(folders, variant, tmp_path)
     assert type(again).__name__ == "DeepseekV3ForCausalLM"
     with torch.no_grad():
         torch.testing.assert_close(again(IDS).logits, expected, rtol=0, atol=0)
+
+
+# DeepSeek-V3's YaRN (factor 40, mscale = mscale_all_dim = 1 there): here 4 over a context of 16, and mscale apart
+# from mscale_all_dim so that both the rotary dims' factor and the softmax's mscale^2 (lit_lm.mla) show
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 1.0}
+
+
+def test_yarn_softmax_mscale_equals_transformers(tmp_path):
+    """With YaRN's mscale_all_dim the softmax scale is (Dn + Dr)^-1/2 * mscale^2 over all dims (transformers'
+    yarn_apply_mscale): 40 positions (past the original 16) equal transformers', and without the mscale they do not."""
+    save_deepseek(tmp_path, seed=5, q_lora_rank=24, max_position_embeddings=64, rope_parameters=YARN)
+    ids = torch.randint(0, SHAPE["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(2))
+    ours = load_model(tmp_path)
+    assert ours.config.rope_scaling["rope_type"] == "yarn"
+    with torch.no_grad():
+        expected = _transformers(tmp_path)(ids).logits
+        torch.testing.assert_close(ours(ids), expected, rtol=1e-5, atol=1e-5)
+        for block in ours.blocks.values():
+            assert block.attn.q_scale == pytest.approx((0.1 * math.log(4.0) + 1) ** 2)
+            block.attn.q_scale = 1.0
+        assert (ours(ids) - expected).abs().max() > 1e-3
 
 
 def test_decoding_caches_the_latent_and_equals_the_full_forward(folders):
@@ -199,7 +222,7 @@ MTP = dict(DEEPSEEK, mtp_layers=1, mtp_weight=0.5)  # its module's block MoE (bl
 
 
 def test_layouts_equal_one_process():
-    """zero1-3; cp2 ring and all-gather (v padded to the key width, rope at the zigzag positions); tp2
+    """zero1-3; cp2 ring, all-gather and ulysses (v padded to the key width, rope at the zigzag positions); tp2
     (heads split; wq_a, q_norm, wkv_a, kv_norm replicated, their gradients summed over tp; with sequence
     parallelism on a dense MLA model, MoE refusing it); ep2 (4 routed experts per rank, the shared expert dense on
     both); pp2: three steps as one process; a multi-token prediction module under zero3 and ep2 too."""
@@ -210,7 +233,7 @@ def test_layouts_equal_one_process():
               Case(partial(PipelineStrategy, pipeline_parallel_size=2, microbatches=2, schedule="1f1b"),
                    model=DEEPSEEK, label="pp2")]
     cases += [Case(partial(ComposedStrategy, context_parallel_size=2, cp_method=m), model=DENSE_MLA, label=f"cp2 {m}")
-              for m in ("ring", "allgather")]
+              for m in ("ring", "allgather", "ulysses")]
     cases += [Case(partial(ZeroStrategy, stage=3), model=MTP, label="zero3 mtp"),
               Case(partial(ExpertParallelStrategy, expert_parallel_size=2), model=MTP, label="ep2 mtp")]
     for run in run_parity(cases, 2):
