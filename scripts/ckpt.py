@@ -1,6 +1,6 @@
 """Inspect or export a lit-lm checkpoint.
 
-    python scripts/ckpt.py inspect runs/.../checkpoints/last.ckpt      # step, topology, every tensor and its size
+    python scripts/ckpt.py inspect runs/.../checkpoints/last.ckpt      # step, topology, optimizer, every tensor
     python scripts/ckpt.py convert runs/.../checkpoints/last.ckpt model.ckpt   # one plain torch.save file
     python scripts/ckpt.py export-hf runs/.../checkpoints/last.ckpt hf/        # a Hugging Face model (docs/hf.md)
     python scripts/ckpt.py export-hf --merge-lora last.ckpt hf/   # a LoRA run: adapters merged (docs/finetune.md)
@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -76,6 +78,9 @@ def inspect(path: Path) -> None:
         tensors, files = list(_tensors(meta)), [path]
     print(f"  epoch {meta.get('epoch')}, global_step {meta.get('global_step')}, "
           f"lightning {meta.get('pytorch-lightning_version')}")
+    optimizer = _optimizer(meta.get("hyper_parameters") or {}, [name for name, _, _ in tensors])
+    if optimizer:
+        print(f"  {optimizer}")
     total = 0
     for name, dtype, size in sorted(tensors):
         nbytes = math.prod(size) * dtype.itemsize
@@ -83,6 +88,25 @@ def inspect(path: Path) -> None:
         print(f"  {name:<70} {str(dtype).removeprefix('torch.'):<9} {size}  {nbytes:,} B")
     print(f"  {len(tensors)} tensors, {total:,} bytes of tensor data in {len(files)} files "
           f"({sum(p.stat().st_size for p in files):,} bytes on disk)")
+
+
+def _optimizer(hparams: dict[str, Any], names: list[str]) -> str:
+    """The optimizer a run named (`model.init_args.optimizer`; a LanguageModel's None: the default AdamW) and how
+    many tensors hold each of its state keys (a sharded directory's `optimizer_0.state.<fqn>.<key>`, a file's
+    `optimizer_states.0.state.<i>.<key>`): Muon's `momentum_buffer` per matrix, AdamW's `exp_avg`, ... per other."""
+    keys = Counter(name.rsplit(".", 1)[1] for name in names
+                   if re.match(r"(optimizer_\d+|optimizer_states\.\d+)\.state\.", name))
+    named = hparams.get("optimizer")
+    if named:
+        what = f"optimizer {named.get('class_path')} {json.dumps(named.get('init_args', {}), default=str)}"
+    elif "optimizer" in hparams:
+        what = "optimizer torch.optim.AdamW (the default)"
+    elif keys:
+        what = "optimizer (not named in the hyper-parameters)"
+    else:
+        return ""
+    counts = ", ".join(f"{key} x {n}" for key, n in sorted(keys.items()))
+    return f"{what}; state: {counts or 'none (a weights-only checkpoint)'}"
 
 
 def convert(path: Path, out_file: Path) -> None:
