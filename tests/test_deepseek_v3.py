@@ -34,6 +34,7 @@ from lit_lm.strategies.ep import ExpertParallelStrategy  # noqa: E402
 from lit_lm.strategies.pp import PipelineStrategy  # noqa: E402
 from lit_lm.strategies.tp import TensorParallelStrategy  # noqa: E402
 from lit_lm.strategies.zero import ZeroStrategy  # noqa: E402
+from test_hf_import import BytesRead  # noqa: E402
 
 # 8 experts in 4 groups of 2, the best 2 groups, top-2: the group limit decides (see the key test's n_group)
 SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
@@ -238,3 +239,28 @@ def test_layouts_equal_one_process():
               Case(partial(ExpertParallelStrategy, expert_parallel_size=2), model=MTP, label="ep2 mtp")]
     for run in run_parity(cases, 2):
         assert_parity(run)
+
+
+def test_imported_under_tp2_and_ep2_each_rank_reads_its_share(folders):
+    """From a transformers folder: the first step as one process under tp2 and ep2, and each rank read its share of
+    the files only: under tp2 half of what tp splits (q_b, kv_b, o, the dense MLP, embedding and head) and all of what
+    it replicates (the latent's down-projections and norms, the norms, an MoE block whole: router, selection bias,
+    routed and shared experts); under ep2 half of the routed experts and everything else."""
+    folder = folders["q_lora"]
+    case = partial(Case, steps=1, callbacks=(BytesRead(),), init_from=str(folder))
+    runs = run_parity([case(partial(TensorParallelStrategy, 2, sequence_parallel=False), label="tp2"),
+                       case(partial(ExpertParallelStrategy, expert_parallel_size=2), label="ep2")], 2)
+    for run in runs:
+        assert_parity(run)
+    read = {run["case"].label: [r["callbacks"][0].read for r in run["ranks"]] for run in runs}
+    model = load_model(folder)
+    tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if n.endswith("expert_bias"))]
+
+    def nbytes(keep=lambda name: True) -> int:
+        return sum(t.numel() * t.element_size() for n, t in tensors if keep(n))
+
+    replicated = nbytes(lambda n: "norm" in n or ".router." in n or ".experts." in n or ".shared." in n or
+                        ".wq_a." in n or ".wkv_a." in n)
+    assert read["tp2"] == [(nbytes() - replicated) // 2 + replicated] * 2, read
+    experts = nbytes(lambda n: ".experts." in n)
+    assert experts > 0 and read["ep2"] == [nbytes() - experts // 2] * 2, read
