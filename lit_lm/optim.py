@@ -3,7 +3,8 @@
     matrices (param groups with "matrix": True, `lit_lm.param_groups.param_groups(..., split_matrices=True)`):
         B <- mu B + (1 - mu) G                        momentum (`buf.lerp_(grad, 1 - mu)`), on this rank's shard
         U <- G + mu (B - G)  (nesterov) or B          (`grad.lerp(buf, mu)`), on this rank's shard
-        O <- NS_5(U)                                  Newton-Schulz in bfloat16, on the WHOLE matrix (the seam below)
+        O <- NS_5(U)                                  Newton-Schulz in `ns_dtype` (bfloat16: torch's; or float32), on
+                                                      the WHOLE matrix (the seam below)
         W <- (1 - lr wd) W - lr * adjust(A, B) * O    decoupled decay; adjust on the global matrix shape A x B:
                                                       "original" sqrt(max(1, A / B)),
                                                       "match_rms_adamw" 0.2 sqrt(max(A, B))
@@ -23,15 +24,14 @@ reshards the weights); AdamW's `step`, `exp_avg`, `exp_avg_sq` for the rest.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _adjust_lr
-from torch.optim._muon import _zeropower_via_newtonschulz as newton_schulz
 from torch.optim.adam import adam
 from torch.optim.optimizer import _get_scalar_dtype, _to_scalar
 
+from lit_lm.strategies.newton_schulz import DTYPES, NewtonSchulz
 from lit_lm.strategies.orthogonalize import NS_MODES, LocalOrthogonalizer, Orthogonalizer
 
 
@@ -41,9 +41,13 @@ class Muon(torch.optim.Optimizer):
     Args (Muon's as torch names them): lr, weight_decay (each group may set its own), momentum, nesterov,
         ns_coefficients, eps (NS's), ns_steps, adjust_lr_fn ("original" (None) or "match_rms_adamw").
         adamw_lr: the other groups' learning rate (None: `lr`, as with "match_rms_adamw"); adamw_betas, adamw_eps.
-        ns_mode: how a lit-lm strategy spreads the Newton-Schulz work: "owner" (each matrix orthogonalized once, on
-            one rank of the ranks that hold it, balanced by FLOPs) or "replicated" (every rank gathers and
-            orthogonalizes every matrix it holds a part of: the baseline the benchmark compares with).
+        ns_mode: how a lit-lm strategy spreads the Newton-Schulz work: "auto" (tp's Gram mode for a matrix cut over
+            tp along its long dimension, owner elsewhere), "owner" (each matrix orthogonalized once, on one rank of
+            the ranks that hold it, balanced by FLOPs) or "replicated" (every rank gathers and orthogonalizes every
+            matrix it holds a part of: the baseline the benchmark compares with).
+        ns_dtype: the dtype Newton-Schulz computes in: "bfloat16" (torch's own function, bit for bit) or "float32"
+            (the same iteration, coefficients and eps in fp32: layouts then equal one process to fp32 summation
+            order). The pieces an orthogonalizer moves travel in it.
     """
 
     matrix_wise = True  # its "matrix" groups need whole matrices: a strategy binds `orthogonalizer`
@@ -52,11 +56,13 @@ class Muon(torch.optim.Optimizer):
                  nesterov: bool = True, ns_coefficients: tuple[float, float, float] = (DEFAULT_A, DEFAULT_B, DEFAULT_C),
                  eps: float = EPS, ns_steps: int = DEFAULT_NS_STEPS, adjust_lr_fn: Optional[str] = None,
                  adamw_lr: Optional[float] = None, adamw_betas: tuple[float, float] = (0.9, 0.95),
-                 adamw_eps: float = 1e-8, ns_mode: str = "owner") -> None:
+                 adamw_eps: float = 1e-8, ns_mode: str = "auto", ns_dtype: str = "bfloat16") -> None:
         if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
             raise ValueError(f"adjust_lr_fn {adjust_lr_fn!r}: choose 'original' (None) or 'match_rms_adamw'")
         if ns_mode not in NS_MODES:
             raise ValueError(f"ns_mode {ns_mode!r}: choose one of {', '.join(NS_MODES)}")
+        if ns_dtype not in DTYPES:
+            raise ValueError(f"ns_dtype {ns_dtype!r}: choose one of {', '.join(DTYPES)}")
         if not 0.0 <= momentum < 1.0 or lr < 0.0 or weight_decay < 0.0:
             raise ValueError(f"Muon needs lr >= 0, weight_decay >= 0 and 0 <= momentum < 1; got {lr}, "
                              f"{weight_decay}, {momentum}")
@@ -73,6 +79,7 @@ class Muon(torch.optim.Optimizer):
                     raise ValueError(f"Muon's matrix groups hold matrices (2-D) or stacks of them (3-D, an MoE "
                                      f"layer's experts); got a parameter of shape {tuple(p.shape)}")
         self.ns_mode = ns_mode
+        self.ns_dtype = ns_dtype  # an attribute, as ns_mode: how to compute, not a hyperparameter a checkpoint keeps
         self.orthogonalizer: Orthogonalizer = LocalOrthogonalizer()
 
     @torch.no_grad()
@@ -100,8 +107,7 @@ class Muon(torch.optim.Optimizer):
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - momentum)
             updates.append(p.grad.lerp(buf, momentum) if group["nesterov"] else buf)
-        ns = partial(newton_schulz, ns_coefficients=group["ns_coefficients"], ns_steps=group["ns_steps"],
-                     eps=group["eps"])
+        ns = NewtonSchulz(tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"], DTYPES[self.ns_dtype])
         for p, update in zip(params, self.orthogonalizer(params, updates, ns)):
             adjusted = _adjust_lr(lr, group["adjust_lr_fn"], self.orthogonalizer.matrix_shape(p))
             p.mul_(1 - lr * wd)

@@ -93,7 +93,9 @@ class Case:
     optimizer: str = "sgd"  # "sgd": plain SGD (no momentum); "adamw": AdamW, decay on matrices only; "muon":
     # lit_lm.optim.Muon on the hidden matrices (param_groups' "matrix" group), AdamW on the rest; "module": the
     # module's own configure_optimizers (its optimizer, param groups and LR schedule: `lit-lm check`)
-    ns_mode: str = "owner"  # Muon's: how the strategy spreads Newton-Schulz ("owner" or "replicated")
+    ns_mode: str = "auto"  # Muon's: how the strategy spreads Newton-Schulz ("auto": tp's Gram mode where it
+    # applies, owner elsewhere; "owner"; "replicated")
+    ns_dtype: str = "bfloat16"  # Muon's Newton-Schulz dtype ("bfloat16": torch's; "float32")
     steps: int = 3
     global_batch: int = 8
     trainer: dict = field(default_factory=dict)  # e.g. accumulate_grad_batches, gradient_clip_val, precision
@@ -126,7 +128,7 @@ class Case:
     @property
     def key(self) -> str:
         callbacks = [(type(c).__name__, sorted(vars(c).items())) for c in self.callbacks]
-        return repr((sorted(self.model.items()), self.optimizer, self.steps, self.global_batch,
+        return repr((sorted(self.model.items()), self.optimizer, self.ns_dtype, self.steps, self.global_batch,
                      sorted(self.trainer.items()), self.frozen, self.lr, callbacks,
                      self.resume.key if self.resume else None, self.init_from, self.module, self.token_vocab,
                      self.packing))
@@ -156,7 +158,8 @@ class HarnessModule:
             return torch.optim.SGD(params, lr=self.case.lr or 0.1)
         if self.case.optimizer == "muon":  # Muon on the hidden matrices, AdamW on the rest (the module's groups)
             groups = param_groups(self.model, 0.1, self.model.config.tie_embeddings, split_matrices=True)
-            return Muon(groups, lr=self.case.lr or MUON_LR, adamw_lr=3e-3, adamw_eps=1e-6, ns_mode=self.case.ns_mode)
+            return Muon(groups, lr=self.case.lr or MUON_LR, adamw_lr=3e-3, adamw_eps=1e-6, ns_mode=self.case.ns_mode,
+                        ns_dtype=self.case.ns_dtype)
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
         # eps 1e-6, not 1e-8: Adam's first update is lr * g / (|g| + eps), whose slope lr / eps turns fp32

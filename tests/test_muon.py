@@ -14,7 +14,8 @@ from lit_lm.optim import Muon
 from lit_lm.param_groups import param_groups
 from lit_lm.parity import MOE, token_data
 from lit_lm.strategies import orthogonalize
-from lit_lm.strategies.orthogonalize import Unit, assign_owners, chunk
+from lit_lm.strategies.newton_schulz import NewtonSchulz
+from lit_lm.strategies.orthogonalize import Unit, assign_owners, chunk, long_cut, ns_flops
 
 STEPS = 4
 HP = dict(lr=0.02, weight_decay=0.1, momentum=0.9)
@@ -103,6 +104,60 @@ def test_a_bf16_cast_before_the_gather_leaves_newton_schulz_bit_identical() -> N
         assert torch.equal(orthogonalize_ns()(torch.cat(pieces)), orthogonalize_ns()(u))
 
 
+COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz_fp64(g: torch.Tensor) -> torch.Tensor:
+    """The iteration as written (module docstring of lit_lm/strategies/newton_schulz.py), in float64."""
+    a, b, c = COEFFICIENTS
+    x = g.double().T if g.shape[0] > g.shape[1] else g.double()
+    x = x / x.norm()
+    for _ in range(5):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if g.shape[0] > g.shape[1] else x
+
+
+@pytest.mark.parametrize("shape", [(48, 16), (16, 48), (32, 32), (3, 1)])
+def test_newton_schulz_is_torch_s_in_bfloat16_bit_for_bit_and_the_iteration_in_float32(shape: tuple) -> None:
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    torch.manual_seed(2)
+    g = torch.randn(shape)
+    bf16, fp32 = NewtonSchulz(COEFFICIENTS, 5, 1e-7), NewtonSchulz(COEFFICIENTS, 5, 1e-7, torch.float32)
+    assert torch.equal(bf16(g), _zeropower_via_newtonschulz(g, COEFFICIENTS, 5, 1e-7))
+    exact = newton_schulz_fp64(g)
+    assert fp32(g).dtype == torch.float32 and (fp32(g).double() - exact).norm() <= 1e-5 * exact.norm()
+    assert (bf16(g).double() - exact).norm() > 1e-3 * exact.norm()  # what the bfloat16 rounding costs
+    held = g.clone()
+    fp32(g)
+    assert torch.equal(g, held)  # its input is not written to (an fp32 update may be the momentum itself)
+
+
+def test_muon_with_float32_newton_schulz_steps_with_the_float32_iteration() -> None:
+    torch.manual_seed(3)
+    w = nn.Parameter(torch.randn(24, 40))
+    w.grad = torch.randn(24, 40)
+    before, grad = w.detach().clone(), w.grad.clone()
+    Muon([{"params": [w], "matrix": True}], lr=0.02, weight_decay=0.1, momentum=0.9, ns_dtype="float32").step()
+    update = grad.lerp(grad * 0.1, 0.9)  # nesterov on a fresh buffer: B = 0.1 G, U = G.lerp(B, 0.9)
+    expected = (1 - 0.02 * 0.1) * before.double() - 0.02 * newton_schulz_fp64(update)
+    assert (w.detach().double() - expected).norm() <= 1e-7 * expected.norm()
+
+
+def test_gram_mode_takes_the_long_cuts_and_a_whole_tp_column_of_owners() -> None:
+    assert long_cut((16, 48), 1) and long_cut((48, 16), 0) and long_cut((32, 32), 1)  # NS's X: rows <= cols
+    assert not long_cut((16, 48), 0) and not long_cut((48, 16), 1) and not long_cut((32, 32), 0)
+    dp = orthogonalize.Level(None, "dp", 0, 8, 2, 0)  # type: ignore[arg-type]
+    tp = orthogonalize.Level(None, "tp", 1, 8, 2, 0)  # type: ignore[arg-type]
+    units = [Unit(0, None, (32, 128), (dp, tp), gram=True), Unit(1, None, (32, 128), (dp, tp), gram=True),
+             Unit(2, None, (32, 64), (dp, tp))]
+    assign_owners(units)
+    # each Gram matrix: one dp coordinate, every tp rank (None); the two apart; the owner one where load is least
+    assert [u.owners for u in units] == [(0, None), (1, None), (0, 0)]
+    assert units[0].rank_flops == ns_flops((32, 128), 2) == 4 * 32 * 32 * 64 + 2 * 32 ** 3 < units[0].flops
+
+
 def test_owners_are_balanced_by_newton_schulz_flops() -> None:
     level = orthogonalize.Level(None, "dp", 0, 8, 2, 0)  # type: ignore[arg-type]
     units = [Unit(i, None, shape, (level,)) for i, shape in enumerate([(128, 32), (32, 32), (32, 128), (32, 32)])]
@@ -121,6 +176,8 @@ def test_muon_refuses_a_matrix_group_of_vectors_and_bad_settings() -> None:
         Muon([nn.Parameter(torch.zeros(3, 3))], adjust_lr_fn="other")
     with pytest.raises(ValueError, match="ns_mode"):
         Muon([nn.Parameter(torch.zeros(3, 3))], ns_mode="gram")
+    with pytest.raises(ValueError, match="ns_dtype 'float16': choose one of bfloat16, float32"):
+        Muon([nn.Parameter(torch.zeros(3, 3))], ns_dtype="float16")
 
 
 def test_checkpointed_state_round_trips() -> None:

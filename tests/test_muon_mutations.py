@@ -1,8 +1,10 @@
 """Muon's layouts can fail: orthogonalizers broken on purpose inside the workers are reported by the Muon parity
-checks (tests/test_muon_parity.py: exact until step 1, MUON_RTOL over three steps), and an optimizer that is
-neither elementwise nor matrix-wise is refused where the layout splits parameters.
+checks (tests/test_muon_parity.py: float32 NS at 1e-5 on every step), and an optimizer that is neither elementwise
+nor matrix-wise is refused where the layout splits parameters.
 
 - a shard orthogonalized alone (every cut ignored: each rank runs NS on its ZeRO rows or tp slice);
+- tp's Gram mode without its all-reduces (each tp rank's norm and Gram matrix of its own slice: its shard
+  orthogonalized alone, for the matrices cut along their long dimension);
 - an expert stack orthogonalized as one [E * out, in] matrix;
 - momentum not carried over a resume (the loaded momentum_buffer dropped: the resumed run restarts it at zero);
 - Newton-Schulz per micro-batch (each micro-batch's gradient orthogonalized before it is accumulated, as
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 from lit_lm.parity import run_parity
-from lit_lm.strategies import orthogonalize, sharded_state
+from lit_lm.strategies import comm, orthogonalize, sharded_state
 from lit_lm.strategies.base import BaseStrategy
 from lit_lm.strategies.composed import ComposedStrategy
 from lit_lm.strategies.errors import ConfigError
@@ -28,6 +30,16 @@ from test_muon_parity import TWO_RANKS, assert_muon_parity
 
 def shard_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(orthogonalize, "_levels", lambda shard, replica, mode: ())
+
+
+def gram_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    all_reduce = comm.all_reduce
+
+    def but_gram(tensor: torch.Tensor, group: Any = None, *args: Any, label: str = "", **kwargs: Any) -> Any:
+        return None if label.startswith("orthogonalize gram") else all_reduce(tensor, group, *args, label=label,
+                                                                              **kwargs)
+
+    monkeypatch.setattr(comm, "all_reduce", but_gram)
 
 
 def stack_as_one(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -71,16 +83,15 @@ def ns_per_micro_batch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _ns() -> Any:
-    from functools import partial
-
-    from torch.optim._muon import _zeropower_via_newtonschulz
-    return partial(_zeropower_via_newtonschulz, ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps=5, eps=1e-7)
+    from lit_lm.strategies.newton_schulz import NewtonSchulz
+    return NewtonSchulz((3.4445, -4.7750, 2.0315), 5, 1e-7, torch.float32)
 
 
-REPORTED = r"(step [01] rank \d: gradient of model\.\S+ differs|rank \d: final model\.\S+ differs|batch \d+ rank \d)"
+REPORTED = r"(step \d rank \d: gradient of model\.\S+ differs|rank \d: final model\.\S+ differs|batch \d+ rank \d)"
 MUTANTS = {  # case, the report it must raise
     "zero2 shard alone": (replace(TWO_RANKS["zero2"], mutation=shard_alone), REPORTED),
-    "tp shard alone": (replace(TWO_RANKS["tp"], mutation=shard_alone), REPORTED),
+    "tp shard alone": (replace(TWO_RANKS["tp owner"], mutation=shard_alone), REPORTED),
+    "tp Gram without its all-reduces": (replace(TWO_RANKS["tp"], mutation=gram_alone, callbacks=()), REPORTED),
     "ep stack as one": (replace(TWO_RANKS["ep"], mutation=stack_as_one), REPORTED),
     "resume momentum dropped": (replace(TWO_RANKS["zero2 resumed"], mutation=momentum_dropped), REPORTED),
     "lm_ddp NS per micro-batch": (replace(TWO_RANKS["zero3 accumulate 4"], strategy=ComposedStrategy,

@@ -236,8 +236,10 @@ class ComposedStrategy(BaseStrategy):
             self._check_optimizer(_unwrap(optimizer))
             bind_optimizer(_unwrap(optimizer), self._engines)
             if getattr(_unwrap(optimizer), "matrix_wise", False):  # Muon: whole matrices from the pieces this rank
-                # holds (after ZeRO pointed it at its master rows), `lit_lm/strategies/orthogonalize.py`
-                bind_orthogonalizer(_unwrap(optimizer), self.owned_weights(), self._replica_group)
+                # holds (after ZeRO pointed it at its master rows), `lit_lm/strategies/orthogonalize.py`; tp's cuts
+                # along a matrix's long dimension by Gram mode
+                bind_orthogonalizer(_unwrap(optimizer), self.owned_weights(), self._replica_group,
+                                    self.layout.group("tp") if self.config.tp > 1 else None)
         if self.config.zero_stage in (1, 2):  # their gathers after the step run into the next forward
             self._readers = self._readers or FlushBeforeReaders(lambda: self._engines)
             if self._readers not in trainer.callbacks:

@@ -4,9 +4,10 @@ Muon's update is elementwise (momentum, decay, the add) except one step: O = NS(
 (its Frobenius norm, its Gram matrix U U^T). A matrix-wise optimizer (`matrix_wise = True`, e.g. `lit_lm.optim.Muon`)
 calls an `Orthogonalizer` once per optimizer step with every matrix it updates (the tensors it holds and their
 local updates) and gets back, for each, the local part of NS(whole matrix). An MoE layer's stack [E, out, in] is E
-matrices. NS runs in bfloat16 (torch's `_zeropower_via_newtonschulz` casts its input first), and that cast is
-elementwise, so the pieces travel as bfloat16 and the matrix an owner reassembles is bit for bit the one a single
-process casts: the result is identical, not merely close.
+matrices. NS runs in the optimizer's `ns_dtype` (`lit_lm.strategies.newton_schulz.NewtonSchulz`: bfloat16, torch's
+own function, or float32), and its first op is the cast to that dtype, which is elementwise: the pieces travel in
+that dtype, and the matrix an owner reassembles is bit for bit the one a single process casts: the result is
+identical, not merely close.
 
 How a rank holds a matrix is what the strategy already says (`WeightShard.splits`, outer to inner: a tp or ep
 slice, then ZeRO's rows of it). A cut along dim 0 of an expert stack keeps every expert whole (ep's experts, ZeRO's
@@ -23,15 +24,33 @@ rows of a stack); every other cut is a *level* to undo, over its group, in `torc
                  A matrix every rank of its data-parallel group holds whole (plain DP: replicated gradients) has
                  one "replica" level instead: its owner orthogonalizes it and an all-to-all hands the result to the
                  others, so NS work per rank falls as 1/N.
+    gram         (in "auto", for the matrices where it applies) a matrix cut over the `gram_group` (tp) along its
+                 *long* dimension (the columns of X, NS's short-and-wide orientation) is orthogonalized on its
+                 tp shards, where they are (`NewtonSchulz.iterate`): ||X||^2 = sum_i ||X_i||^2 by one all-reduce,
+                 then per NS step X X^T = sum_i X_i X_i^T by one all-reduce (the partial Grams in fp32, the sum
+                 cast to the NS dtype), B = b A + c A^2 and X_i <- a X_i + B X_i locally: no piece moves, every tp
+                 rank does 4 m^2 n / tp + 2 m^3 of the FLOPs. One all-reduce per NS step (and one for the norms)
+                 carries the Grams of every such matrix of the call. Levels inside the tp one (ZeRO's rows of the
+                 tp slice) are undone by the owner route first: the dp owner of a matrix is one dp coordinate for
+                 its whole tp group (every rank computes the same assignment), so its tp peers hold their slices
+                 together. A matrix cut along its short dimension (a column-parallel square or wide matrix, wk/wv)
+                 goes to an owner as in "owner" mode: its Gram would be the large n x n one.
+    auto         gram where it applies, owner elsewhere (the default); "owner" forces the owner route everywhere.
     replicated   the baseline: each level's all-to-all hands every piece to every rank of the group (an
                  all-gather), every rank orthogonalizes every matrix and keeps its part.
 
+Bytes per step for an m x n matrix (m <= n) cut over tp: the owner route moves the matrix twice (m n elements of
+the NS dtype, gathered then scattered); Gram all-reduces 5 m^2 fp32 Gram elements (one m x m per NS step) plus a
+scalar, so it moves fewer bytes when 5 m^2 * 4 < 2 m n * (2 or 4), and it spreads the m^2 n work over the tp ranks
+instead of loading one owner. In fp32 NS Gram mode equals owner mode to fp32 summation order (tests at 1e-5); in
+bfloat16 the Gram sum is rounded once to bfloat16, as a bfloat16 matmul rounds its fp32 accumulator, but the
+summation order differs, and a flipped rounding grows through the 5 steps (docs/optim.md gives the measured size).
+
 Collectives run in one order on every rank (pools of matrices sorted by their levels' group names, levels inner to
-outer, then back), tensors on the data's device, split sizes from shapes (no host sync). The optimizer step is
-after the gradient sync of an accumulation window, so there is one orthogonalization per optimizer step, whatever
-`accumulate_grad_batches` is. Not done here (a follow-up): tp's Gram-matrix mode (all-reducing the small U U^T of a
-matrix split along its long dimension each NS step, instead of moving the pieces); a tp-split matrix replicated over
-dp is orthogonalized by each dp replica's tp owner (1/tp of the work per rank, not 1/(tp dp)).
+outer, then the Gram all-reduces, then back), tensors on the data's device, split sizes from shapes (no host sync).
+The optimizer step is after the gradient sync of an accumulation window, so there is one orthogonalization per
+optimizer step, whatever `accumulate_grad_batches` is. Not done here (a follow-up): a tp-split matrix replicated
+over dp is orthogonalized by each dp replica's tp group (1/tp of the work per rank, not 1/(tp dp)).
 """
 
 from __future__ import annotations
@@ -45,14 +64,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lit_lm.strategies import comm
+from lit_lm.strategies.newton_schulz import NewtonSchulz
 
-NS = Callable[[Tensor], Tensor]  # one 2-D matrix -> NS of it, bfloat16 (torch's `_zeropower_via_newtonschulz`)
-NS_MODES = ("owner", "replicated")
+NS = NewtonSchulz  # one 2-D matrix -> NS of it in `NS.dtype`; `NS.iterate` for a batch with summed norms and Grams
+NS_MODES = ("auto", "owner", "replicated")
 
 
 class Orthogonalizer(Protocol):
     """The seam: `__call__` returns, for each of `tensors` (what the optimizer holds), NS of the whole matrix (or
-    of each whole matrix of a stack) cut to the part `updates[i]` stands for, bfloat16, shaped as `updates[i]`;
+    of each whole matrix of a stack) cut to the part `updates[i]` stands for, in `ns.dtype`, shaped as `updates[i]`;
     `matrix_shape` is the global shape of one matrix of a tensor (Muon's learning-rate adjustment reads it)."""
 
     def matrix_shape(self, tensor: Tensor) -> tuple[int, int]: ...
@@ -64,10 +84,7 @@ def orthogonalize_whole(update: Tensor, ns: NS) -> Tensor:
     """NS of a whole matrix, or of each matrix of a stack [E, out, in], one by one (never the stack as one)."""
     if update.ndim == 2:
         return ns(update)
-    out = torch.empty(update.shape, dtype=torch.bfloat16, device=update.device)
-    for e in range(update.shape[0]):
-        out[e] = ns(update[e])
-    return out
+    return torch.stack([ns(matrix) for matrix in update.unbind(0)])
 
 
 class LocalOrthogonalizer:
@@ -84,6 +101,19 @@ def chunk(length: int, parts: int, r: int) -> tuple[int, int]:
     """`torch.chunk`'s part r of `length` in `parts` (ceil-sized, the tail short or empty)."""
     size = -(-length // parts)
     return min(r * size, length), min((r + 1) * size, length)
+
+
+def ns_flops(shape: Sequence[int], parts: int = 1) -> int:
+    """NS FLOPs per step of an m x n matrix (m <= n): X X^T and B X (2 m^2 n each), A A (2 m^3); with the n
+    columns over `parts` ranks (Gram mode) each does 1/parts of the first two and all of A A."""
+    m, n = sorted(shape)
+    return 4 * m * m * n // parts + 2 * m ** 3
+
+
+def long_cut(shape: Sequence[int], dim: Optional[int]) -> bool:
+    """Whether a cut along `dim` of a matrix of `shape` cuts the columns of X, NS's short-and-wide orientation
+    (the matrix itself, or its transpose when it has more rows than columns): the cut Gram mode undoes."""
+    return dim is not None and dim == (0 if NewtonSchulz.transposed(shape) else 1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,18 +145,28 @@ class Level:
 @dataclass(eq=False)
 class Unit:
     """One matrix: tensor `tensor` of the call (its expert `expert` for a stack), undone over `levels` (inner
-    first) with its owner's coordinate per level (None: every rank, the replicated mode)."""
+    first) with its owner's coordinate per level (None: every rank, the replicated mode; Gram's level). `gram`:
+    its outermost level (tp) is undone by Gram mode, not moved."""
 
     tensor: int
     expert: Optional[int]
     shape: tuple[int, int]  # the global matrix
     levels: tuple[Level, ...]
     owners: tuple[Optional[int], ...] = ()
+    gram: bool = False
 
     @property
     def flops(self) -> int:
-        m, n = sorted(self.shape)
-        return 4 * m * m * n + 2 * m ** 3
+        return ns_flops(self.shape)
+
+    @property
+    def rank_flops(self) -> int:
+        """The NS FLOPs per step on each rank that works on it: the owner, or each rank of Gram's group."""
+        return ns_flops(self.shape, self.levels[-1].size) if self.gram else self.flops
+
+    def moves(self, k: int) -> bool:
+        """Whether level k is undone by moving pieces (all but Gram's level)."""
+        return not (self.gram and k == len(self.levels) - 1)
 
     def shape_at(self, k: int) -> tuple[int, ...]:
         """The shape this rank's piece has once levels < k are gathered (k = len(levels): the whole matrix)."""
@@ -157,7 +197,7 @@ def _levels(shard: Any, replica: Optional[dist.ProcessGroup], mode: str) -> tupl
         if size > 1 and not (stack and split.dim == 0):
             levels.append(Level(split.group, comm.group_name(split.group), split.dim - stack, length, size, rank))
         shape[split.dim] = split.end - split.start
-    if not levels and mode == "owner" and replica is not None and dist.get_world_size(replica) > 1:
+    if not levels and mode != "replicated" and replica is not None and dist.get_world_size(replica) > 1:
         levels.append(Level(replica, "replica " + comm.group_name(replica), None, 0, dist.get_world_size(replica),
                             dist.get_rank(replica)))
     return tuple(reversed(levels))
@@ -165,37 +205,51 @@ def _levels(shard: Any, replica: Optional[dist.ProcessGroup], mode: str) -> tupl
 
 def assign_owners(units: Sequence[Unit]) -> None:
     """Greedy longest-first: each unit, largest NS FLOPs first, to the least loaded cell of its levels' groups
-    (ties: the lowest cell), written as one owner coordinate per level. Every rank computes the same."""
+    (ties: the lowest cell), written as one owner coordinate per level. A Gram unit takes a whole column of cells
+    (one coordinate per inner level, every rank of its outermost, tp, level: None there), the one whose most loaded
+    cell is least loaded, and adds its per-rank FLOPs to each. Every rank computes the same."""
     sizes = [level.size for level in units[0].levels]
     load = [0] * math.prod(sizes)
+    inner = math.prod(sizes[:-1])  # the cells of one coordinate of the outermost level
     for unit in sorted(units, key=lambda u: -u.flops):  # stable: equal FLOPs keep their order
-        cell = min(range(len(load)), key=lambda c: load[c])
-        load[cell] += unit.flops
-        coords = []
+        if unit.gram:
+            columns = ([p + inner * t for t in range(sizes[-1])] for p in range(inner))
+            cells = min(columns, key=lambda column: max(load[c] for c in column))
+        else:
+            cells = [min(range(len(load)), key=lambda c: load[c])]
+        for c in cells:
+            load[c] += unit.rank_flops
+        cell, coords = cells[0], []
         for size in sizes:
             coords.append(cell % size)
             cell //= size
-        unit.owners = tuple(coords)
+        unit.owners = tuple(coords[:-1]) + (None,) if unit.gram else tuple(coords)
 
 
 class ShardedOrthogonalizer:
     """The orthogonalizer a strategy binds (module docstring): `weights` describe the tensors the optimizer holds
     (`WeightShard`s: `local` is that tensor); `replica_group(shard)` is the group that holds a not-cut matrix whole
-    (its data-parallel group), or None."""
+    (its data-parallel group), or None; `gram_group` the group whose long-dimension cuts "auto" undoes by Gram mode
+    (the strategy's tp group), or None."""
 
     def __init__(self, weights: Sequence[Any], replica_group: Callable[[Any], Optional[dist.ProcessGroup]],
-                 mode: str = "owner") -> None:
+                 mode: str = "auto", gram_group: Optional[dist.ProcessGroup] = None) -> None:
         if mode not in NS_MODES:
             raise ValueError(f"ns_mode {mode!r}: choose one of {', '.join(NS_MODES)}")
         self.mode = mode
         self._weights = {id(w.local): w for w in weights}
         self._replica = replica_group
+        self._gram_group = gram_group if mode == "auto" else None
         self._plans: dict[tuple[int, ...], tuple[list[int], list[Pool]]] = {}
         self._device = torch.device("cpu")  # the updates' (each call's)
 
     def matrix_shape(self, tensor: Tensor) -> tuple[int, int]:
         shard = self._weights.get(id(tensor))
         return tuple((shard.global_shape if shard is not None else tensor.shape)[-2:])  # type: ignore[return-value]
+
+    def _gram(self, shape: tuple[int, int], levels: tuple[Level, ...]) -> bool:
+        outer = levels[-1]
+        return self._gram_group is not None and outer.group is self._gram_group and long_cut(shape, outer.dim)
 
     def _plan(self, tensors: list[Tensor]) -> tuple[list[int], list[Pool]]:
         """The call's tensors whole here (by index), and the pools of the others' matrices (sorted by key: one order
@@ -214,18 +268,19 @@ class ShardedOrthogonalizer:
                     continue
                 names = tuple(level.name for level in levels)
                 pool = pools.setdefault(names, Pool(names))
+                shape = tuple(shard.global_shape[-2:])
                 for e in range(t.shape[0]) if t.ndim == 3 else [None]:  # an expert stack: each expert a matrix
-                    pool.units.append(Unit(i, e, tuple(shard.global_shape[-2:]), levels))
+                    pool.units.append(Unit(i, e, shape, levels, gram=self._gram(shape, levels)))
             for pool in pools.values():
                 first = pool.units[0].levels
                 if any(a.group is not b.group for u in pool.units for a, b in zip(u.levels, first)):
                     raise ValueError(f"matrices cut over different groups that share the names {pool.key}: name "
                                      "each group (comm.name_group) so that their all-to-alls stay apart")
-                if self.mode == "owner":
-                    assign_owners(pool.units)
-                else:
+                if self.mode == "replicated":
                     for unit in pool.units:
                         unit.owners = (None,) * len(unit.levels)
+                else:
+                    assign_owners(pool.units)
             self._plans[key] = (whole, [pools[k] for k in sorted(pools)])
         return self._plans[key]
 
@@ -240,27 +295,53 @@ class ShardedOrthogonalizer:
 
         for i in whole:
             out[i] = orthogonalize_whole(updates[i], ns)
+        gathered = []  # per pool: the units held before each level's gather, and what this rank holds after all
         for pool in pools:
             for i in {unit.tensor for unit in pool.units}:
-                out[i] = torch.empty(updates[i].shape, dtype=torch.bfloat16, device=updates[i].device)
-            held = {unit: part(updates, unit).bfloat16() for unit in pool.units}
+                out[i] = torch.empty(updates[i].shape, dtype=ns.dtype, device=updates[i].device)
+            held = {unit: part(updates, unit).to(ns.dtype) for unit in pool.units}
             holds = []
             for k in range(len(pool.key)):
-                holds.append(list(held))
-                held = self._gather(k, holds[k], held)
-            done = {unit: ns(matrix) for unit, matrix in held.items()}
-            for k in reversed(range(len(pool.key))):
-                done = self._scatter(k, holds[k], done)
-            for unit, value in done.items():
+                holds.append([u for u in held if u.moves(k)])
+                held = {**{u: v for u, v in held.items() if not u.moves(k)}, **self._gather(k, holds[k], held, ns)}
+            gathered.append((holds, held))
+        grams = [(u, piece) for _, held in gathered for u, piece in held.items() if u.gram]
+        done = self._gram_ns([u for u, _ in grams], [piece for _, piece in grams], ns) if grams else {}
+        for holds, held in gathered:
+            mine = {unit: done[unit] if unit.gram else ns(matrix) for unit, matrix in held.items()}
+            for k in reversed(range(len(holds))):
+                moved = set(holds[k])
+                mine = {**{u: v for u, v in mine.items() if u not in moved}, **self._scatter(k, holds[k], mine, ns)}
+            for unit, value in mine.items():
                 part(out, unit).copy_(value)
         return out
+
+    def _gram_ns(self, units: list[Unit], pieces: list[Tensor], ns: NS) -> dict[Unit, Tensor]:
+        """Gram mode (module docstring) for every matrix this rank holds a tp slice of, together: one all-reduce
+        of the squared norms, then one of the concatenated fp32 partial Grams per NS step, over the tp group."""
+        group, name = units[0].levels[-1].group, units[0].levels[-1].name
+        flips = [NewtonSchulz.transposed(u.shape) for u in units]
+
+        def norms(xs: list[Tensor]) -> list[Tensor]:
+            squares = torch.stack([x.float().square().sum() for x in xs])
+            comm.all_reduce(squares, group, label=f"orthogonalize gram norms {name}")
+            return list(squares.sqrt().to(ns.dtype))
+
+        def grams(xs: list[Tensor]) -> list[Tensor]:
+            partial = torch.cat([(x.float() @ x.float().T).reshape(-1) for x in xs])
+            comm.all_reduce(partial, group, label=f"orthogonalize gram {name}")
+            sizes = [x.shape[0] for x in xs]
+            return [g.view(m, m).to(ns.dtype) for g, m in zip(partial.split([m * m for m in sizes]), sizes)]
+
+        xs = ns.iterate([p.T if f else p for p, f in zip(pieces, flips)], norms, grams)
+        return {u: x.T if f else x for u, x, f in zip(units, xs, flips)}
 
     @staticmethod
     def _mine(unit: Unit, k: int, r: int) -> bool:
         """Whether rank r of level k's group is `unit`'s owner there (every rank, replicated)."""
         return unit.owners[k] is None or unit.owners[k] == r
 
-    def _gather(self, k: int, units: list[Unit], held: dict[Unit, Tensor]) -> dict[Unit, Tensor]:
+    def _gather(self, k: int, units: list[Unit], held: dict[Unit, Tensor], ns: NS) -> dict[Unit, Tensor]:
         """Level k: every rank's piece of each unit to its owner there, in one all-to-all; the owners' units
         reassembled (the pieces in rank order along the level's dim). The same `units` on every rank of the
         group (they agree on the coordinates of the levels before)."""
@@ -272,11 +353,11 @@ class ShardedOrthogonalizer:
         sends = [[held[u].reshape(-1) for u in units if self._mine(u, k, r)] for r in range(level.size)]
         owned = [u for u in units if self._mine(u, k, level.rank)]
         shapes = [[u.levels[k].shape(u.shape_at(k + 1), r) for u in owned] for r in range(level.size)]
-        received = self._all_to_all(level, sends, shapes)
+        received = self._all_to_all(level, sends, shapes, ns.dtype)
         return {u: torch.cat([received[r][j] for r in range(level.size)], dim=u.levels[k].dim)
                 for j, u in enumerate(owned)}
 
-    def _scatter(self, k: int, units: list[Unit], done: dict[Unit, Tensor]) -> dict[Unit, Tensor]:
+    def _scatter(self, k: int, units: list[Unit], done: dict[Unit, Tensor], ns: NS) -> dict[Unit, Tensor]:
         """Level k backwards: each owner's result, cut into the group's parts, back to them in one all-to-all."""
         if not units:
             return {}
@@ -286,17 +367,17 @@ class ShardedOrthogonalizer:
         mine = [u for u in units if self._mine(u, k, level.rank)]
         sends = [[u.levels[k].cut(done[u], r).reshape(-1) for u in mine] for r in range(level.size)]
         shapes = [[u.shape_at(k) for u in units if self._mine(u, k, r)] for r in range(level.size)]
-        received = self._all_to_all(level, sends, shapes)
+        received = self._all_to_all(level, sends, shapes, ns.dtype)
         parts = [iter(received[r]) for r in range(level.size)]
         return {u: next(parts[u.owners[k]]) for u in units}  # type: ignore[index]
 
-    def _all_to_all(self, level: Level, sends: list[list[Tensor]], shapes: list[list[tuple[int, ...]]]
-                    ) -> list[list[Tensor]]:
+    def _all_to_all(self, level: Level, sends: list[list[Tensor]], shapes: list[list[tuple[int, ...]]],
+                    dtype: torch.dtype) -> list[list[Tensor]]:
         """One all-to-all over the level's group: `sends[r]` to rank r; from rank r, tensors of `shapes[r]`."""
         device = self._device
-        flat = [torch.cat(s) if s else torch.empty(0, dtype=torch.bfloat16, device=device) for s in sends]
+        flat = [torch.cat(s) if s else torch.empty(0, dtype=dtype, device=device) for s in sends]
         counts = [sum(math.prod(s) for s in shape) for shape in shapes]
-        recv = torch.empty(sum(counts), dtype=torch.bfloat16, device=device)
+        recv = torch.empty(sum(counts), dtype=dtype, device=device)
         comm.all_to_all(recv, torch.cat(flat), level.group, output_split_sizes=counts,
                         input_split_sizes=[f.numel() for f in flat], label=f"orthogonalize {level.name}")
         return [[p.view(s) for p, s in zip(got.split([math.prod(s) for s in shape]), shape)]
@@ -304,10 +385,13 @@ class ShardedOrthogonalizer:
 
 
 def bind_orthogonalizer(optimizer: Any, weights: Sequence[Any],
-                        replica_group: Callable[[Any], Optional[dist.ProcessGroup]]) -> bool:
+                        replica_group: Callable[[Any], Optional[dist.ProcessGroup]],
+                        gram_group: Optional[dist.ProcessGroup] = None) -> bool:
     """Give a matrix-wise optimizer (`matrix_wise = True`, an `orthogonalizer` attribute, an `ns_mode`) the
-    strategy's orthogonalizer; False for any other optimizer."""
+    strategy's orthogonalizer (`gram_group`: its tp group, whose long-dimension cuts "auto" undoes by Gram mode);
+    False for any other optimizer."""
     if not getattr(optimizer, "matrix_wise", False):
         return False
-    optimizer.orthogonalizer = ShardedOrthogonalizer(weights, replica_group, getattr(optimizer, "ns_mode", "owner"))
+    optimizer.orthogonalizer = ShardedOrthogonalizer(weights, replica_group, getattr(optimizer, "ns_mode", "auto"),
+                                                     gram_group)
     return True
