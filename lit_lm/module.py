@@ -324,9 +324,6 @@ class LanguageModel(L.LightningModule):
         data = getattr(self._trainer, "datamodule", None)
         if hasattr(data, "packing"):
             self.packing = data.packing()
-        if self.packing is not None and {"attention", "rope"} & set(self.kernels):
-            raise ConfigError("data.init_args.document_mask with model.init_args.kernels attention or rope: not yet "
-                              "(the Triton kernels have no varlen / per-row positions; issue 57): drop them")
 
     def step_loss(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         """The step's (loss, ce), through the strategy's loss seam (`lit_lm.strategies.plan.LossSeam`): a pipeline

@@ -130,3 +130,59 @@ def test_import_does_not_import_triton() -> None:
     code = "import sys, kernels; assert 'triton' not in sys.modules, 'import kernels imported triton'"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy in the interpreter: masked padding rows
+def test_packed_documents_train_through_the_trainer_as_the_reference(tmp_path, monkeypatch: pytest.MonkeyPatch
+                                                                     ) -> None:
+    """`kernels: [attention, rope]` with `document_mask` and `position_reset`: two Trainer steps on one process give
+    the reference path's losses and parameters, the varlen attention kernel having run with the rows' documents
+    (several per row) and the rope kernel with their per-row positions."""
+    import lightning as L
+
+    from lit_lm.data.datamodule import TextDataModule
+    from lit_lm.kernels import attention, rope
+    from lit_lm.module import LanguageModel
+    from lit_lm.parity import TINY
+
+    files = []
+    for i in range(30):
+        files.append(str(tmp_path / f"doc{i}.txt"))
+        (tmp_path / f"doc{i}.txt").write_text(" ".join(["alpha beta", "gamma (x)", "y: delta"][i % 3] for _ in
+                                                       range(1 + i % 4)) + "\n")
+    seen = []
+    flash_attention, rope_fn = attention.flash_attention, rope.rope
+    monkeypatch.setattr(attention, "flash_attention", lambda *a, documents=None, **k: seen.append(
+        ("attention", int(documents.max()))) or flash_attention(*a, documents=documents, **k))
+    monkeypatch.setattr(rope, "rope", lambda q, k, cos, sin, positions=None: seen.append(
+        ("rope", int(positions.max()) < q.shape[1] - 1)) or rope_fn(q, k, cos, sin, positions))
+
+    class Losses(L.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            self.losses.append(float(outputs["loss"]))
+
+    runs = {}
+    for names in ([], ["attention", "rope"]):
+        torch.manual_seed(0)
+        data = TextDataModule(files=files, data_dir=str(tmp_path / "data"), vocab_size=270, seq_len=32,
+                              batch_size=2, val_fraction=0.2, document_mask=True, position_reset=True)
+        module = LanguageModel(ModelConfig(**dict(TINY, vocab_size=270, max_seq_len=32)), kernels=names)
+        losses = Losses()
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                            callbacks=[losses])
+        trainer.fit(module, datamodule=data)
+        runs[bool(names)] = losses.losses, {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    (ref_losses, ref_params), (losses_k, params_k) = runs[False], runs[True]
+    assert len(ref_losses) == 2
+    torch.testing.assert_close(losses_k, ref_losses, **TOLERANCE)
+    assert params_k.keys() == ref_params.keys()
+    for name in ref_params:
+        torch.testing.assert_close(params_k[name], ref_params[name], **TOLERANCE, msg=name)
+    # both kernels ran, the attention on rows of several documents, the rope on positions that restart
+    assert {kind for kind, _ in seen} == {"attention", "rope"}
+    assert all(documents >= 2 for kind, documents in seen if kind == "attention")
+    assert all(reset for kind, reset in seen if kind == "rope")
