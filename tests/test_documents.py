@@ -1,7 +1,7 @@
 """Packed documents (`data.init_args.document_mask`, `position_reset`; lit_lm/data/packing.py): a row's documents are
 read from its EOS tokens, attention never crosses them, RoPE positions optionally restart; the same under dp, ZeRO,
-tp and pp (context parallelism: tests/test_cp_documents.py); refused in one line where not built yet (position_reset
-under context parallelism, the Triton attention / RoPE kernels)."""
+tp and pp (context parallelism: tests/test_cp_documents.py; the Triton kernels: tests/test_attention_varlen.py);
+refused in one line where not built yet (position_reset under context parallelism)."""
 
 from __future__ import annotations
 
