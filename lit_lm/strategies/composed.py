@@ -220,7 +220,7 @@ class ComposedStrategy(BaseStrategy):
             replicate = layout.group("dp_replicate") if c.dp_replicate > 1 else None
             self._engines = [ZeroEngine(holder, c.zero_stage, group, self.root_device, replicate,
                                         reduce_in_backward=c.pp == 1, init=self._init, init_rows=self._init,
-                                        collectives=c.zero_collectives)
+                                        collectives=c.zero_collectives, forward_root=module)
                              for holder, group in parts]
             self._zero_for = (module, self._engines)
         elif fitting:

@@ -258,8 +258,12 @@ class ZeroEngine:
                  device: Optional[torch.device] = None, replicate_group: Optional[dist.ProcessGroup] = None,
                  reduce_in_backward: bool = True, init: Optional[Callable[[str, Tensor], None]] = None,
                  init_rows: Optional[Callable[[str, Tensor, tuple[int, int]], bool]] = None,
-                 collectives: str = "auto") -> None:
+                 collectives: str = "auto", forward_root: Optional[nn.Module] = None) -> None:
         self.stage = check_stage(stage)
+        # whose forward uses the parameters (stages 1-2 wait for the after-step gathers in its modules' pre-hooks):
+        # `module` itself, but the model when `module` is a `param_holder` (ep's dense and expert engines), which
+        # runs no forward
+        self._forward_root = forward_root if forward_root is not None else module
         self.module = module
         self.group = group
         self.world = dist.get_world_size(group)
@@ -817,11 +821,13 @@ class ZeroEngine:
 
     def _register_wait_hooks(self) -> None:
         """Stages 1-2: a forward pre-hook on the first module to use each unit (its block; for the rest of the
-        model, every module holding one of its parameters) waits for the unit's gather (`wait_for`)."""
+        model, every module of the forward root holding one of its parameters) waits for the unit's gather
+        (`wait_for`)."""
         for i, unit in enumerate(self.units):
             params = {sp.param for sp in unit.params}
-            mods = [unit.module] if unit in self.blocks else \
-                [m for m in self.module.modules() if any(p in params for p in m._parameters.values() if p is not None)]
+            mods = [unit.module] if unit in self.blocks else [m for m in self._forward_root.modules()
+                                                                if any(p in params for p in m._parameters.values()
+                                                                       if p is not None)]
             for mod in mods:
                 self._hooks.append(mod.register_forward_pre_hook(lambda _m, _args, i=i: self.wait_for(i)))
 
