@@ -133,25 +133,34 @@ def tile_mask(n_q: int, n_k: int, offset: int, window: int, device: torch.device
     return (distance >= 0) & (distance < window)
 
 
-def masked_scores(s: Tensor, offset: int, window: int, same_document: Optional[Tensor]) -> Tensor:
-    """Scores s (B, Hkv, G, M, N) with the pairs that do not attend at −inf: `tile_mask`, and with `same_document`
-    (B, M, N) (packed rows) the pairs of two documents too."""
+TileDocuments = tuple[Tensor, Tensor]  # a tile's queries' (B, M) and keys' (B, N) document ids, one numbering
+
+
+def same_document(documents: Optional[TileDocuments]) -> Optional[Tensor]:
+    """(B, M, N): which (query row, key) pairs of a tile lie in one document; None without documents."""
+    return None if documents is None else documents[0][:, :, None] == documents[1][:, None, :]
+
+
+def masked_scores(s: Tensor, offset: int, window: int, documents: Optional[TileDocuments]) -> Tensor:
+    """Scores s (B, Hkv, G, M, N) with the pairs that do not attend at −inf: `tile_mask`, and with `documents`
+    (packed rows) the pairs of two documents too."""
     mask = tile_mask(s.shape[-2], s.shape[-1], offset, window, s.device)
-    if same_document is not None:
-        same = same_document[:, None, None]
+    if documents is not None:
+        q_ids, k_ids = documents
+        same = (q_ids[:, :, None] == k_ids[:, None, :])[:, None, None]
         mask = same if mask is None else mask & same
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
 def block_forward_reference(q: Tensor, k: Tensor, v: Tensor, offset: int, window: int,
-                            same_document: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                            documents: Optional[TileDocuments] = None) -> tuple[Tensor, Tensor]:
     """Causal attention of grouped queries q (B, Hkv, G, M, D) on k, v (B, Hkv, N, D) -> (out fp32, lse fp32),
     query row i sitting `offset` positions after key 0 (see `tile_mask`), within documents (`masked_scores`).
 
     A row with no key gets out 0 and lse −inf, which the merge weighs by exp(−inf) = 0."""
     b, hk, g, m, d = q.shape
     s = torch.matmul(q.reshape(b, hk, g * m, d), k.transpose(-1, -2)).float().view(b, hk, g, m, -1) * d ** -0.5
-    s = masked_scores(s, offset, window, same_document)
+    s = masked_scores(s, offset, window, documents)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
     out = torch.matmul(p.view(b, hk, g * m, -1).to(v.dtype), v).float().view(b, hk, g, m, d)
@@ -159,7 +168,7 @@ def block_forward_reference(q: Tensor, k: Tensor, v: Tensor, offset: int, window
 
 
 def block_backward_reference(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
-                             offset: int, window: int, same_document: Optional[Tensor] = None
+                             offset: int, window: int, documents: Optional[TileDocuments] = None
                              ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (fp32) of one tile given the *final* lse and delta = rowsum(dO ∘ O) of the merged output:
     P = exp(S − lse), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ − delta), dQ = dS K / √D, dK = dSᵀ Q / √D (FlashAttention-2)."""
@@ -168,7 +177,7 @@ def block_backward_reference(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: T
     qf, dof = q.reshape(b, hk, g * m, d).float(), do.reshape(b, hk, g * m, d).float()
     kf, vf = k.float(), v.float()
     s = masked_scores(torch.matmul(qf, kf.transpose(-1, -2)).view(b, hk, g, m, -1) * scale, offset, window,
-                      same_document)
+                      documents)
     p = torch.exp(s - lse.unsqueeze(-1))
     ds = p * (torch.matmul(dof, vf.transpose(-1, -2)).view(b, hk, g, m, -1) - delta.unsqueeze(-1))
     p, ds = p.view(b, hk, g * m, -1), ds.view(b, hk, g * m, -1)
@@ -177,26 +186,26 @@ def block_backward_reference(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: T
 
 
 def block_forward(q: Tensor, k: Tensor, v: Tensor, offset: int, window: int, backend: str = "auto",
-                  same_document: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                  documents: Optional[TileDocuments] = None) -> tuple[Tensor, Tensor]:
     """The kernel seam: lit-lm's FlashAttention where `lit_lm.kernels.runtime.use_triton(backend, q)` says ("auto": CUDA
-    tensors, or CPU under TRITON_INTERPRET=1), else the reference; a tile with documents (`same_document`) runs on
-    the reference (the kernel has no document mask yet)."""
-    if same_document is not None or not use_triton(backend, q):
-        return block_forward_reference(q, k, v, offset, window, same_document)
+    tensors, or CPU under TRITON_INTERPRET=1; with `documents`, as varlen), else the reference."""
+    if not use_triton(backend, q):
+        return block_forward_reference(q, k, v, offset, window, documents)
     b, hk, g, m, d = q.shape
-    out, lse = flash_attention_lse(q.reshape(b, hk * g, m, d), k, v, offset, window)
+    out, lse = flash_attention_lse(q.reshape(b, hk * g, m, d), k, v, offset, window, documents)
     return out.float().view(b, hk, g, m, d), lse.view(b, hk, g, m)
 
 
 def block_backward(q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, offset: int,
-                   window: int, backend: str = "auto", same_document: Optional[Tensor] = None
+                   window: int, backend: str = "auto", documents: Optional[TileDocuments] = None
                    ) -> tuple[Tensor, Tensor, Tensor]:
     """The kernel seam of the backward, as `block_forward`."""
-    if same_document is not None or not use_triton(backend, q):
-        return block_backward_reference(q, k, v, do, lse, delta, offset, window, same_document)
+    if not use_triton(backend, q):
+        return block_backward_reference(q, k, v, do, lse, delta, offset, window, documents)
     b, hk, g, m, d = q.shape
     dq, dk, dv = flash_attention_lse_backward(q.reshape(b, hk * g, m, d), k, v, do.reshape(b, hk * g, m, d),
-                                              lse.reshape(b, hk * g, m), delta.reshape(b, hk * g, m), offset, window)
+                                              lse.reshape(b, hk * g, m), delta.reshape(b, hk * g, m), offset, window,
+                                              documents)
     return dq.float().view(b, hk, g, m, d), dk.float(), dv.float()
 
 
@@ -293,9 +302,10 @@ class Call:
                           None if self.documents is None else self.documents.first_key)
 
 
-def _same_document(q_ids: Optional[Tensor], k_ids: Optional[Tensor], rows: slice, keys: slice) -> Optional[Tensor]:
-    """(B, M, N): which (query row, key) pairs of a tile lie in one document; None without documents."""
-    return None if q_ids is None or k_ids is None else q_ids[:, rows, None] == k_ids[:, None, keys]
+def _tile_ids(q_ids: Optional[Tensor], k_ids: Optional[Tensor], rows: slice, keys: slice
+              ) -> Optional[TileDocuments]:
+    """A tile's (query ids, key ids); None without documents."""
+    return None if q_ids is None or k_ids is None else (q_ids[:, rows], k_ids[:, keys])
 
 
 def attend(q: Tensor, kv: Tensor, q_pos: Runs, k_pos: Runs, call: Call, out: Tensor, lse: Tensor,
@@ -303,12 +313,12 @@ def attend(q: Tensor, kv: Tensor, q_pos: Runs, k_pos: Runs, call: Call, out: Ten
     """Merge the attention of queries q at `q_pos` on kv = stack(k, v) at `k_pos` into (out, lse), tile by tile;
     `q_ids`/`k_ids` (B, ·): the queries' and keys' document ids, with packed documents."""
     for rows, keys, offset in call.tiles(q_pos, k_pos):
-        same = _same_document(q_ids, k_ids, rows, keys)
+        ids = _tile_ids(q_ids, k_ids, rows, keys)
         block_out, block_lse = block_forward(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], offset,
-                                             call.window, call.backend, same_document=same)
+                                             call.window, call.backend, documents=ids)
         merge_into(out[..., rows, :], lse[..., rows], block_out, block_lse)
         if call.logit_max is not None:
-            tile = tile_logit_max(q[..., rows, :], kv[0][..., keys, :], offset, call.window, same)
+            tile = tile_logit_max(q[..., rows, :], kv[0][..., keys, :], offset, call.window, same_document(ids))
             torch.maximum(call.logit_max, tile, out=call.logit_max)
 
 
@@ -319,7 +329,7 @@ def attend_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tenso
     for rows, keys, offset in call.tiles(q_pos, k_pos):
         dq_b, dk_b, dv_b = block_backward(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :],
                                           do[..., rows, :], lse[..., rows], delta[..., rows], offset, call.window,
-                                          call.backend, same_document=_same_document(q_ids, k_ids, rows, keys))
+                                          call.backend, documents=_tile_ids(q_ids, k_ids, rows, keys))
         dq[..., rows, :] += dq_b
         dkv[0][..., keys, :] += dk_b
         dkv[1][..., keys, :] += dv_b
