@@ -212,3 +212,23 @@ def test_gpu_memory_says_which_stage_does_not_fit_and_the_nearest_layout_that_do
     render(report, Console(file=out, width=200))
     assert "stage 1: " in out.getvalue() and "does NOT fit" in out.getvalue(), out.getvalue()
     assert "every rank fits" in summary(plan, [], {}, 1e-5, fits=fit(plan, est, 2 * high))["verdict"]
+
+
+def test_a_muon_config_passes_and_the_planner_counts_its_state_and_traffic(tmp_path: Path) -> None:
+    """`model.init_args.optimizer: lit_lm.optim.Muon` under zero2 and tp2: the module's own Muon (the harness's
+    "module" case) agrees with one process, and the planner's figures for the check's model are the measured ones:
+    Muon's model state (one buffer per matrix) and the orthogonalizer's all-to-alls (zero2: ZeRO rows to their
+    owners; tp2: the short-cut slices, the long-cut ones by Gram all-reduces)."""
+    muon = tmp_path / "muon.yaml"
+    muon.write_text("model:\n  init_args:\n    optimizer:\n      class_path: lit_lm.optim.Muon\n      init_args:\n"
+                    "        lr: 0.002\n        adamw_lr: 0.003\n")
+    reports = _checked([_argv(preset, 2, "--config", str(muon)) for preset in ("zero2", "tp")],
+                       optimizers=[("module",)] * 2)
+    for preset, r in zip(("zero2", "tp"), reports):
+        assert r["ok"], (preset, r["verdict"])
+        costs = r["costs"]
+        assert costs["memory"]["measured"] == costs["memory"]["estimate"], preset
+        rows = {(c["group"], c["op"]): c for c in costs["comm"]}
+        assert all(c["agree"] for c in costs["comm"]), (preset, costs["comm"])
+        moved = rows[("dp_shard" if preset == "zero2" else "tp", "all_to_all")]
+        assert moved["measured"] > 0, preset

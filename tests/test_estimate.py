@@ -27,6 +27,8 @@ from lit_lm.check.meter import CONTROL
 from lit_lm.config import ModelConfig
 from lit_lm.planner.estimate import GLOO_STAGING, Workload, estimate, flops_per_token, peak_in_flight
 from lit_lm.model import Transformer
+from lit_lm.optim import Muon
+from lit_lm.param_groups import param_groups
 from lit_lm.resident import ResidentPeak
 from lit_lm.strategies.comm import COMM_LOG
 from lit_lm.strategies.composed import ComposedStrategy
@@ -34,6 +36,7 @@ from lit_lm.strategies.cp import METHODS, comm_theory
 import lit_lm.strategies.host_malloc as host_malloc
 from lit_lm.strategies.host_malloc import CHOICE, HostMalloc
 from lit_lm.strategies.layout import ParallelConfig
+from lit_lm.strategies.orthogonalize import ns_flops
 from lit_lm.strategies.pp_schedules import build_schedule
 from lit_lm.strategies.zero_engine import ZeroEngine, model_state_bytes
 
@@ -167,23 +170,70 @@ class Measure(L.Callback):
         self.out.update(activations=self.saved.peak, comm=comm)
 
 
-def _measure(names: list[str]) -> list[dict[str, Any]]:
+def _measure(names: list[str], layouts: dict[str, ParallelConfig] = LAYOUTS, world: int = WORLD,
+             module: type = None) -> list[dict[str, Any]]:
     out = []
     for name in names:
-        layout = LAYOUTS[name]
+        layout = layouts[name]
         rank = int(os.environ["LOCAL_RANK"])
         dp_rank = rank // (layout.tp * layout.cp) % layout.dp  # cp peers read the same rows (each its zigzag share)
         data = rank_share(token_data(2 * GLOBAL_BATCH) % MODEL["vocab_size"], GLOBAL_BATCH, dp_rank, layout.dp)
         loader = DataLoader(TensorDataset(data), batch_size=GLOBAL_BATCH // layout.dp)
         L.seed_everything(0, verbose=False)
         probe = Measure()
-        trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=ComposedStrategy(**layout.strategy_args()),
+        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=ComposedStrategy(**layout.strategy_args()),
                             max_steps=2,
                             callbacks=[probe], logger=False, enable_progress_bar=False, enable_model_summary=False,
                             use_distributed_sampler=False, num_sanity_val_steps=0, enable_checkpointing=False)
-        trainer.fit(EstimateLM(MODELS.get(name, MODEL)), loader)
+        trainer.fit((module or EstimateLM)(MODELS.get(name, MODEL)), loader)
         out.append(probe.out)
     return out
+
+
+class MuonLM(EstimateLM):
+    """Muon on the hidden matrices, AdamW on the rest (the module's groups for a matrix-wise optimizer)."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return Muon(param_groups(self.model, 0.1, self.config.tie_embeddings, split_matrices=True), lr=2e-3)
+
+
+MUON_LAYOUTS = {"lm_ddp": ParallelConfig(dp_shard=2), "zero2": ParallelConfig(dp_shard=2, zero_stage=2),
+                "zero3": ParallelConfig(dp_shard=2, zero_stage=3), "tp2": ParallelConfig(tp=2)}
+
+
+def test_muon_state_and_orthogonalizer_traffic_equal_a_real_run() -> None:
+    """Muon's optimizer state (one fp32 buffer per matrix, AdamW's m, v, step for the rest) and the step's
+    collectives (the orthogonalizer's all-to-alls to the owners and back, tp's Gram all-reduces) as a 2-rank run
+    allocates and records them, rank 0 exactly."""
+    names = list(MUON_LAYOUTS)
+    ranks = run_distributed(_measure, 2, names, MUON_LAYOUTS, 2, MuonLM, init_process_group=False,
+                            env=REFERENCE_TILES)
+    for i, name in enumerate(names):
+        work = Workload(ModelConfig(**dict(MODEL, max_seq_len=SEQ)), SEQ, GLOBAL_BATCH, "32-true", device="cpu",
+                        optimizer="muon")
+        expected, measured = estimate(work, MUON_LAYOUTS[name]).ranks[0], ranks[0][i]
+        adamw = estimate(dataclasses.replace(work, optimizer="adamw"), MUON_LAYOUTS[name]).ranks[0]
+        assert measured["state"]["optimizer"] == expected.optimizer < adamw.optimizer, name
+        assert measured["comm"] == expected.comm, (name, measured["comm"], expected.comm)
+        assert any(op == "all_to_all" or group == "tp" for group, op in expected.comm), name
+
+
+def test_newton_schulz_flops_per_rank_fall_as_one_over_n() -> None:
+    """Owner ranks share the matrices (balanced by FLOPs, as the orthogonalizer assigns them): the busiest rank's
+    NS work is the one-process total over N (within the greedy balance's granularity), under ZeRO and plain DP; the
+    replicated baseline does all of it on every rank."""
+    cfg = ModelConfig(**dict(MODEL, n_layers=8, max_seq_len=SEQ))
+    work = Workload(cfg, SEQ, 64, "32-true", optimizer="muon")
+    total = estimate(work, ParallelConfig()).ranks[0].optimizer_flops
+    # 5 NS steps of wq, wk, wv, wo, w_gate, w_up, w_down in each of the 8 blocks
+    assert total == 5 * 8 * sum(ns_flops(s) for s in ((32, 32), (16, 32), (16, 32), (32, 32), (128, 32), (128, 32),
+                                                        (32, 128)))
+    for n in (2, 4, 8):  # 8 of each shape: the greedy balance splits them evenly
+        for layout in (ParallelConfig(dp_shard=n, zero_stage=1), ParallelConfig(dp_shard=n, zero_stage=3),
+                       ParallelConfig(dp_shard=n)):
+            assert estimate(work, layout).ranks[0].optimizer_flops * n == total, (n, layout.describe())
+        replicated = dataclasses.replace(work, ns_mode="replicated")
+        assert estimate(replicated, ParallelConfig(dp_shard=n, zero_stage=2)).ranks[0].optimizer_flops == total
 
 
 def test_estimate_matches_measurement_of_every_strategy() -> None:

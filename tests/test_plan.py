@@ -13,8 +13,8 @@ import yaml
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.planner.estimate import CHECKPOINTING, Workload, estimate
 from lit_lm.planner.plan import USABLE_MEMORY, Cluster, Ranked, _divisors, _estimate, fitting, layouts, nearest, \
-    plan, strategy_yaml
-from lit_lm.planner.cli import quantity
+    plan, step_time, strategy_yaml
+from lit_lm.planner.cli import parser, quantity, read_configs, workload_from
 from lit_lm.strategies.composed import ComposedStrategy
 from lit_lm.strategies.layout import ParallelConfig
 from test_cli import CORPUS, REPO, read_metrics, run_cli
@@ -212,3 +212,27 @@ def test_quantities() -> None:
     assert quantity("450GB/s", "x") == 450e9 and quantity("989T", "x") == 989e12 and quantity("1e9", "x") == 1e9
     with pytest.raises(ConfigError, match="--x"):
         quantity("lots", "x")
+
+
+def test_plan_reads_muon_from_the_config_and_counts_its_step(tmp_path: Path) -> None:
+    """`model.init_args.optimizer: lit_lm.optim.Muon` plans with Muon's state (one buffer per matrix: less than
+    AdamW's), its Newton-Schulz work in the step time and the orthogonalizer's all-to-alls (exposed: in the step),
+    and the table's notes say so."""
+    muon = tmp_path / "muon.yaml"
+    muon.write_text(yaml.safe_dump({"model": {"init_args": {"optimizer": {
+        "class_path": "lit_lm.optim.Muon", "init_args": {"lr": 0.02, "ns_mode": "replicated"}}}}}))
+    configs = ["--config", str(REPO / "configs/default.yaml"), "--config", str(tiny_config(tmp_path))]
+    args = parser().parse_args([*configs, "--config", str(muon)])
+    work = workload_from(read_configs(args.config), args, 4)
+    assert (work.optimizer, work.ns_mode, work.ns_dtype) == ("muon", "replicated", "bfloat16")
+    adamw = dataclasses.replace(work, optimizer="adamw")
+    cluster = Cluster(1, 4, 80e9, 450e9, 50e9, 989e12, 0.4)
+    layout = ParallelConfig(dp_shard=4, zero_stage=2)
+    ours, theirs = estimate(work, layout), estimate(adamw, layout)
+    assert ours.worst.optimizer < theirs.worst.optimizer and ours.work_flops > theirs.work_flops
+    assert ours.wire_bytes("dp_shard", "all_to_all") > 0 == theirs.wire_bytes("dp_shard", "all_to_all")
+    assert step_time(ours, cluster)[0] > step_time(theirs, cluster)[0]
+
+    planned = run_cli("plan", *configs, "--config", str(muon), "--nodes", "1", "--gpus-per-node", "4", cwd=tmp_path)
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    assert "Muon: optimizer state" in planned.stdout and "Newton-Schulz" in planned.stdout

@@ -13,6 +13,7 @@ from lit_lm.check.meter import Meter
 from lit_lm.config import ConfigError
 from lit_lm.check.fit import run_estimate
 from lit_lm.planner.estimate import Workload, estimate
+from lit_lm.planner.optimizer import optimizer_fields
 
 
 def costs(plan: CheckPlan, run: dict[str, Any]) -> dict[str, Any]:
@@ -53,9 +54,10 @@ def _estimate(plan: CheckPlan, cfg: Any, global_batch: int, precision: str, devi
     (the check's own run: CPU gloo ranks, whose ZeRO-1/2 collectives take gloo's forms)."""
     layout = dataclasses.replace(plan.parallel, dp_shard=plan.dims["dp_shard"])
     try:
-        fp8 = dict(plan.cases[0].module[1]).get("fp8") if plan.cases and plan.cases[0].module else None
-        return estimate(Workload(cfg, cfg.max_seq_len, global_batch, precision, accumulate=plan.accumulate, fp8=fp8,
-                                 device=device), layout)
+        module = dict(plan.cases[0].module[1]) if plan.cases and plan.cases[0].module else {}
+        return estimate(Workload(cfg, cfg.max_seq_len, global_batch, precision, accumulate=plan.accumulate,
+                                 fp8=module.get("fp8"), device=device, **optimizer_fields(module.get("optimizer"))),
+                        layout)
     except (ConfigError, ValueError, KeyError) as err:
         return f"no estimate: {err}"
 

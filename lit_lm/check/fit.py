@@ -19,6 +19,7 @@ import yaml
 
 from lit_lm.check.build import CheckPlan, build_strategy
 from lit_lm.planner.estimate import PRECISIONS, Estimate, Workload, estimate
+from lit_lm.planner.optimizer import optimizer_fields
 from lit_lm.planner.plan import USABLE_MEMORY, Cluster, nearest, strategy_yaml
 
 
@@ -32,9 +33,10 @@ def run_workload(plan: CheckPlan, precision: str = "", device: str = "cuda") -> 
     checkpointing and FP8 recipe; by default at the user's precision on CUDA (what the cluster runs, and what
     `lit-lm plan` ranks by)."""
     precision = precision or (plan.precision if plan.precision in PRECISIONS else "32-true")
-    fp8 = dict(plan.cases[0].module[1]).get("fp8") if plan.cases and plan.cases[0].module else None
+    module = dict(plan.cases[0].module[1]) if plan.cases and plan.cases[0].module else {}
     return Workload(plan.model, plan.model.max_seq_len, plan.batch_size * plan.dims["dp"] * plan.accumulate,
-                    precision, checkpointing(plan), plan.accumulate, device, fp8)
+                    precision, checkpointing(plan), plan.accumulate, device, module.get("fp8"),
+                    **optimizer_fields(module.get("optimizer")))
 
 
 def run_estimate(plan: CheckPlan, precision: str = "", device: str = "cuda") -> Estimate:

@@ -28,6 +28,7 @@ from rich.table import Table
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.moved import load_yaml
 from lit_lm.planner.estimate import CHECKPOINTING, PRECISIONS, Workload, flops_per_token
+from lit_lm.planner.optimizer import optimizer_fields
 from lit_lm.planner.plan import USABLE_MEMORY, Cluster, Ranked, fitting, layouts, plan, strategy_yaml
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"  # as lit_lm.cli reads it
@@ -79,8 +80,9 @@ def workload_from(config: dict[str, Any], args: argparse.Namespace, world: int) 
         raise ConfigError(f"trainer.precision {precision!r}: the planner knows {', '.join(PRECISIONS)} "
                           "(override with --precision)")
     batch = args.global_batch or data["batch_size"] * int(trainer.get("accumulate_grad_batches") or 1) * world
-    fp8 = ((config.get("model") or {}).get("init_args") or {}).get("fp8")
-    return Workload(cfg, data["seq_len"], batch, precision, fp8=fp8)
+    init = (config.get("model") or {}).get("init_args") or {}
+    return Workload(cfg, data["seq_len"], batch, precision, fp8=init.get("fp8"),
+                    **optimizer_fields(init.get("optimizer")))
 
 
 def _speed_options(config: dict[str, Any], modes: tuple[str, ...], console: Console) -> tuple[str, ...]:

@@ -107,6 +107,8 @@ class Workload:
     fp8: Optional[str] = None  # the model's FP8 recipe (`strategies.fp8`): ZeRO-3 gathers tensorwise weights in FP8
     optimizer: str = "adamw"  # `OPTIMIZERS`: AdamW (any elementwise one with two moments) or Muon (lit_lm.optim)
     ns_mode: str = "auto"  # Muon's: how the strategy spreads Newton-Schulz (`lit_lm.planner.optimizer.ns_work`)
+    ns_dtype: str = "bfloat16"  # Muon's: what Newton-Schulz computes in, and the pieces travel in
+    ns_steps: int = 5  # Muon's Newton-Schulz steps per optimizer step
 
     def __post_init__(self) -> None:
         check_fp8(self.fp8)
@@ -118,8 +120,9 @@ class Workload:
             raise ConfigError(f"accumulate {self.accumulate!r}: must be an integer >= 1")
         if self.device not in DEVICES:
             raise ConfigError(f"device {self.device!r}: the estimate knows {', '.join(DEVICES)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"optimizer {self.optimizer!r}: the estimate knows {', '.join(OPTIMIZERS)}")
+        if self.optimizer not in OPTIMIZERS or self.ns_dtype not in NS_BYTES:
+            raise ConfigError(f"optimizer {self.optimizer!r}, ns_dtype {self.ns_dtype!r}: the estimate knows "
+                              f"{', '.join(OPTIMIZERS)} and {', '.join(NS_BYTES)}")
 
     @property
     def tokens(self) -> int:
@@ -728,12 +731,12 @@ def _newton_schulz(rank: RankEstimate, work: Workload, layout: ParallelConfig, k
         matrices += [(tuple(q.shape[-2:]), tuple(cuts))] * (local[0] if stack else 1)
         rows = min(_chunk(local[0], size), local[0]) if layout.zero_stage and size > 1 else local[0]
         updates += rows * math.prod(local[1:])
-    work_ns = ns_work(matrices, work.ns_mode)
+    work_ns = ns_work(matrices, work.ns_mode, NS_BYTES[work.ns_dtype], work.ns_steps)
     rank.optimizer_flops = work_ns.flops
     for (group, op), nbytes in work_ns.comm.items():
         rank.add_comm(group, op, nbytes, work_ns.sizes[group])
     rank.add_transient("step", "Muon's updates and their orthogonalized parts",
-                       updates * ((4 if layout.zero_stage else pbytes) + NS_BYTES))
+                       updates * ((4 if layout.zero_stage else pbytes) + NS_BYTES[work.ns_dtype]))
 
 
 def _fp8_tp_comm(rank: RankEstimate, work: Workload, layout: ParallelConfig, keep: list[ParamSpec], tokens: int,

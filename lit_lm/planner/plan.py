@@ -88,8 +88,10 @@ def step_time(est: Estimate, cluster: Cluster) -> tuple[float, dict[str, float]]
         bw = cluster.intra_bw if intra[group] else cluster.inter_bw
         seconds = est.wire_bytes(group) / bw
         if group in GRADIENT_GROUPS:
-            # ZeRO-1/2 gather the updated shards after the step: that part cannot hide behind the backward
+            # ZeRO-1/2 gather the updated shards after the step, and Muon's orthogonalizer moves its matrices in the
+            # step (all-to-alls): those parts cannot hide behind the backward
             after_step = est.wire_bytes(group, "all_gather") / bw if config.zero_stage in (1, 2) else 0.0
+            after_step += est.wire_bytes(group, "all_to_all") / bw
             seconds = after_step + max(0.0, seconds - after_step - hidden)
         parts[group] = seconds
     return sum(parts.values()), parts
@@ -257,9 +259,22 @@ def reason(r: Ranked, cluster: Cluster) -> str:
         why.append("selective activation checkpointing keeps the matmul and attention outputs, recomputes the rest")
     if est.workload.accumulate > 1:
         why.append(f"{est.workload.accumulate} accumulation micro-steps keep the activations in memory")
+    if est.workload.optimizer == "muon":
+        why.append(muon_note(est))
     comm = sum(v for k, v in r.parts.items() if k not in ("compute", "bubble"))
     why.append(f"exposed comm {comm / r.step_time:.0%} of the step")
     return "; ".join(why)
+
+
+def muon_note(est: Estimate) -> str:
+    """Muon's part of the busiest pipeline rank: its state, its Newton-Schulz work and the orthogonalizer's bytes."""
+    w = max(est.ranks, key=lambda r: r.optimizer_flops)
+    moved = sum(nbytes for (_, op), nbytes in w.comm.items() if op == "all_to_all")
+    gram = sum(nbytes for (g, op), nbytes in w.comm.items() if g == "tp" and op == "all_reduce")
+    return (f"Muon: optimizer state {est.worst.optimizer / 2**20:.4g} MiB (one buffer per matrix), Newton-Schulz "
+            f"{w.optimizer_flops / 1e12:.3g} TFLOP per step on a rank ({w.optimizer_flops / w.work_flops:.1%} of its "
+            f"work), the orthogonalizer's all-to-alls {moved / 2**20:.3g} MiB per step"
+            + (" and tp's Gram all-reduces (with tp's own)" if gram and est.config.tp > 1 else ""))
 
 
 # -- the yaml ----------------------------------------------------------------------------------------------------
