@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 
 from lit_lm.config import ConfigError, ModelConfig  # noqa: E402
 from lit_lm.hf.exporter import check_exportable, export_hf  # noqa: E402
-from lit_lm.hf.importer import as_checkpoint, load_model  # noqa: E402
+from lit_lm.hf.importer import as_checkpoint, config_from_hf, load_model  # noqa: E402
 from lit_lm.model import KVCache, Transformer  # noqa: E402
 from lit_lm.parity import TINY, Case, assert_parity, run_parity  # noqa: E402
 from lit_lm.strategies.composed import ComposedStrategy  # noqa: E402
@@ -206,6 +206,9 @@ def test_refusals_in_one_line():
         ModelConfig(**{**cfg, "mla_qk_rope_dim": 3})
     with pytest.raises(ConfigError, match="`moe_groups`=3 must split `moe_experts`=4"):
         ModelConfig(**TINY, moe_experts=4, moe_groups=3)
+    with pytest.raises(ConfigError, match="`quantization_config`.*DeepSeek-V3's FP8 blocks"):
+        config_from_hf({**json.loads(transformers.DeepseekV3Config(**SHAPE).to_json_string()),
+                        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
     # grouped-query attention with DeepSeek's routing is no family's: not exported as a deepseek_v3 without MLA
     with pytest.raises(ConfigError, match="is in no Hugging Face family"):
         check_exportable(ModelConfig(**{k: v for k, v in DEEPSEEK.items() if not k.startswith("mla_")}))

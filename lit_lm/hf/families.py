@@ -157,7 +157,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                      "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4,
                      "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
                      "rope_interleave": True},
-           sets={"moe_score": "sigmoid", "moe_every": 1, "n_kv_heads": None}, refuse=NO_BIAS[:1],  # MLA: no kv heads
+           sets={"moe_score": "sigmoid", "moe_every": 1, "n_kv_heads": None},  # MLA: no kv heads
+           refuse=NO_BIAS[:1] + (("quantization_config", "lit-lm reads unquantized weights, not DeepSeek-V3's FP8 "
+                                  "blocks (weight_scale_inv): convert them to bf16 first"),),
            writes={"attention_bias": False, "num_nextn_predict_layers": 0},
            experts=Experts(shared="mlp.shared_experts", bias="mlp.gate.e_score_correction_bias"), block=MLA_BLOCK),
     # gpt-oss: attention sinks (self_attn.sinks), sliding and full layers (layer_types), YaRN, biases in attention,
