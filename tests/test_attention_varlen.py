@@ -199,3 +199,21 @@ def test_rope_kernel_with_per_row_positions(reset: bool) -> None:
         torch.testing.assert_close(grad, ref_grad, **TOLERANCE)
     if reset:  # the second document restarts: its first token is rotated as position 0 (not at all)
         torch.testing.assert_close(out[0][0, 3], q[0, 3].detach())
+
+
+def test_the_kernel_core_measures_qk_clips_maximum_within_documents() -> None:
+    """QK-clip's per-head maximum logit (`LogitMaxRecord`) from the kernel's drop-in with documents is the model
+    core's: over the pairs of one document only (a pair across documents would raise it here)."""
+    from lit_lm.kernels.attention import CausalAttention as KernelAttention
+
+    documents = LAYOUTS["straddling"]
+    q, k, v = (x.detach() for x in qkv(*documents.shape))
+    k[:, :, 5:25] = -q[:, ::2, 5:25]  # keys of document 1 opposite to their own queries: the maxima lie elsewhere
+    cores = CausalAttention(6), KernelAttention.from_reference(CausalAttention(6), "triton")
+    for core in cores:
+        core.measure_logits = True
+        core(q, k, v, documents)
+    with_documents = cores[0].take_logit_max()
+    torch.testing.assert_close(cores[1].take_logit_max(), with_documents)
+    cores[0](q, k, v)
+    assert (cores[0].take_logit_max() > with_documents).any()
