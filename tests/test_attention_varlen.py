@@ -217,3 +217,11 @@ def test_the_kernel_core_measures_qk_clips_maximum_within_documents() -> None:
     torch.testing.assert_close(cores[1].take_logit_max(), with_documents)
     cores[0](q, k, v)
     assert (cores[0].take_logit_max() > with_documents).any()
+
+
+def test_documents_are_refused_where_undefined() -> None:
+    q = torch.randn(2, 2, 8, 16)
+    with pytest.raises(ValueError, match="only defined for causal attention"):
+        flash_attention(q, q, q, causal=False, documents=torch.zeros(2, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"documents \(2, 7\) must be \(batch, time\) = \(2, 8\)"):
+        flash_attention(q, q, q, documents=torch.zeros(2, 7, dtype=torch.long))
