@@ -190,3 +190,21 @@ def test_every_preset_on_every_role_agrees_with_the_planner(tmp_path: Path, pres
         assert best["layout"] in small["verdict"] and best["yaml"]["trainer"]["devices"] == 8, small["verdict"]
         roomy = full_size.summary(check, gpu_memory=2 * max(run))
         assert roomy["ok"] and "every role fits" in roomy["verdict"], roomy["verdict"]
+
+
+@pytest.mark.parametrize("preset", ["zero2", "tp"])
+def test_muon_on_fake_ranks_agrees_with_the_planner(tmp_path: Path, preset: str) -> None:
+    """`model.init_args.optimizer: lit_lm.optim.Muon`: the fake ranks bind the orthogonalizer as the strategy does,
+    and the planner's Muon figures hold on every role: its state (one buffer per matrix), the orthogonalizer's
+    all-to-alls (ZeRO rows to their owners; tp slices cut along the short dimension) and tp's Gram all-reduces."""
+    muon = tmp_path / "muon.yaml"
+    muon.write_text("model:\n  init_args:\n    optimizer:\n      class_path: lit_lm.optim.Muon\n")
+    argv = ["--config", str(CONFIGS / "strategies" / f"{preset}.yaml"), "--config", str(muon), "--trainer.devices",
+            "2"]
+    plan = plan_check(parse(argv, LitLMCLI, [str(DEFAULT_CONFIG)]), argv, optimizers=("module",))
+    report = full_size.summary(full_size.run(full_size.prepare(plan)))
+    assert report["ok"], report["verdict"]
+    group = "dp_shard" if preset == "zero2" else "tp"
+    for role in report["roles"]:
+        rows = _rows(role)
+        assert rows[f"{group} all_to_all"]["measured"] > 0 and rows[f"{group} all_to_all"]["agree"], role["role"]

@@ -40,6 +40,7 @@ from lit_lm.kernels import runtime
 from lit_lm.strategies import comm
 from lit_lm.strategies.comm import COMM_LOG
 from lit_lm.strategies.dp_engine import bind_optimizer
+from lit_lm.strategies.orthogonalize import bind_orthogonalizer
 from lit_lm.strategies.layout import ParallelLayout
 from lit_lm.strategies.params import ModelSplit
 
@@ -139,6 +140,9 @@ def _build(job: RankJob, strategy: Any) -> tuple[Any, torch.optim.Optimizer]:
     optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
     strategy.optimizers = [optimizer]
     bind_optimizer(optimizer, strategy._engines)
+    if getattr(optimizer, "matrix_wise", False):  # Muon: the orthogonalizer, as `ComposedStrategy.setup_optimizers`
+        bind_orthogonalizer(optimizer, strategy.owned_weights(), strategy._replica_group,
+                            strategy.layout.group("tp") if strategy.config.tp > 1 else None)
     return module, optimizer
 
 
