@@ -6,6 +6,7 @@ the wrong order, a tile skipped that had a visible pair."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from functools import partial
 from typing import Any, Optional
 
@@ -29,11 +30,12 @@ REFERENCE_TILES = {"TRITON_INTERPRET": "0"}
 
 
 def rows(seq_len: int) -> Tensor:
-    """(2, T) document ids: row 0 has one-token documents, documents crossing chunk boundaries and one longer than a
-    chunk (T/(2·cp) <= T/4); row 1 is a single document (today's result)."""
-    ends = {0, 1, 2, 5, seq_len // 2 + 3, seq_len - 2}  # EOS positions: a document ends at each
-    row = torch.tensor([sum(e < t for e in ends) for t in range(seq_len)])
-    return torch.stack((row, torch.zeros(seq_len, dtype=torch.long)))
+    """(2, T) document ids of two packed rows: one-token documents, documents crossing chunk boundaries and one
+    longer than a chunk (T/(2·cp) <= T/4); the tiles skip what neither row's documents see."""
+    def row(ends: set[int]) -> Tensor:  # EOS positions: a document ends at each
+        return torch.tensor([sum(e < t for e in ends) for t in range(seq_len)])
+
+    return torch.stack((row({0, 1, 2, 5, seq_len // 2 + 3, seq_len - 2}), row({3, 4, 7, seq_len // 2 + 1})))
 
 
 def reference(q: Tensor, k: Tensor, v: Tensor, ids: Optional[Tensor], window: Optional[int]) -> Tensor:
@@ -72,7 +74,7 @@ def skip_one_key_too_many(patch: pytest.MonkeyPatch) -> None:
 
     def late(ids: Tensor, cp: int) -> context.Documents:
         docs = plan(ids, cp)
-        return context.Documents(docs.ids, docs.shares, tuple(k + 1 for k in docs.first_key))
+        return replace(docs, first_key=tuple(k + 1 for k in docs.first_key))
 
     patch.setattr(context, "row_documents", late)
 
@@ -162,20 +164,29 @@ def visible(ids: Tensor, q_pos: int, k_pos: int, window: int) -> bool:
     return 0 <= q_pos - k_pos < window and bool((ids[:, q_pos] == ids[:, k_pos]).any())
 
 
-@pytest.mark.parametrize("cp, window", [(2, 16), (4, 16), (2, 5)])
-def test_the_tiles_hold_every_visible_pair_and_no_tile_is_wholly_masked(cp: int, window: int) -> None:
+@pytest.mark.parametrize("cp, window, tile_rows", [(2, 16, 512), (4, 16, 512), (2, 5, 512), (2, 16, 2)])
+def test_the_tiles_hold_every_visible_pair_and_no_tile_is_wholly_masked(cp: int, window: int, tile_rows: int
+                                                                        ) -> None:
     """Ring (each rank's queries on each rank's keys) and Ulysses/all-gather (the whole sequence): every visible pair
-    in exactly one tile, and every tile holds a visible pair (a wholly masked tile is skipped)."""
-    seq_len, c = 16, 16 // (2 * cp)
-    ids = rows(seq_len)
-    docs = row_documents(ids, cp)
+    in exactly one tile, and every tile holds a visible pair (a wholly masked tile is skipped); tiles a chunk tall
+    (c = 4, 2) or, `tile_rows` 2, half a chunk."""
+    seq_len = 16
+    for ids in (rows(seq_len), rows(seq_len)[:1]):  # two rows (the skip is the least over them), one row
+        _check_tiles(ids, cp, window, tile_rows)
+    assert row_documents(torch.zeros(2, 16, dtype=torch.long), cp, tile_rows).piece == 16 // (2 * cp)  # one each
+
+
+def _check_tiles(ids: Tensor, cp: int, window: int, tile_rows: int) -> None:
+    seq_len = ids.shape[1]
+    docs = row_documents(ids, cp, tile_rows)
+    assert docs.piece == min(seq_len // (2 * cp), tile_rows) and any(docs.first_key)  # something to skip
     whole = ((0, seq_len),)
     plans = [(zigzag_runs(seq_len, r, cp), zigzag_runs(seq_len, s, cp)) for r in range(cp) for s in range(cp)]
     for q_runs, k_runs in plans + [(whole, whole)]:
         q_at = [p for first, n in q_runs for p in range(first, first + n)]
         k_at = [p for first, n in k_runs for p in range(first, first + n)]
         covered = []
-        for rows_, keys, _ in block_plan(q_runs, k_runs, window, c, docs.first_key):
+        for rows_, keys, _ in block_plan(q_runs, k_runs, window, docs.piece, docs.first_key):
             pairs = [(q_at[i], k_at[j]) for i in range(rows_.start, rows_.stop) for j in range(keys.start, keys.stop)]
             assert any(visible(ids, *pair, window) for pair in pairs), (q_runs, k_runs, rows_, keys)
             covered += [pair for pair in pairs if visible(ids, *pair, window)]

@@ -244,26 +244,38 @@ def merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -
     lse.copy_(new)
 
 
+TILE_ROWS = 512  # with documents, the most query rows of one tile (finer tiles skip more of a short document's row)
+
+
 @dataclass(frozen=True)
 class Documents:
     """Packed rows' documents as the cp cores use them. `ids` (B, T): each token's document in its row, in
     sequence order (`lit_lm.data.packing`: non-decreasing along T); every cp peer was given the whole rows, so each
-    rank's keys' ids are read here rather than sent with the keys (no bytes). `first_key` (2·cp,): for each zigzag
-    chunk k, the first position of the document its first token is in, the earliest over the rows (`block_plan`
-    skips the keys before it): host integers, read once per step (`row_documents`)."""
+    rank's keys' ids are read here rather than sent with the keys (no bytes). Tiles are `piece` query rows tall (a
+    divisor of the chunk c), and `first_key` (T/piece,): for each piece k, the first position of the document its
+    first token is in, the earliest over the rows (`block_plan` skips the keys before it): host integers, read once
+    per step (`row_documents`)."""
 
     ids: Tensor
     shares: tuple[Tensor, ...]  # zigzag_split(ids, r, cp) for each cp rank r: the ids of rank r's tokens
     first_key: tuple[int, ...]
+    piece: int
 
 
-def row_documents(ids: Tensor, cp: int) -> Documents:
-    """`Documents` of (B, T) rows for a cp group of `cp` ranks. The one host read with documents: 2·cp integers
-    per step, before the model runs (a tile's skip is a host decision, as varlen kernels' cu_seqlens are).
-    Chunk k starts at k·c; its first document starts at #{s : ids[s] < ids[k·c]} (ids non-decreasing)."""
+def row_documents(ids: Tensor, cp: int, rows: int = TILE_ROWS) -> Documents:
+    """`Documents` of (B, T) rows for a cp group of `cp` ranks: tiles of the largest divisor of the chunk c up to
+    `rows` query rows. The one host read with documents: T/piece integers per step, before the model runs (a tile's
+    skip is a host decision, as varlen kernels' cu_seqlens are). Piece k starts at p = k·piece; its first document
+    starts at the first s with ids[s] = ids[p] (ids non-decreasing: a binary search). When no piece's document starts
+    after position 0 (one document per row), finer tiles would skip nothing: tiles stay a chunk tall, as without
+    documents (so such rows give today's result bit for bit)."""
     c = check_seq_len(ids.shape[1], cp)
-    starts = (ids[:, None, :] < ids[:, ::c, None]).sum(-1).amin(0)  # (2·cp,) min over the rows
-    return Documents(ids, tuple(zigzag_split(ids, r, cp) for r in range(cp)), tuple(starts.tolist()))
+    piece = c // next(k for k in range(-(-c // rows), c + 1) if c % k == 0)
+    ids = ids.contiguous()
+    starts = torch.searchsorted(ids, ids[:, ::piece].contiguous()).amin(0).tolist()  # (T/piece,) min over rows
+    if not any(starts):
+        piece, starts = c, [0] * (2 * cp)
+    return Documents(ids, tuple(zigzag_split(ids, r, cp) for r in range(cp)), tuple(starts), piece)
 
 
 @dataclass(frozen=True)
@@ -298,8 +310,9 @@ class Call:
         return None if docs is None else docs.ids if rank is None else docs.shares[rank]
 
     def tiles(self, q_pos: Runs, k_pos: Runs) -> Iterator[tuple[slice, slice, int]]:
-        return block_plan(q_pos, k_pos, self.window, self.chunk,
-                          None if self.documents is None else self.documents.first_key)
+        docs = self.documents
+        return block_plan(q_pos, k_pos, self.window, self.chunk if docs is None else docs.piece,
+                          None if docs is None else docs.first_key)
 
 
 def _tile_ids(q_ids: Optional[Tensor], k_ids: Optional[Tensor], rows: slice, keys: slice
