@@ -80,7 +80,7 @@ class ComposedStrategy(BaseStrategy):
         pipeline_parallel_size, microbatches, schedule, virtual_stages, layers_per_stage, balance: pipeline stages
             (outermost ranks) and the schedule's settings (`lit_lm/strategies/pp_schedules.py`).
         context_parallel_size, cp_method: ranks that split every sequence (zigzag, `lit_lm/strategies/cp.py`), attending
-            over the whole sequence by ring (default) or allgather.
+            over the whole sequence by ring (default), allgather or ulysses (docs/cp.md).
         expert_parallel_size: ranks that split each MoE layer's experts, carved from the data-parallel ranks.
         data_parallel_replicate_size: HSDP: whole replicas of the ZeRO shards (dp_shard = what is left).
         zero_stage: 0 (replicated, `GradSync` all-reduce), 1, 2 or 3 (see `lit_lm/strategies/zero_engine.py`).
