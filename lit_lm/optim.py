@@ -42,7 +42,8 @@ class Muon(torch.optim.Optimizer):
         ns_coefficients, eps (NS's), ns_steps, adjust_lr_fn ("original" (None) or "match_rms_adamw").
         adamw_lr: the other groups' learning rate (None: `lr`, as with "match_rms_adamw"); adamw_betas, adamw_eps.
         ns_mode: how a lit-lm strategy spreads the Newton-Schulz work: "auto" (tp's Gram mode for a matrix cut over
-            tp along its long dimension, owner elsewhere), "owner" (each matrix orthogonalized once, on one rank of
+            tp along its long dimension where that moves fewer bytes than the owner route, owner elsewhere), "gram"
+            (Gram mode wherever it applies), "owner" (each matrix orthogonalized once, on one rank of
             the ranks that hold it, balanced by FLOPs) or "replicated" (every rank gathers and orthogonalizes every
             matrix it holds a part of: the baseline the benchmark compares with).
         ns_dtype: the dtype Newton-Schulz computes in: "bfloat16" (torch's own function, bit for bit) or "float32"

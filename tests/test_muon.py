@@ -175,7 +175,7 @@ def test_muon_refuses_a_matrix_group_of_vectors_and_bad_settings() -> None:
     with pytest.raises(ValueError, match="adjust_lr_fn"):
         Muon([nn.Parameter(torch.zeros(3, 3))], adjust_lr_fn="other")
     with pytest.raises(ValueError, match="ns_mode"):
-        Muon([nn.Parameter(torch.zeros(3, 3))], ns_mode="gram")
+        Muon([nn.Parameter(torch.zeros(3, 3))], ns_mode="grams")
     with pytest.raises(ValueError, match="ns_dtype 'float16': choose one of bfloat16, float32"):
         Muon([nn.Parameter(torch.zeros(3, 3))], ns_dtype="float16")
 
@@ -190,3 +190,23 @@ def test_checkpointed_state_round_trips() -> None:
     other.load_state_dict(optimizer.state_dict())
     assert [g["lr"] for g in other.param_groups] == [0.02, 3e-3, 3e-3]
     assert [g["matrix"] for g in other.param_groups] == [True, False, False]
+
+
+def test_auto_takes_gram_mode_only_where_it_moves_fewer_bytes() -> None:
+    """`auto` weighs Gram's 40 (p-1) m^2 bytes against the owner route's 2 (p-1)/p m n e per step: a wide matrix cut
+    along its long side goes by Gram, a transformer's near-square one to an owner; `gram` forces Gram wherever it
+    applies; a cut along the short side never goes by Gram."""
+    tp = object()  # stands for the tp group: the decision compares identities only
+
+    def goes_by_gram(mode: str, shape: tuple[int, int], dim: int, itemsize: int = 2) -> bool:
+        level = orthogonalize.Level(tp, "tp", dim, shape[dim], 2, 0)  # type: ignore[arg-type]
+        return orthogonalize.ShardedOrthogonalizer([], lambda _: None, mode, tp, itemsize)._gram(  # type: ignore
+            shape, (level,))
+
+    moves_less = orthogonalize.gram_moves_less
+    assert moves_less((4, 128), 2, 2) and not moves_less((64, 128), 2, 2)
+    assert moves_less((8, 128), 2, 4) and not moves_less((8, 128), 2, 2)  # 320 < 512, 320 > 256
+    assert goes_by_gram("auto", (4, 128), 1) and goes_by_gram("auto", (128, 4), 0)  # the long side, either way
+    assert not goes_by_gram("auto", (64, 128), 1) and goes_by_gram("gram", (64, 128), 1)
+    assert not goes_by_gram("gram", (64, 128), 0) and not goes_by_gram("owner", (4, 128), 1)
+    assert goes_by_gram("auto", (8, 128), 1, itemsize=4) and not goes_by_gram("auto", (8, 128), 1, itemsize=2)

@@ -5,7 +5,7 @@ float32 Newton-Schulz (`ns_dtype="float32"`, most cases): every layout equals on
 tolerance (1e-5) on every step: losses, gradients, final parameters. The owner route moves pieces that are the
 one-process matrix bit for bit; Gram mode (tp's default for a matrix cut along its long dimension) sums the
 partial Grams in another order, a difference of fp32 rounding that NS leaves at that size (tests/test_muon_sharded.py:
-~1e-6 of the matrix). tp2, zero1 dp2 x tp2 and zero3 x tp2 run in Gram ("auto") and owner mode, each at 1e-5 from
+~1e-6 of the matrix). tp2, zero1 dp2 x tp2 and zero3 x tp2 run in Gram ("gram") and owner mode, each at 1e-5 from
 one process and from each other, and count Gram's all-reduces per optimizer step.
 
 bfloat16 Newton-Schulz (torch's function, the default; the "bf16" cases): the first steps are held to 1e-5 and the
@@ -76,7 +76,7 @@ TWO_RANKS = {
     "zero2": muon_case("zero2", zero_stage=2),
     "zero2 replicated": muon_case("zero2 replicated NS", zero_stage=2, ns_mode="replicated"),
     "zero3": muon_case("zero3", zero_stage=3),
-    "tp": muon_case("tp2 + sp, Gram where it applies", **TP, callbacks=(GramAllReduces(),)),
+    "tp": muon_case("tp2 + sp, Gram where it applies", **TP, ns_mode="gram", callbacks=(GramAllReduces(),)),
     "tp owner": muon_case("tp2 + sp owner NS", **TP, ns_mode="owner"),
     "tp replicated": muon_case("tp2 + sp replicated NS", **TP, ns_mode="replicated"),
     "ep": muon_case("ep2 (MoE)", expert_parallel_size=2, model=MOE),
@@ -89,23 +89,24 @@ TWO_RANKS = {
     "tp resumed": muon_case("tp2, resumed from one process", **TP, resume=RESUMED),
     # torch's bfloat16 NS (the default), with its own tolerance
     "zero2 bf16": muon_case("zero2", "bfloat16", zero_stage=2),
-    "tp bf16": muon_case("tp2 + sp, Gram where it applies", "bfloat16", **TP),
+    "tp bf16": muon_case("tp2 + sp, Gram where it applies", "bfloat16", **TP, ns_mode="gram"),
     "tp owner bf16": muon_case("tp2 + sp owner NS", "bfloat16", **TP, ns_mode="owner"),
 }
 
 ZERO3_TP, ZERO1_TP = dict(zero_stage=3, **TP), dict(zero_stage=1, **TP)
 FOUR_RANKS = {
-    "zero3 x tp": muon_case("zero3 dp2 x tp2, Gram where it applies", **ZERO3_TP, callbacks=(GramAllReduces(),)),
+    "zero3 x tp": muon_case("zero3 dp2 x tp2, Gram where it applies", **ZERO3_TP, ns_mode="gram",
+                            callbacks=(GramAllReduces(),)),
     "zero3 x tp owner": muon_case("zero3 dp2 x tp2 owner NS", **ZERO3_TP, ns_mode="owner"),
     "zero3 x tp replicated": muon_case("zero3 dp2 x tp2 replicated NS", **ZERO3_TP, ns_mode="replicated"),
-    "zero1 x tp": muon_case("zero1 dp2 x tp2, Gram where it applies", **ZERO1_TP),
+    "zero1 x tp": muon_case("zero1 dp2 x tp2, Gram where it applies", **ZERO1_TP, ns_mode="gram"),
     "zero1 x tp owner": muon_case("zero1 dp2 x tp2 owner NS", **ZERO1_TP, ns_mode="owner"),
     "dp x tp": muon_case("dp2 x tp2", **TP),
     "hsdp": muon_case("HSDP 2 x 2 zero3", zero_stage=3, data_parallel_replicate_size=2),
     "dp x pp": muon_case("zero1 dp2 x pp2", zero_stage=1, pipeline_parallel_size=2, microbatches=2),
     "tp x pp": muon_case("tp2 x pp2 1f1b", **TP, pipeline_parallel_size=2, microbatches=2, schedule="1f1b"),
-    # (ZeRO x ep, whose expert rows are whole experts, is left out: with plain SGD the harness's MoE case already
-    # differs from one process after the first step under zero1/zero2 x ep2, issue 56's report)
+    "zero2 x ep": muon_case("zero2 dp2 x ep2 (MoE): ZeRO's rows of an expert stack are whole experts", zero_stage=2,
+                            expert_parallel_size=2, model=MOE),
     "ep x tp": muon_case("ep2 x tp2 (MoE)", expert_parallel_size=2, **TP, sequence_parallel=False, model=MOE),
 }
 

@@ -2,7 +2,7 @@
 dp2 x tp2, matrices cut every way a strategy cuts them (tp rows or columns then ZeRO rows, ZeRO rows alone and
 uneven, expert stacks whose experts stay whole, a tp-split expert stack, a matrix replicated over dp) are
 orthogonalized exactly as one process orthogonalizes each whole matrix: bit for bit, in owner and replicated mode,
-with one all-to-all per level and direction (not one per matrix). In auto mode the matrices cut over tp along
+with one all-to-all per level and direction (not one per matrix). In gram mode the matrices cut over tp along
 their long dimension go by Gram mode (one all-reduce for the norms and one per NS step over tp, for all of them;
 no all-to-all over tp for them), the others as in owner mode; float32 NS equals the whole matrix's to fp32
 summation order, and bfloat16 NS stays within GRAM_BF16 of it (a rounding flip grows through the steps)."""
@@ -86,7 +86,7 @@ def _both() -> dict:
 
 
 def _auto() -> dict:
-    return {dtype: _orthogonalize("auto", dtype) for dtype in ("float32", "bfloat16")}
+    return {dtype: _orthogonalize("gram", dtype) for dtype in ("float32", "bfloat16")}
 
 
 def test_sharded_orthogonalizer_equals_whole_matrices_bit_for_bit() -> None:

@@ -24,7 +24,7 @@ rows of a stack); every other cut is a *level* to undo, over its group, in `torc
                  A matrix every rank of its data-parallel group holds whole (plain DP: replicated gradients) has
                  one "replica" level instead: its owner orthogonalizes it and an all-to-all hands the result to the
                  others, so NS work per rank falls as 1/N.
-    gram         (in "auto", for the matrices where it applies) a matrix cut over the `gram_group` (tp) along its
+    gram         (forced, or in "auto" where it moves fewer bytes) a matrix cut over the `gram_group` (tp) along its
                  *long* dimension (the columns of X, NS's short-and-wide orientation) is orthogonalized on its
                  tp shards, where they are (`NewtonSchulz.iterate`): ||X||^2 = sum_i ||X_i||^2 by one all-reduce,
                  then per NS step X X^T = sum_i X_i X_i^T by one all-reduce (the partial Grams in fp32, the sum
@@ -35,7 +35,11 @@ rows of a stack); every other cut is a *level* to undo, over its group, in `torc
                  its whole tp group (every rank computes the same assignment), so its tp peers hold their slices
                  together. A matrix cut along its short dimension (a column-parallel square or wide matrix, wk/wv)
                  goes to an owner as in "owner" mode: its Gram would be the large n x n one.
-    auto         gram where it applies, owner elsewhere (the default); "owner" forces the owner route everywhere.
+    auto         (the default) gram where it applies and moves fewer bytes than the owner route
+                 (`gram_moves_less`: for an m x n matrix over p tp ranks, n / m > 20 p / itemsize, i.e. a wide
+                 matrix; at tp2 in bfloat16 n > 20 m: rare in a transformer, whose Muon matrices are within ~4x of
+                 square, so there the owner route runs), owner elsewhere; "gram" forces Gram wherever it applies,
+                 "owner" the owner route everywhere.
     replicated   the baseline: each level's all-to-all hands every piece to every rank of the group (an
                  all-gather), every rank orthogonalizes every matrix and keeps its part.
 
@@ -67,7 +71,7 @@ from lit_lm.strategies import comm
 from lit_lm.strategies.newton_schulz import NewtonSchulz
 
 NS = NewtonSchulz  # one 2-D matrix -> NS of it in `NS.dtype`; `NS.iterate` for a batch with summed norms and Grams
-NS_MODES = ("auto", "owner", "replicated")
+NS_MODES = ("auto", "gram", "owner", "replicated")
 
 
 class Orthogonalizer(Protocol):
@@ -114,6 +118,16 @@ def long_cut(shape: Sequence[int], dim: Optional[int]) -> bool:
     """Whether a cut along `dim` of a matrix of `shape` cuts the columns of X, NS's short-and-wide orientation
     (the matrix itself, or its transpose when it has more rows than columns): the cut Gram mode undoes."""
     return dim is not None and dim == (0 if NewtonSchulz.transposed(shape) else 1)
+
+
+def gram_moves_less(shape: Sequence[int], parts: int, itemsize: int) -> bool:
+    """Whether Gram mode moves fewer bytes than the owner route for a matrix of `shape` cut along its long side over
+    `parts` ranks, its pieces `itemsize` bytes per element. Summed over the ranks, per optimizer step: Gram
+    all-reduces one m x m fp32 Gram per NS step (5), a ring all-reduce sending 2 (p - 1) / p of it from each of p
+    ranks: 40 (p - 1) m^2 bytes; the owner route gathers the matrix and scatters the result, (p - 1) / p of it each
+    way: 2 (p - 1) / p m n itemsize. Gram is cheaper when 20 p m < n itemsize."""
+    m, n = sorted(shape)
+    return 20 * parts * m < n * itemsize
 
 
 @dataclass(frozen=True, eq=False)
@@ -233,13 +247,14 @@ class ShardedOrthogonalizer:
     (the strategy's tp group), or None."""
 
     def __init__(self, weights: Sequence[Any], replica_group: Callable[[Any], Optional[dist.ProcessGroup]],
-                 mode: str = "auto", gram_group: Optional[dist.ProcessGroup] = None) -> None:
+                 mode: str = "auto", gram_group: Optional[dist.ProcessGroup] = None, itemsize: int = 2) -> None:
         if mode not in NS_MODES:
             raise ValueError(f"ns_mode {mode!r}: choose one of {', '.join(NS_MODES)}")
         self.mode = mode
         self._weights = {id(w.local): w for w in weights}
         self._replica = replica_group
-        self._gram_group = gram_group if mode == "auto" else None
+        self._gram_group = gram_group if mode in ("auto", "gram") else None
+        self._itemsize = itemsize  # of the NS dtype, in which the owner route moves the pieces
         self._plans: dict[tuple[int, ...], tuple[list[int], list[Pool]]] = {}
         self._device = torch.device("cpu")  # the updates' (each call's)
 
@@ -249,7 +264,9 @@ class ShardedOrthogonalizer:
 
     def _gram(self, shape: tuple[int, int], levels: tuple[Level, ...]) -> bool:
         outer = levels[-1]
-        return self._gram_group is not None and outer.group is self._gram_group and long_cut(shape, outer.dim)
+        if self._gram_group is None or outer.group is not self._gram_group or not long_cut(shape, outer.dim):
+            return False
+        return self.mode == "gram" or gram_moves_less(shape, outer.size, self._itemsize)
 
     def _plan(self, tensors: list[Tensor]) -> tuple[list[int], list[Pool]]:
         """The call's tensors whole here (by index), and the pools of the others' matrices (sorted by key: one order
@@ -392,6 +409,7 @@ def bind_orthogonalizer(optimizer: Any, weights: Sequence[Any],
     False for any other optimizer."""
     if not getattr(optimizer, "matrix_wise", False):
         return False
+    itemsize = getattr(torch, getattr(optimizer, "ns_dtype", "bfloat16")).itemsize
     optimizer.orthogonalizer = ShardedOrthogonalizer(weights, replica_group, getattr(optimizer, "ns_mode", "auto"),
-                                                     gram_group)
+                                                     gram_group, itemsize)
     return True
