@@ -218,7 +218,7 @@ def test_a_muon_config_passes_and_the_planner_counts_its_state_and_traffic(tmp_p
     """`model.init_args.optimizer: lit_lm.optim.Muon` under zero2 and tp2: the module's own Muon (the harness's
     "module" case) agrees with one process, and the planner's figures for the check's model are the measured ones:
     Muon's model state (one buffer per matrix) and the orthogonalizer's all-to-alls (zero2: ZeRO rows to their
-    owners; tp2: the short-cut slices, the long-cut ones by Gram all-reduces)."""
+    owners; tp2: the slices to their owners, or Gram all-reduces where "auto" finds them cheaper)."""
     muon = tmp_path / "muon.yaml"
     muon.write_text("model:\n  init_args:\n    optimizer:\n      class_path: lit_lm.optim.Muon\n      init_args:\n"
                     "        lr: 0.002\n        adamw_lr: 0.003\n")

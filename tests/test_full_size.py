@@ -196,7 +196,7 @@ def test_every_preset_on_every_role_agrees_with_the_planner(tmp_path: Path, pres
 def test_muon_on_fake_ranks_agrees_with_the_planner(tmp_path: Path, preset: str) -> None:
     """`model.init_args.optimizer: lit_lm.optim.Muon`: the fake ranks bind the orthogonalizer as the strategy does,
     and the planner's Muon figures hold on every role: its state (one buffer per matrix), the orthogonalizer's
-    all-to-alls (ZeRO rows to their owners; tp slices cut along the short dimension) and tp's Gram all-reduces."""
+    all-to-alls (ZeRO rows, tp slices to their owners) and tp's Gram all-reduces where "auto" picks them."""
     muon = tmp_path / "muon.yaml"
     muon.write_text("model:\n  init_args:\n    optimizer:\n      class_path: lit_lm.optim.Muon\n")
     argv = ["--config", str(CONFIGS / "strategies" / f"{preset}.yaml"), "--config", str(muon), "--trainer.devices",

@@ -53,7 +53,7 @@ from typing import Optional
 import torch
 
 from lit_lm.config import ConfigError, ModelConfig
-from lit_lm.planner.optimizer import NS_BYTES, OPTIMIZERS, Cut, muon_matrix, ns_work, state_bytes
+from lit_lm.planner.optimizer import NS_BYTES, NS_STEPS, OPTIMIZERS, Cut, muon_matrix, ns_work, state_bytes
 from lit_lm.strategies.ac import MODES as CHECKPOINTING
 from lit_lm.strategies.comm import wire_factor, zero_forms
 from lit_lm.strategies.fp8 import check_fp8, fp8_experts, fp8_linears, tp_amax_numels
@@ -108,7 +108,7 @@ class Workload:
     optimizer: str = "adamw"  # `OPTIMIZERS`: AdamW (any elementwise one with two moments) or Muon (lit_lm.optim)
     ns_mode: str = "auto"  # Muon's: how the strategy spreads Newton-Schulz (`lit_lm.planner.optimizer.ns_work`)
     ns_dtype: str = "bfloat16"  # Muon's: what Newton-Schulz computes in, and the pieces travel in
-    ns_steps: int = 5  # Muon's Newton-Schulz steps per optimizer step
+    ns_steps: int = NS_STEPS  # Muon's Newton-Schulz steps per optimizer step
 
     def __post_init__(self) -> None:
         check_fp8(self.fp8)

@@ -8,9 +8,10 @@
                 `lit_lm.strategies.orthogonalize` assigns them: a matrix no level cuts is done where it is; one cut
                 over groups (ZeRO's rows over the dense group, tp's slice) or held whole by a plain data-parallel
                 group (a "replica" level) goes to one owner of those groups' cells, balanced greedily by FLOPs
-                (`assign_owners`, run here on stand-in levels); in "auto" mode a tp cut along the long dimension
-                is Gram mode (every tp rank does 1/tp of the m^2 n terms, all of the m^3); "replicated" does every
-                matrix on every rank of its groups.
+                (`assign_owners`, run here on stand-in levels); a tp cut along the long dimension is Gram mode
+                in "gram" mode, and in "auto" where it moves fewer bytes (`gram_moves_less`): every tp rank does
+                1/tp of the m^2 n terms, all of the m^3; "replicated" does every matrix on every rank of its
+                groups.
     traffic     the owner route, per level (inner first): one all-to-all carrying each piece to its owner (a rank's
                 input: the pieces it holds), and one back (an owner's input: its gathered matrices, cut for every
                 rank), in the NS dtype (`ns_dtype`, bfloat16 by default); a replica level has no gather, and its
@@ -28,12 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
+from torch.optim._muon import DEFAULT_NS_STEPS as NS_STEPS  # lit_lm.optim.Muon's default, torch's
 
 from lit_lm.param_groups import is_matrix
-from lit_lm.strategies.orthogonalize import NS_MODES, Level, Unit, assign_owners, long_cut
+from lit_lm.strategies.orthogonalize import NS_MODES, Level, Unit, assign_owners, gram_moves_less, long_cut
 
 OPTIMIZERS = ("adamw", "muon")
-NS_STEPS = 5  # torch.optim.Muon's default (`lit_lm.optim.Muon(ns_steps=5)`)
 NS_BYTES = {"bfloat16": 2, "float32": 4}  # Muon's `ns_dtype`: the pieces travel in it
 
 
@@ -97,7 +98,9 @@ def ns_work(matrices: Sequence[tuple[tuple[int, int], tuple[Cut, ...]]], mode: s
         if mode == "replicated":
             cuts = tuple(c for c in cuts if c.dim is not None)
         levels = tuple(Level(None, c.group, c.dim, c.length, c.size, 0) for c in cuts)  # type: ignore[arg-type]
-        gram = mode == "auto" and bool(levels) and levels[-1].name == "tp" and long_cut(shape, levels[-1].dim)
+        tp = levels[-1] if levels and levels[-1].name == "tp" else None
+        gram = tp is not None and long_cut(shape, tp.dim) and (
+            mode == "gram" or (mode == "auto" and gram_moves_less(shape, tp.size, nbytes)))
         unit = Unit(0, None, shape, levels, gram=gram)
         if not levels:
             out.flops += unit.flops
