@@ -153,12 +153,13 @@ def worker_one(rank: int, args: argparse.Namespace, port: int, accelerator: str,
         if accelerator == "gpu" else None}))
 
 
-def run_one(args: argparse.Namespace) -> None:
-    """`--one`: the contender on `args.devices` processes, then one BENCH_RESULT line with every rank's figures."""
+def run_one(args: argparse.Namespace, worker: Any = None) -> None:
+    """`--one`: the contender on `args.devices` processes, then one BENCH_RESULT line with every rank's figures.
+    `worker` (default `worker_one`) writes `out`/rank<r>.json; rank 0's numbers besides the peaks are its figures."""
     with tempfile.TemporaryDirectory() as out:
-        table_one_or_rounds(args, markdown, contenders, partial(worker_one, out=out))
+        table_one_or_rounds(args, markdown, contenders, partial(worker or worker_one, out=out))
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.devices)]
-    metrics = {k: ranks[0][k] for k in ("step_s", "step_min_s", "step_max_s")}
+    metrics = {k: v for k, v in ranks[0].items() if k not in ("peak_bytes", "cuda_peak_bytes")}
     metrics.update({f"peak_bytes_rank{r}": m["peak_bytes"] for r, m in enumerate(ranks)},
                    peak_bytes=max(m["peak_bytes"] for m in ranks))
     if ranks[0]["cuda_peak_bytes"] is not None:
