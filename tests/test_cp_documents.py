@@ -247,3 +247,13 @@ def test_ulysses_shares_out_heads_or_refuses_in_one_line() -> None:
     for hq, hk, cp in [(2, 2, 4), (12, 6, 4)]:
         with pytest.raises(ConfigError, match=r"cp_method ulysses splits attention heads over the \d cp ranks"):
             context.ulysses_kv_copies(hq, hk, cp)
+
+
+def test_no_host_read_off_the_cpu() -> None:
+    """On an accelerator the documents' tiles are planned without reading the ids to the host (NCCL's path: no host
+    sync in the step): chunk-tall tiles, each masked, the kernel skipping inside. Ids on the meta device, which has
+    no values to read, stand for one."""
+    ids = torch.tensor([[0] * 5 + [1] * 11 + [2] * 16])
+    on_cpu, off_cpu = row_documents(ids, 2, rows=4), row_documents(ids.to("meta"), 2, rows=4)
+    assert on_cpu.piece == 4 and any(on_cpu.first_key)  # the CPU plans finer tiles from the ids
+    assert off_cpu.piece == 8 and off_cpu.first_key == (0,) * 4

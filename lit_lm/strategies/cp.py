@@ -254,7 +254,7 @@ class Documents:
     rank's keys' ids are read here rather than sent with the keys (no bytes). Tiles are `piece` query rows tall (a
     divisor of the chunk c), and `first_key` (T/piece,): for each piece k, the first position of the document its
     first token is in, the earliest over the rows (`block_plan` skips the keys before it): host integers, read once
-    per step (`row_documents`)."""
+    per step on a CPU rank, all 0 (nothing skipped before the kernel) on an accelerator (`row_documents`)."""
 
     ids: Tensor
     shares: tuple[Tensor, ...]  # zigzag_split(ids, r, cp) for each cp rank r: the ids of rank r's tokens
@@ -264,14 +264,18 @@ class Documents:
 
 def row_documents(ids: Tensor, cp: int, rows: int = TILE_ROWS) -> Documents:
     """`Documents` of (B, T) rows for a cp group of `cp` ranks: tiles of the largest divisor of the chunk c up to
-    `rows` query rows. The one host read with documents: T/piece integers per step, before the model runs (a tile's
-    skip is a host decision, as varlen kernels' cu_seqlens are). Piece k starts at p = k·piece; its first document
-    starts at the first s with ids[s] = ids[p] (ids non-decreasing: a binary search). When no piece's document starts
-    after position 0 (one document per row), finer tiles would skip nothing: tiles stay a chunk tall, as without
-    documents (so such rows give today's result bit for bit)."""
+    `rows` query rows. On a CPU rank, a host read of T/piece integers per step, before the model runs (a tile's
+    skip is a host decision, as varlen kernels' cu_seqlens are); on an accelerator none (NCCL's path: no host sync
+    in the step): tiles stay a chunk tall, masked, and the kernel skips inside them. Piece k starts at p = k·piece;
+    its first document starts at the first s with ids[s] = ids[p] (ids non-decreasing: a binary search). When no
+    piece's document starts after position 0 (one document per row), finer tiles would skip nothing: tiles stay a
+    chunk tall, as without documents (so such rows give today's result bit for bit)."""
     c = check_seq_len(ids.shape[1], cp)
     piece = c // next(k for k in range(-(-c // rows), c + 1) if c % k == 0)
     ids = ids.contiguous()
+    if ids.device.type != "cpu":  # no host read in an accelerator's step: chunk-tall tiles, each masked, and the
+        # varlen FlashAttention kernel skips what lies outside a tile's documents inside the tile, on the device
+        return Documents(ids, tuple(zigzag_split(ids, r, cp) for r in range(cp)), (0,) * (2 * cp), c)
     starts = torch.searchsorted(ids, ids[:, ::piece].contiguous()).amin(0).tolist()  # (T/piece,) min over rows
     if not any(starts):
         piece, starts = c, [0] * (2 * cp)
