@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from lit_lm.attention_sinks import SinkAttention, causal_mask, sink_attention
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.kernels.logit_max import LogitMaxRecord, logit_max
-from lit_lm.mla import LatentAttention
 from lit_lm.lora import init_factor, lora_factor
+from lit_lm.mla import LatentAttention
 from lit_lm.moe import MoE, moe_aux_loss, moe_layers
 from lit_lm.mtp import MTPModule, mtp_loss
 from lit_lm.yarn import yarn_attention_factor, yarn_frequencies
@@ -164,7 +164,7 @@ class CausalAttention(LogitMaxRecord, nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, documents: Optional[Tensor] = None) -> Tensor:
         if self.measuring:
-            self.record_logit_max(logit_max(q, k, self.sliding_window))
+            self.record_logit_max(logit_max(q, k, self.sliding_window, documents))
         gqa = q.shape[1] != k.shape[1]
         if documents is not None:
             mask = document_mask(documents, self.sliding_window)

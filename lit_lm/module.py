@@ -5,12 +5,11 @@ from __future__ import annotations
 import functools
 import importlib
 from dataclasses import asdict, replace
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import lightning as L
 import torch
 from torch import Tensor
-from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MeanMetric
 
@@ -31,6 +30,10 @@ from lit_lm.strategies.clip import clip_grad_norm_, local_grad_shards
 from lit_lm.strategies.compile import compile_backend, speed_up
 from lit_lm.strategies.fp8 import check_fp8
 from lit_lm.strategies.plan import step_loss_fn
+
+# Lightning's `lightning.pytorch.cli.OptimizerCallable`, spelled here: importing it imports jsonargparse, which a
+# machine that only trains (the GPU check's) need not have; jsonargparse reads this type the same way.
+OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
 
 SCHEDULE_HORIZON = "lit_lm_schedule_horizon"  # the checkpoint's key for the LR schedule's horizon (steps)
 DECAY_START = "lit_lm_schedule_decay_start"  # and for WSD's decay start, when the run chose it (decay_start: resume)
