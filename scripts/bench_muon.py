@@ -220,8 +220,8 @@ def markdown(run: dict[str, Any]) -> str:
     table, pairs = run["summary"], run.get("paired", {})
     lines = ["| layout | optimizer | step s | orthogonalize s (rank 0) | peak RSS above imports, GB | "
              "step vs AdamW, paired | memory vs AdamW |", "|---|---|---|---|---|---|---|"]
-    for name, t in table.items():
-        layout, optim = name.split()
+    for name in sorted(table, key=lambda n: (LAYOUTS.index(n.split()[0]), list(OPTIMS).index(n.split()[1]))):
+        (layout, optim), t = name.split(), table[name]
         ref = table.get(f"{layout} adamw")
         ortho = _spread(t["orthogonalize_s"], 1, ".2f") if isinstance(t.get("orthogonalize_s"), dict) else "–"
         speed = _spread(pairs[name], 1, ".2f") + "×" if name in pairs else ""
@@ -309,14 +309,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--curve-tokens-per-step", type=int, default=16 * 128, help="the default config's batch x seq_len")
     p.add_argument("--curve-seed", type=int, help="seed_everything of both runs (default: the config's, 1337)")
     p.add_argument("--curve-dir", default="runs/bench_muon_curve")
-    p.add_argument("--curve-out", default="runs/bench_muon_curve/loss.png")
-    p.add_argument("--curve-json", default="runs/bench_muon_curve/loss.json")
+    p.add_argument("--curve-out", help="the picture (default: loss.png in --curve-dir)")
+    p.add_argument("--curve-json", help="the curves and wall times (default: loss.json in --curve-dir)")
     args = p.parse_args(argv)
     args.profile = None
     if args.flops:
         print(flops_markdown(flops_table(model_config(args))))
         return
     if args.curve:
+        args.curve_out = args.curve_out or str(Path(args.curve_dir, "loss.png"))
+        args.curve_json = args.curve_json or str(Path(args.curve_dir, "loss.json"))
         curve(args)
         return
     if args.one:
