@@ -15,6 +15,7 @@ from torchmetrics import MeanMetric
 
 from lit_lm.checkpoints import with_tied_head
 from lit_lm.config import ConfigError, ModelConfig
+from lit_lm.data import loss_mask
 from lit_lm.data.packing import Packing
 from lit_lm.generate import generate
 from lit_lm.log_steps import logs_this_batch
@@ -145,6 +146,8 @@ class LanguageModel(L.LightningModule):
         self._moe_sum: Optional[Tensor] = None  # MoE statistics summed over the interval's batches, on the device
         self._moe_batches = 0
         self.packing: Optional[Packing] = None  # the rows' documents (data.init_args.document_mask), from setup
+        self.loss_masks = False  # the rows carry loss masks (chat data: lit_lm.data.loss_mask), from setup
+        self._token_scale = 1.0  # replicas x accumulation / the step's global targets (`per_token`)
 
     def adopt_checkpoint_config(self, saved: dict[str, Any]) -> None:
         """Before the model is built: the config fields this run left to derivation (d_ff, n_kv_heads, moe_d_ff)
@@ -314,30 +317,67 @@ class LanguageModel(L.LightningModule):
                            f"embedding; pass --data.init_args.tokenizer_dir {self.init_from} (docs/hf.md)")
 
     # -- steps ---------------------------------------------------------------------------------------------
-    def _split(self, batch: Tensor, batch_idx: int) -> tuple[Tensor, Tensor]:
+    def _split(self, batch: Tensor, batch_idx: int) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        """(inputs, targets, conversation starts or None) of a (B, T+1) batch; rows with loss masks are decoded
+        (`lit_lm.data.loss_mask`: targets -100 where not trained on)."""
+        inputs, targets, starts = loss_mask.decode(batch) if self.loss_masks else (batch[:, :-1], batch[:, 1:], None)
         if batch_idx == 0:  # one check per loop: a sync on GPU, so not every step
-            top = int(batch.max())
+            top = int(inputs.max())
             if top >= self.config.vocab_size:
                 raise ConfigError(f"token id {top} >= model.init_args.config.vocab_size={self.config.vocab_size}: "
                                   "the data's tokenizer is larger than the model's vocabulary; make them equal")
-        return batch[:, :-1], batch[:, 1:]
+        return inputs, targets, starts
 
     def setup(self, stage: str) -> None:
-        """The data module's `packing()` (after its setup: the tokenizer's EOS), when it has one."""
+        """The data module's `packing()` (after its setup: the tokenizer's EOS), when it has one, and whether its rows
+        carry loss masks (refused under a pipeline, whose schedule starts each microbatch's backward itself)."""
         data = getattr(self._trainer, "datamodule", None)
         if hasattr(data, "packing"):
             self.packing = data.packing()
+        self.loss_masks = bool(getattr(data, "flagged", False))
+        layout = getattr(getattr(self._trainer, "strategy", None), "layout", None)
+        if self.loss_masks and stage == "fit" and getattr(layout, "pp_size", 1) > 1:
+            raise ConfigError("chat data's loss masks (data.init_args.format chat / train_on / packing) under "
+                              "pipeline parallelism are not built yet (its schedule weighs microbatches equally); use "
+                              "dp, ZeRO, tp, cp or ep")
 
-    def step_loss(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    def step_loss(self, inputs: Tensor, targets: Tensor, starts: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """The step's (loss, ce), through the strategy's loss seam (`lit_lm.strategies.plan.LossSeam`): a pipeline
         runs its schedule, a context split feeds the model its share of the tokens; other strategies call
         `model.loss`. With `packing`, the whole rows' `documents` and `positions` (B, T) go with them (a strategy
-        that splits the batch splits them alike)."""
+        that splits the batch splits them alike); chat rows' documents come from their `starts`."""
         loss_fn = step_loss_fn(getattr(self._trainer, "strategy", None), self.model)
         if self.packing is None:
             return loss_fn(inputs, targets)
-        documents, positions = self.packing.rows(inputs)
+        documents, positions = self.packing.rows(inputs, starts if self.packing.starts else None)
         return loss_fn(inputs, targets, positions=positions, documents=documents)
+
+    def per_token(self, loss: Tensor, targets: Tensor, batch_idx: int) -> Tensor:
+        """The micro-batch's loss weighted so that the step's gradient is that of the mean over every target of the
+        GLOBAL batch (all dp replicas, all accumulated micro-batches), whatever each micro-batch's share of them:
+
+            step gradient = 1/(R·A) Σ_{replica, micro-batch} ∇(loss_mb · n_mb · R·A / N) = ∇(Σ token losses) / N
+
+        (`loss_mb`: the mean over the micro-batch's n_mb targets; the data-parallel sync averages over R replicas,
+        Lightning divides by A = accumulate_grad_batches; N: the step's targets, `step_targets`, known on the host
+        before the step from the rows' masks, so no collective and no device read). A micro-batch without a
+        target contributes 0. Without masks every weight is exactly 1."""
+        accumulate = self.trainer.accumulate_grad_batches
+        if batch_idx % accumulate == 0:  # the step's first micro-batch
+            count = self.step_targets(batch_idx, min(accumulate, self.trainer.num_training_batches - batch_idx))
+            self._token_scale = self._replicas() * accumulate / count if count else 0.0
+        n = (targets != loss_mask.IGNORE).sum()
+        return torch.where(n > 0, loss * n * self._token_scale, torch.zeros_like(loss))
+
+    def _replicas(self) -> int:
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None)
+        return kwargs["num_replicas"] if kwargs else 1
+
+    def step_targets(self, batch_idx: int, micro_batches: int) -> int:
+        """The targets of the optimizer step beginning at this micro-batch: `micro_batches` global batches from the
+        data's current position (`TextDataModule.step_targets`)."""
+        data = self.trainer.datamodule
+        return data.step_targets(data.samples_consumed(), micro_batches * data.batch_size * self._replicas())
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         """The loss, logged every micro-batch as the ranks' mean (`sync_dist`: one scalar all-reduce queued on the
@@ -345,8 +385,10 @@ class LanguageModel(L.LightningModule):
         steps), so `callback_metrics["train_loss"]` is this batch's global loss for any callback that monitors it
         (ModelCheckpoint, EarlyStopping, the parity harness); the MoE statistics are summed on the device and logged
         as their mean over each logging interval, read once."""
-        x, y = self._split(batch, batch_idx)
-        loss, _ = self.step_loss(x, y)
+        x, y, starts = self._split(batch, batch_idx)
+        loss, _ = self.step_loss(x, y, starts)
+        if self.loss_masks:
+            loss = self.per_token(loss, y, batch_idx)
         self.log("train_loss", loss.detach(), sync_dist=True)
         self._log_moe_metrics()
         return loss
@@ -362,9 +404,11 @@ class LanguageModel(L.LightningModule):
             self._moe_sum, self._moe_batches = None, 0
 
     def _eval_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        x, y = self._split(batch, batch_idx)
-        _, ce = self.step_loss(x, y)
-        self.val_loss.update(ce, weight=y.numel())
+        x, y, starts = self._split(batch, batch_idx)
+        _, ce = self.step_loss(x, y, starts)
+        n = (y != loss_mask.IGNORE).sum()
+        ce = torch.where(n > 0, ce, torch.zeros_like(ce))  # a batch without targets has no mean (0/0)
+        self.val_loss.update(ce, weight=n)
         return ce
 
     def validation_step(self, batch: Tensor, batch_idx: int, dataloader_idx: int = 0) -> Tensor:
@@ -394,6 +438,7 @@ class LanguageModel(L.LightningModule):
         """Greedy continuation of the first quarter of each validation window (what `lit-lm predict` writes to
         `<default_root_dir>/predictions.jsonl`): a look at what the model learnt. Never an id past the data's
         tokenizer's last one (an imported model may have more rows than ids: `generate.stream`'s `vocab_size`)."""
+        batch = loss_mask.decode(batch)[0] if self.loss_masks else batch
         prompt = batch[:, : max(batch.shape[1] // 4, 1)]
         tokenizer = getattr(getattr(self._trainer, "datamodule", None), "tokenizer", None)
         out = generate(self.model, prompt, max_new_tokens=batch.shape[1] // 4, temperature=0.0,

@@ -62,6 +62,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from lit_lm.config import ModelConfig
+from lit_lm.data.loss_mask import NOT_TARGET, targets_of
 from lit_lm.data.packing import Packing
 from lit_lm.module import LanguageModel
 from lit_lm.optim import Muon
@@ -117,6 +118,9 @@ class Case:
     # packed documents (lit_lm.data.packing): (eos id, position_reset); every token drawn as a multiple of 5 becomes
     # that EOS (documents of ~5 tokens crossing rows, one-token ones), and both sides mask attention at them
     packing: tuple = ()
+    # loss masks (lit_lm.data.loss_mask): every target whose id is a multiple of `loss_mask` is not trained on (so
+    # each row, micro-batch and rank holds a different number of targets); the loss is per target of the step
+    loss_mask: int = 0
 
     def reference(self) -> "Case":
         """The same run on one process; a callback that names its `one_process_reference()` runs that there
@@ -131,7 +135,7 @@ class Case:
         return repr((sorted(self.model.items()), self.optimizer, self.ns_dtype, self.steps, self.global_batch,
                      sorted(self.trainer.items()), self.frozen, self.lr, callbacks,
                      self.resume.key if self.resume else None, self.init_from, self.module, self.token_vocab,
-                     self.packing))
+                     self.packing, self.loss_mask))
 
 
 class HarnessModule:
@@ -144,6 +148,12 @@ class HarnessModule:
         super().setup(stage)
         if self.case.packing:
             self.packing = Packing(*self.case.packing)
+        self.loss_masks = bool(self.case.loss_mask)
+
+    def step_targets(self, batch_idx: int, micro_batches: int) -> int:
+        """The step's targets: the case's global batches `batch_idx`.. (every rank's k-th batch is the k-th's share)."""
+        g = self.case.global_batch
+        return targets_of(case_tokens(self.case)[batch_idx * g: (batch_idx + micro_batches) * g])
 
     def configure_model(self) -> None:
         super().configure_model()
@@ -301,7 +311,8 @@ def case_tokens(case: Case) -> torch.Tensor:
     tokens = token_data(windows * case.global_batch, case.model["max_seq_len"], vocab=vocab)
     if case.packing:
         tokens[tokens % 5 == 0] = case.packing[0]
-    return tokens % case.model["vocab_size"]
+    tokens = tokens % case.model["vocab_size"]
+    return tokens | torch.where(tokens % case.loss_mask == 0, NOT_TARGET, 0) if case.loss_mask else tokens
 
 
 def rank_share(data: torch.Tensor, global_batch: int, rank: int, world: int) -> torch.Tensor:

@@ -25,7 +25,9 @@ import torch
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
 from lit_lm.config import ConfigError
+from lit_lm.data.chat import ChatEncoder, read_rows
 from lit_lm.data.corpus import Corpus, cuttable, log
+from lit_lm.data.loss_mask import START, check_train_on, targets_of
 from lit_lm.data.mixture import MixtureWindows, ShardWindows
 from lit_lm.data.packing import Packing
 from lit_lm.data.prepare import PreparedSource
@@ -162,6 +164,12 @@ class TextDataModule(L.LightningDataModule):
         document_mask: attention never crosses a document boundary inside a row (boundaries are the rows' own EOS
             tokens: `lit_lm.data.packing`, docs/data.md). Default off: documents attend into the previous ones.
         position_reset: with `document_mask`, RoPE positions restart at 0 at each document.
+        format: "text" (documents) or "chat": jsonl/parquet rows of `messages` rendered with `tokenizer_dir`'s chat
+            template, or `prompt`/`completion` pairs (`lit_lm.data.chat`); needs `tokenizer_dir`.
+        train_on: chat data's targets (`lit_lm.data.loss_mask`): "assistant" (default), "last" (the last assistant
+            message) or "all"; applied when rows are read (prepared chat sources too).
+        packed: chat data: conversations packed into rows, attention never crossing one (default), or false: one
+            conversation per row, cut or padded to seq_len + 1. (Not `packing`: that is the method below.)
     """
 
     def __init__(self, files: Optional[list[str]] = None, text_field: str = "text", data_dir: str = "data",
@@ -169,8 +177,15 @@ class TextDataModule(L.LightningDataModule):
                  corpus_mb: float = 4.0, tokenizer_dir: Optional[str] = None, num_workers: int = 0,
                  tokenizer_workers: int = 2, seed: int = 1234, skip_missing_text: bool = False,
                  sources: Optional[list[dict[str, Any]]] = None, document_mask: bool = False,
-                 position_reset: bool = False) -> None:
+                 position_reset: bool = False, format: str = "text", train_on: str = "assistant",
+                 packed: bool = True) -> None:
         super().__init__()
+        if format not in ("text", "chat"):
+            raise ConfigError(f"data.init_args.format must be text or chat, got {format!r}")
+        check_train_on(train_on)
+        if format == "chat" and files is not None and tokenizer_dir is None:
+            raise ConfigError("data.init_args.format chat renders rows with a tokenizer's chat template: give "
+                              "data.init_args.tokenizer_dir (the model folder whose tokenizer_config.json has one)")
         if position_reset and not document_mask:
             raise ConfigError("data.init_args.position_reset restarts positions at each document: it needs "
                               "data.init_args.document_mask true")
@@ -186,6 +201,9 @@ class TextDataModule(L.LightningDataModule):
             raise ConfigError("data.init_args.sources: give prepared folders (a non-empty list) or files, not both")
         self.sources = sources
         self.stream = _stream_entry(sources) if sources else None
+        if self.stream is not None and (format == "chat" or not packed):
+            raise ConfigError("data.init_args.sources: a stream source is plain text (chat data is read from files or "
+                              "prepared folders); drop format: chat / packed: false, or prepare the chat rows")
         if self.stream is not None and tokenizer_dir is None:
             raise ConfigError("data.init_args.sources: a stream source needs data.init_args.tokenizer_dir (no "
                               "tokenizer is trained on a stream)")
@@ -204,6 +222,8 @@ class TextDataModule(L.LightningDataModule):
         self.seed = seed
         self.skip_missing_text = skip_missing_text
         self.document_mask, self.position_reset = document_mask, position_reset
+        self.format, self.train_on, self.packed = format, train_on, packed
+        self.flagged = False  # rows carry loss masks and conversation starts (lit_lm.data.loss_mask): after setup
         self.tokenizer: Optional[Tokenizer] = None
         self.train_set: Optional[TokenWindows] = None
         self.val_set: Optional[Dataset] = None
@@ -224,7 +244,11 @@ class TextDataModule(L.LightningDataModule):
         vocabulary = str(self.vocab_size)
         if self.given_tokenizer is not None:  # its content: its path says nothing once the file is replaced
             vocabulary = tokenizer_hash(self.given_tokenizer)
-        return self.data_dir / "cache" / _fingerprint(self.source_files, self.text_field, vocabulary)
+        if self.format == "chat":  # the rendering depends on the template, which the tokenizer's hash leaves out
+            chat = getattr(self.given_tokenizer, "chat", None)
+            vocabulary += "|chat|" + hashlib.sha256(json.dumps(chat, sort_keys=True).encode()).hexdigest()
+        field = self.text_field if self.format == "text" else "<chat>"
+        return self.data_dir / "cache" / _fingerprint(self.source_files, field, vocabulary)
 
     @cached_property
     def given_tokenizer(self) -> Optional[Tokenizer]:
@@ -263,6 +287,8 @@ class TextDataModule(L.LightningDataModule):
         if (cache / "tokens.json").exists():
             return
         cache.mkdir(parents=True, exist_ok=True)
+        if self.format == "chat":
+            return _write_chat_tokens(read_rows(self.source_files, self.seed), self.given_tokenizer, cache)
         corpus = Corpus(self.source_files, self.text_field, self.data_dir / "hf_cache", self.skip_missing_text)
         tokenizer = self.given_tokenizer
         if tokenizer is None:
@@ -287,14 +313,24 @@ class TextDataModule(L.LightningDataModule):
             self.prepare_data()
         meta = json.loads((cache / "tokens.json").read_text())
         tokens = np.memmap(cache / "tokens.bin", dtype=meta["dtype"], mode="r", shape=(meta["n_tokens"],))
+        flags = np.memmap(cache / "flags.bin", dtype=np.uint8, mode="r", shape=(meta["n_tokens"],)) \
+            if meta.get("flags") else None
         self.tokenizer = self.given_tokenizer or load_tokenizer(cache / "tokenizer")
         if meta["max_id"] >= self.tokenizer.vocab_size:
             raise ConfigError(f"token id {meta['max_id']} in {cache} is not the tokenizer's (it has "
                               f"{self.tokenizer.vocab_size} tokens): the cache is stale; delete {cache}")
         self._check_model_vocabulary()
         n_val = int(len(tokens) * self.val_fraction)
-        self.train_set = TokenWindows(tokens[: len(tokens) - n_val], self.seq_len)
-        self.val_set = TokenWindows(tokens[len(tokens) - n_val:], self.seq_len)
+        if flags is None and self.packed:
+            self.train_set = TokenWindows(tokens[: len(tokens) - n_val], self.seq_len)
+            self.val_set = TokenWindows(tokens[len(tokens) - n_val:], self.seq_len)
+        else:
+            cut = len(tokens) - n_val
+            if flags is not None:  # the held-out split begins with a conversation
+                starts = np.flatnonzero(flags[cut:] & START)
+                cut += int(starts[0]) if len(starts) else 0
+            self.train_set = self._windows([tokens[:cut]], None if flags is None else [flags[:cut]])
+            self.val_set = self._windows([tokens[cut:]], None if flags is None else [flags[cut:]])
         dp, _ = self._dp()
         for split, ds, n in (("train", self.train_set, len(tokens) - n_val), ("val", self.val_set, n_val)):
             if len(ds) < self.batch_size * dp:
@@ -303,15 +339,32 @@ class TextDataModule(L.LightningDataModule):
                                   f"(data.init_args.val_fraction); {'raise' if split == 'val' else 'lower'} "
                                   "val_fraction, lower batch_size or seq_len, or add data")
 
+    def _windows(self, parts: list[np.ndarray], flags: Optional[list[Optional[np.ndarray]]]) -> ShardWindows:
+        """Windows whose rows carry loss masks and conversation starts (`lit_lm.data.loss_mask`); `flags` None: plain
+        text's (every token a target, documents after each EOS)."""
+        self.flagged = True
+        return ShardWindows(parts, self.seq_len, flags if flags is not None else [None] * len(parts), self.train_on,
+                            self.packed, self.tokenizer.eos_id)
+
+    def step_targets(self, position: int, samples: int) -> int:
+        """How many targets the `samples` global samples from stream position `position` hold (every rank's rows of
+        an optimizer step: `LanguageModel` normalises the loss by it). Read from the rows on the host (their flags,
+        a few bytes per token), the same number on every rank: no collective, no device read."""
+        if isinstance(self.train_set, MixtureWindows):
+            items = range(position, position + samples)
+        else:
+            items = ResumableSampler(len(self.train_set), 1, seed=self.seed).indices(position, samples)
+        return sum(targets_of(self.train_set[i]) for i in items)
+
     def packing(self) -> Optional[Packing]:
         """How the LightningModule reads the rows' documents (after `setup`: the tokenizer's EOS); None without
-        `document_mask`."""
-        if not self.document_mask:
+        `document_mask`. Conversations packed into rows (chat data, `packed`) are always masked: from their starts."""
+        if not (self.document_mask or (self.flagged and self.packed)):
             return None
         if self.tokenizer is None or self.tokenizer.eos_id is None:
             raise ConfigError("data.init_args.document_mask needs the tokenizer's EOS id, known after setup; the "
                               "tokenizer has none")
-        return Packing(self.tokenizer.eos_id, self.position_reset)
+        return Packing(self.tokenizer.eos_id, self.position_reset, starts=self.flagged)
 
     def _check_model_vocabulary(self) -> None:
         model_config = getattr(getattr(self.trainer, "lightning_module", None), "config", None)
@@ -327,8 +380,10 @@ class TextDataModule(L.LightningDataModule):
         dp, _ = self._dp()
         per_batch = self.batch_size * dp
         trains, vals = [], []
+        flagged = not self.packed or any(folder.flagged for folder in folders)
         for (name, path, _), folder in zip(self.source_specs, folders):
-            train, val = (ShardWindows(folder.parts(split), self.seq_len) for split in ("train", "val"))
+            train, val = (self._windows(folder.parts(split), folder.flag_parts(split)) if flagged else
+                          ShardWindows(folder.parts(split), self.seq_len) for split in ("train", "val"))
             for split, ds in (("train", train), ("val", val)):
                 if len(ds) < per_batch:
                     raise ConfigError(f"source {name} ({path}) has {len(ds)} {split} windows of seq_len "
@@ -450,6 +505,29 @@ class PositionedLoader(DataLoader):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Nothing to load: the data module's own state has placed the sampler."""
+
+
+def _write_chat_tokens(rows: list[dict[str, Any]], tokenizer: Tokenizer, cache: Path) -> None:
+    """Encode chat rows (`lit_lm.data.chat`) into tokens.bin and their flags into flags.bin; tokens.json last."""
+    encoder = ChatEncoder(tokenizer, "data.init_args.files")
+    out = TokenFile(cache / "tokens.bin", token_dtype(tokenizer.vocab_size))
+    flags = TokenFile(cache / "flags.bin", np.dtype(np.uint8))
+    conversations = 0
+    try:
+        for ids, row_flags in encoder.encode_rows(rows):
+            out.append(ids)
+            flags.append(row_flags)
+            conversations += 1
+    except BaseException:
+        out.discard()
+        flags.discard()
+        raise
+    out.close()
+    flags.close()
+    meta = {"n_tokens": out.n_tokens, "dtype": out.dtype.name, "max_id": out.max_id, "documents": conversations,
+            "vocab_size": tokenizer.vocab_size, "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id, "flags": True}
+    (cache / "tokens.json").write_text(json.dumps(meta, indent=1))
+    log(f"tokenized {conversations} conversations into {out.n_tokens:,} tokens ({cache})")
 
 
 def _write_tokens(corpus: Corpus, tokenizer: Tokenizer, cache: Path, workers: int) -> None:

@@ -13,11 +13,13 @@ shards), as `TokenWindows` cuts them from one array.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from lit_lm.data.loss_mask import START, encode_row, eos_flags
 
 BLOCK = 100
 
@@ -35,12 +37,25 @@ def apportion(weights: Sequence[float], total: int = BLOCK) -> np.ndarray:
 
 class ShardWindows(Dataset):
     """Non-overlapping windows of T+1 tokens over several arrays (shard parts): window i of part j is
-    part[i*T : i*T + T + 1]; the parts' windows follow each other."""
+    part[i*T : i*T + T + 1]; the parts' windows follow each other.
 
-    def __init__(self, parts: Sequence[np.ndarray], seq_len: int) -> None:
+    With `flags` (one uint8 array per part, `lit_lm.data.loss_mask`: chat data) a window is served as its int64 row
+    values carrying `train_on`'s loss mask and the conversations' starts; a part without flags (plain text mixed
+    with chat) is read as every token a target, documents after each EOS (`eos_id`). `packed=False`: window i is
+    conversation i alone, cut or padded (with `eos_id`, never a target) to T+1 tokens."""
+
+    def __init__(self, parts: Sequence[np.ndarray], seq_len: int,
+                 flags: Optional[Sequence[Optional[np.ndarray]]] = None, train_on: str = "assistant",
+                 packed: bool = True, eos_id: int = 0) -> None:
         self.parts = list(parts)
         self.seq_len = seq_len
-        counts = [max((len(p) - 1) // seq_len, 0) for p in self.parts]
+        self.flags = None if flags is None else list(flags)
+        self.train_on, self.packed, self.eos_id = train_on, packed, eos_id
+        if packed:
+            counts = [max((len(p) - 1) // seq_len, 0) for p in self.parts]
+        else:  # one conversation per window: where each begins
+            self.starts = [np.flatnonzero(self._flags(j) & START) for j in range(len(self.parts))]
+            counts = [len(s) for s in self.starts]
         self.ends = np.cumsum(counts)
 
     def __len__(self) -> int:
@@ -50,11 +65,26 @@ class ShardWindows(Dataset):
     def n_tokens(self) -> int:
         return int(sum(len(p) for p in self.parts))
 
+    def _flags(self, j: int, a: int = 0, b: Optional[int] = None) -> np.ndarray:
+        flags = self.flags[j] if self.flags is not None else None
+        if flags is None:
+            return eos_flags(np.asarray(self.parts[j][a:b]), self.eos_id)
+        return np.asarray(flags[a:b])
+
     def __getitem__(self, i: int) -> torch.Tensor:
         j = int(np.searchsorted(self.ends, i, side="right"))
         local = i - (int(self.ends[j - 1]) if j else 0)
+        if not self.packed:
+            starts = self.starts[j]
+            a = int(starts[local])
+            b = min(int(starts[local + 1]) if local + 1 < len(starts) else len(self.parts[j]), a + self.seq_len + 1)
+            return encode_row(np.asarray(self.parts[j][a:b]), self._flags(j, a, b), self.train_on,
+                              self.seq_len + 1, self.eos_id)
         start = local * self.seq_len
-        return torch.from_numpy(self.parts[j][start: start + self.seq_len + 1].astype(np.int64))
+        ids = self.parts[j][start: start + self.seq_len + 1]
+        if self.flags is None:
+            return torch.from_numpy(ids.astype(np.int64))
+        return encode_row(np.asarray(ids), self._flags(j, start, start + self.seq_len + 1), self.train_on)
 
 
 class MixtureWindows(Dataset):

@@ -37,6 +37,12 @@ def document_positions(documents: Tensor) -> Tensor:
     return t - first
 
 
+def documents_from_starts(starts: Tensor) -> Tensor:
+    """(B, T) document ids from explicit starts (chat rows: `lit_lm.data.loss_mask`, where an EOS may end a turn
+    inside a conversation): the number of starts at or before each token (a row's leading tail gets id 0)."""
+    return starts.long().cumsum(-1)
+
+
 @dataclass(frozen=True)
 class Packing:
     """How a run reads its rows' documents (`TextDataModule.packing()`): the EOS id that ends every document, and
@@ -44,8 +50,10 @@ class Packing:
 
     eos_id: int
     position_reset: bool = False
+    starts: bool = False  # the rows carry their documents' first tokens (chat data: lit_lm.data.loss_mask)
 
-    def rows(self, inputs: Tensor) -> tuple[Tensor, Optional[Tensor]]:
-        """(documents, positions or None) of (B, T) input rows."""
-        documents = document_ids(inputs, self.eos_id)
+    def rows(self, inputs: Tensor, starts: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
+        """(documents, positions or None) of (B, T) input rows: from their EOS tokens, or from `starts` (B, T) bool
+        where the rows carry their documents' first tokens."""
+        documents = document_ids(inputs, self.eos_id) if starts is None else documents_from_starts(starts)
         return documents, document_positions(documents) if self.position_reset else None

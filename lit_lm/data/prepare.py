@@ -12,6 +12,10 @@ interrupted run resumes with the chunks not yet recorded. The last `--val_fracti
 source's held-out split. `index.json`, written last, lists the shards with their documents and tokens and the
 tokenizer's hash; `tokenizer/` holds the tokenizer. Memory is one chunk per worker, whatever the corpus's size.
 
+`--format chat` reads rows of `messages` (rendered with the tokenizer's chat template) or `prompt`/`completion` pairs
+(`lit_lm.data.chat`): each shard also gets `NNNNN.flags`, one byte per token (who wrote it, where a conversation
+begins: `lit_lm.data.loss_mask`), and the index says `"flags": true`; which tokens are trained on is chosen at `fit`.
+
 A `tokenizers` tokenizer runs one thread per worker here (`RAYON_NUM_THREADS=1` unless set): the workers are the
 parallelism.
 """
@@ -31,9 +35,10 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 
 from lit_lm.config import ConfigError
+from lit_lm.data.chat import ChatEncoder
 from lit_lm.data.corpus import builder_for, check_utf8, cuttable, split_text
 from lit_lm.data.token_file import DocumentPart, TokenFile, encode_documents, token_dtype
-from lit_lm.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_state, tokenizer_hash
+from lit_lm.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer, tokenizer_from_state, tokenizer_hash
 
 FORMAT = "lit-lm-prepared"
 VERSION = 1
@@ -91,7 +96,7 @@ def plan_chunks(files: Sequence[str], text_field: str, chunk_bytes: int) -> list
             import pyarrow.parquet as pq
 
             meta = pq.ParquetFile(path)
-            if text_field not in meta.schema_arrow.names:
+            if text_field is not None and text_field not in meta.schema_arrow.names:
                 raise ConfigError(f"--text_field {text_field!r} is not a column of {path}; available columns: "
                                   f"{meta.schema_arrow.names}")
             chunks += [{"file": str(path), "kind": kind, "start": g, "end": g + 1}
@@ -110,7 +115,7 @@ def plan_chunks(files: Sequence[str], text_field: str, chunk_bytes: int) -> list
     return chunks
 
 
-def _saved_dataset(path: Path, text_field: str) -> Any:
+def _saved_dataset(path: Path, text_field: Optional[str]) -> Any:
     import datasets
 
     datasets.disable_progress_bars()
@@ -120,7 +125,7 @@ def _saved_dataset(path: Path, text_field: str) -> Any:
         raise ConfigError(f"--files: {path} is a folder but not one written by datasets' save_to_disk") from None
     if isinstance(ds, datasets.DatasetDict):
         ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-    if text_field not in ds.column_names:
+    if text_field is not None and text_field not in ds.column_names:
         raise ConfigError(f"--text_field {text_field!r} is not a column of {path}; available columns: "
                           f"{ds.column_names}")
     return ds
@@ -134,6 +139,26 @@ def _rows(texts: Iterator[Optional[str]], where: str, skip_missing_text: bool) -
                               "--skip_missing_text")
         if text:
             yield DocumentPart(split_text(text, -1 if not _CUT else None), True, True)
+
+
+def _chunk_rows(chunk: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A jsonl/parquet/saved chunk's rows, whole (chat data)."""
+    path, kind, start, end = Path(chunk["file"]), chunk["kind"], chunk["start"], chunk["end"]
+    if kind == "json":
+        with open(path, "rb") as f:
+            f.seek(start)
+            lines = f.read(end - start).split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield json.loads(line)
+    elif kind == "parquet":
+        import pyarrow.parquet as pq
+
+        yield from pq.ParquetFile(path).read_row_group(start).to_pylist()
+    elif kind == "saved":
+        yield from _saved_dataset(path, None).select(range(start, end)).to_list()
+    else:
+        raise ConfigError(f"--format chat reads .jsonl/.parquet rows or save_to_disk folders, not {path}")
 
 
 def _chunk_documents(chunk: dict[str, Any], text_field: str, skip_missing_text: bool) -> Iterator[DocumentPart]:
@@ -196,17 +221,28 @@ def run_chunk(job: tuple[int, dict[str, Any]]) -> dict[str, Any]:
     out = Path(_SETTINGS["out"])
     bin_path, record_path = _shard_paths(out, i)
     tokens = TokenFile(bin_path, token_dtype(_TOKENIZER.vocab_size))
+    flags = TokenFile(bin_path.with_suffix(".flags"), np.dtype(np.uint8)) if _SETTINGS["format"] == "chat" else None
     documents, chars = 0, 0
     try:
-        docs = _chunk_documents(chunk, _SETTINGS["text_field"], _SETTINGS["skip_missing_text"])
-        for ids, ended, n in encode_documents(_TOKENIZER, docs, 1, WORKER_BATCH_CHARS):
-            tokens.append(ids)
-            documents += ended
-            chars += n
+        if flags is not None:  # chat rows: ids and their flags (lit_lm.data.chat)
+            for ids, row_flags in ChatEncoder(_TOKENIZER, str(chunk["file"])).encode_rows(_chunk_rows(chunk)):
+                tokens.append(ids)
+                flags.append(row_flags)
+                documents += 1
+        else:
+            docs = _chunk_documents(chunk, _SETTINGS["text_field"], _SETTINGS["skip_missing_text"])
+            for ids, ended, n in encode_documents(_TOKENIZER, docs, 1, WORKER_BATCH_CHARS):
+                tokens.append(ids)
+                documents += ended
+                chars += n
     except BaseException:
         tokens.discard()
+        if flags is not None:
+            flags.discard()
         raise
     tokens.close()
+    if flags is not None:
+        flags.close()
     n_tokens = tokens.n_tokens
     record = {"file": bin_path.name, "tokens": n_tokens, "val_tokens": int(round(n_tokens * _SETTINGS["val_fraction"])),
               "documents": documents, "chars": chars, "max_id": tokens.max_id,
@@ -224,7 +260,7 @@ def _write_json(path: Path, value: Any) -> None:
 # -- the command ---------------------------------------------------------------------------------------------------
 def prepare(files: Sequence[str], tokenizer_dir: str, out: str, workers: int = 1, text_field: str = "text",
             val_fraction: float = 0.05, chunk_mb: float = 16.0, skip_missing_text: bool = False,
-            progress: bool = True) -> dict[str, Any]:
+            progress: bool = True, format: str = "text") -> dict[str, Any]:
     """Tokenize `files` into `out` (see the module doc); returns the index. Resumes an interrupted run of the same
     inputs and settings; refuses a folder holding another."""
     if workers < 1:
@@ -237,10 +273,16 @@ def prepare(files: Sequence[str], tokenizer_dir: str, out: str, workers: int = 1
     if tokenizer.eos_id is None:
         raise ConfigError(f"the tokenizer in {tokenizer_dir} has no EOS token to end documents with "
                           "(--tokenizer_dir); name one as eos_token in its tokenizer_config.json")
+    if format not in ("text", "chat"):
+        raise ConfigError(f"--format must be text or chat, got {format!r}")
+    if format == "chat" and not isinstance(tokenizer, HFTokenizer):
+        raise ConfigError("--format chat renders rows with a Hugging Face tokenizer's chat template (or encodes "
+                          "prompt/completion pairs): give the model folder as --tokenizer_dir")
     out_dir = Path(out)
-    chunks = plan_chunks(files, text_field, int(chunk_mb * 2**20))
+    chunks = plan_chunks(files, text_field if format == "text" else None, int(chunk_mb * 2**20))
     plan = {"format": FORMAT, "version": VERSION, "tokenizer_sha256": tokenizer_hash(tokenizer),
-            "text_field": text_field, "val_fraction": val_fraction, "skip_missing_text": skip_missing_text,
+            "text_field": text_field, **({"chat": tokenizer.state_dict().get("chat")} if format == "chat" else {}),
+            "val_fraction": val_fraction, "skip_missing_text": skip_missing_text,
             "inputs": [_stat(f) for f in files], "chunks": chunks}
     plan = json.loads(json.dumps(plan))  # as read back (tuples are lists)
     if (out_dir / PLAN).is_file():
@@ -256,7 +298,7 @@ def prepare(files: Sequence[str], tokenizer_dir: str, out: str, workers: int = 1
         return json.loads((out_dir / INDEX).read_text())
 
     settings = {"out": str(out_dir), "text_field": text_field, "val_fraction": val_fraction,
-                "skip_missing_text": skip_missing_text}
+                "skip_missing_text": skip_missing_text, "format": format}
     records: dict[int, dict[str, Any]] = {}
     for i in range(len(chunks)):
         record_path = _shard_paths(out_dir, i)[1]
@@ -286,7 +328,7 @@ def prepare(files: Sequence[str], tokenizer_dir: str, out: str, workers: int = 1
              "tokenizer_sha256": plan["tokenizer_sha256"], "vocab_size": tokenizer.vocab_size,
              "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id, "val_fraction": val_fraction,
              "documents": sum(s["documents"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
-             "max_id": max(s["max_id"] for s in shards),
+             "max_id": max(s["max_id"] for s in shards), **({"flags": True} if format == "chat" else {}),
              "shards": [{k: s[k] for k in ("file", "tokens", "val_tokens", "documents", "sha256")} for s in shards]}
     _write_json(out_dir / INDEX, index)
     seconds = time.monotonic() - started
@@ -362,16 +404,27 @@ class PreparedSource:
     def tokenizer(self) -> Tokenizer:
         return load_tokenizer(self.path / "tokenizer")
 
-    def parts(self, split: str) -> list[np.ndarray]:
-        """The train (each shard's head) or val (each shard's tail) ids, one memory-mapped array per shard."""
+    @property
+    def flagged(self) -> bool:
+        """Chat data: each shard's `NNNNN.flags` beside it (`lit_lm.data.loss_mask`)."""
+        return bool(self.index.get("flags"))
+
+    def parts(self, split: str, flags: bool = False) -> list[np.ndarray]:
+        """The train (each shard's head) or val (each shard's tail) ids, one memory-mapped array per shard (`flags`:
+        the shards' flags instead)."""
         out = []
         for shard in self.index["shards"]:
             n, v = shard["tokens"], shard["val_tokens"]
             if n == 0:
                 continue
-            ids = np.memmap(self.path / "shards" / shard["file"], dtype=self.dtype, mode="r", shape=(n,))
+            file = shard["file"].replace(".bin", ".flags") if flags else shard["file"]
+            ids = np.memmap(self.path / "shards" / file, dtype=np.uint8 if flags else self.dtype, mode="r", shape=(n,))
             out.append(ids[: n - v] if split == "train" else ids[n - v:])
         return out
+
+    def flag_parts(self, split: str) -> Optional[list[np.ndarray]]:
+        """`parts(split)`'s flags, None for a text source."""
+        return self.parts(split, flags=True) if self.flagged else None
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -385,6 +438,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--val_fraction", type=float, default=0.05, help="each shard's held-out tail")
     parser.add_argument("--chunk_mb", type=float, default=16.0, help="text per chunk (one shard each)")
     parser.add_argument("--skip_missing_text", action="store_true", help="skip rows without text instead of failing")
+    parser.add_argument("--format", default="text", choices=("text", "chat"),
+                        help="chat: rows of messages (the tokenizer's chat template) or prompt/completion pairs, "
+                             "their loss masks stored beside the tokens")
     args = parser.parse_args(argv)
     prepare(args.files, args.tokenizer_dir, args.out, args.workers, args.text_field, args.val_fraction, args.chunk_mb,
-            args.skip_missing_text)
+            args.skip_missing_text, format=args.format)

@@ -118,8 +118,10 @@ def tokenizer_from_state(state: dict[str, Any], source: str = "the tokenizer sta
 
 
 def tokenizer_hash(tokenizer: Tokenizer) -> str:
-    """A digest of the tokenizer's content (its state, not its path): token files made with it carry it."""
-    return hashlib.sha256(json.dumps(tokenizer.state_dict(), sort_keys=True).encode()).hexdigest()
+    """A digest of the tokenizer's content (its state, not its path): token files made with it carry it. The chat
+    template is left out (it changes no id of a text; chat data keys its cache on it separately)."""
+    state = {k: v for k, v in tokenizer.state_dict().items() if k != "chat"}
+    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
 
 
 def document_ids(tokenizer: Tokenizer, ids: list[int]) -> list[int]:

@@ -41,10 +41,11 @@ class HFTokenizer:
     """A `tokenizers.Tokenizer` with the document's BOS and EOS tokens (`None` where it has none)."""
 
     def __init__(self, tokenizer: _LibraryTokenizer, bos_token: Optional[str], eos_token: Optional[str],
-                 source: str = "the tokenizer") -> None:
+                 source: str = "the tokenizer", chat: Optional[dict[str, Any]] = None) -> None:
         self._tok = tokenizer
         self._source = source
         self.bos_token, self.eos_token = bos_token, eos_token
+        self.chat = chat  # the folder's chat template and the special tokens it reads (lit_lm.data.chat), or None
         for role, token in (("BOS", bos_token), ("EOS", eos_token)):
             if token is not None and tokenizer.token_to_id(token) is None:
                 raise ValueError(f"{source}: its {role} token {token!r} is not in its vocabulary")
@@ -69,7 +70,9 @@ class HFTokenizer:
         if eos is None:
             specials = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
             eos = next((t for t in USUAL_EOS if t in specials), None)
-        return cls(tokenizer, bos, eos, str(path))
+        from lit_lm.data.chat import read_chat_template
+
+        return cls(tokenizer, bos, eos, str(path), read_chat_template(directory))
 
     # ---- the Tokenizer interface ----
 
@@ -112,8 +115,9 @@ class HFTokenizer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything `from_state_dict` needs, as plain types (kept inside every checkpoint)."""
-        return {"format": FORMAT, "version": VERSION, "tokenizer_json": self._tok.to_str(),
-                "bos_token": self.bos_token, "eos_token": self.eos_token}
+        state = {"format": FORMAT, "version": VERSION, "tokenizer_json": self._tok.to_str(),
+                 "bos_token": self.bos_token, "eos_token": self.eos_token}
+        return state if self.chat is None else {**state, "chat": self.chat}
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any], source: str = "the tokenizer state") -> HFTokenizer:
@@ -121,7 +125,7 @@ class HFTokenizer:
             raise ValueError(f"{source} is not a {FORMAT} v{VERSION} state (format={state.get('format')!r}, "
                              f"version={state.get('version')!r})")
         return cls(_LibraryTokenizer.from_str(state["tokenizer_json"]), state["bos_token"], state["eos_token"],
-                   source)
+                   source, state.get("chat"))
 
     def save(self, directory: str | os.PathLike) -> Path:
         """`tokenizer.json` and a `tokenizer_config.json` naming BOS and EOS: `load` reads the same tokenizer back,
@@ -136,7 +140,13 @@ class HFTokenizer:
         (directory / FILE_NAME).write_text(self._tok.to_str(pretty=False), encoding="utf-8")
         (directory / CONFIG_NAME).write_text(json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token, "eos_token": self.eos_token,
-            "add_bos_token": self.bos_token is not None, **config}, indent=1), encoding="utf-8")
+            "add_bos_token": self.bos_token is not None, **self._chat_config(), **config}, indent=1), encoding="utf-8")
+
+    def _chat_config(self) -> dict[str, Any]:
+        """The chat template and the special tokens it reads, as tokenizer_config.json holds them."""
+        if self.chat is None:
+            return {}
+        return {**self.chat["tokens"], "chat_template": self.chat["template"]}
 
 
 class TextStream:
