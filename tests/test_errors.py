@@ -142,7 +142,8 @@ HF_CASES = {
     "gpt2": ({"model_type": "gpt2"}, "`model_type` 'gpt2' cannot be imported"),
     "3 heads of hidden 64": ({"num_attention_heads": 3, "num_key_value_heads": 3}, "`n_heads`=3 must divide"),
     "head_dim 33": ({"head_dim": 33}, "`head_dim`"),
-    "longrope": ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "`rope_scaling` rope_type 'longrope' cannot"),
+    "longrope": ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
+                 "`rope_scaling` rope_type 'longrope' cannot"),
     "gelu": ({"hidden_act": "gelu"}, "`hidden_act` 'gelu' cannot be imported"),
 }
 
