@@ -1,6 +1,7 @@
 """Text out of a trained model: `lit-lm generate` streams continuations of prompts from any checkpoint.
 
     lit-lm generate --ckpt_path runs/default/checkpoints/last.ckpt --prompt "def main(" --max_new_tokens 64
+    lit-lm generate --ckpt_path runs/sft/checkpoints/last.ckpt --chat "What is 2 + 2?"   # the chat template's
 
 One process reads a checkpoint of any strategy and world size (a single file or a sharded directory, gathered
 whole), rebuilds the model from the hyper-parameters stored in it and decodes with the tokenizer stored in it.
@@ -22,6 +23,7 @@ from torch import Tensor
 from lit_lm.checkpoints import model_state_dict, read_checkpoint, tokenizer_from
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.model import KVCache, Transformer
+from lit_lm.data.chat import chat_prompt_ids
 from lit_lm.data.tokenizer import Tokenizer, prompt_ids
 
 
@@ -90,6 +92,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--ckpt_path", required=True, help="a .ckpt file or sharded checkpoint directory")
     parser.add_argument("--prompt", action="append", help="a prompt (repeat for more); default: empty")
     parser.add_argument("--prompts_file", help="a text file with one prompt per line (\\n for a newline)")
+    parser.add_argument("--chat", action="append", help="a user message, rendered with the checkpoint's tokenizer's "
+                        "chat template and answered (repeat for more; instead of --prompt)")
     parser.add_argument("--max_new_tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     parser.add_argument("--top_k", type=int, default=None)
@@ -100,12 +104,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.max_new_tokens < 0 or args.temperature < 0 or not 0 < args.top_p <= 1 or (args.top_k or 1) < 1:
         raise ConfigError("need --max_new_tokens >= 0, --temperature >= 0, 0 < --top_p <= 1 and --top_k >= 1 "
                           f"(got {args.max_new_tokens}, {args.temperature}, {args.top_p}, {args.top_k}); fix them")
-    prompts = _prompts(args)
+    if args.chat and (args.prompt or args.prompts_file):
+        raise ConfigError("give --chat messages or --prompt/--prompts_file, not both")
+    prompts = args.chat or _prompts(args)
     model, tokenizer = load(args.ckpt_path, args.device)
     generator = torch.Generator(args.device).manual_seed(args.seed)
     for n, prompt in enumerate(prompts):
-        ids = prompt_ids(tokenizer, prompt)  # as a document begins in training ([BOS] + text)
-        sys.stdout.write(("\n\n" if n else "") + prompt)
+        # as a document begins in training ([BOS] + text), or a conversation (the chat template's)
+        ids = chat_prompt_ids(tokenizer, prompt) if args.chat else prompt_ids(tokenizer, prompt)
+        sys.stdout.write(("\n\n" if n else "") + prompt + ("\n" if args.chat else ""))
         text = tokenizer.stream(ids)  # a token may end inside a character
         for token in stream(model, torch.tensor([ids], device=args.device), args.max_new_tokens, args.temperature,
                             args.top_k, args.top_p, generator, vocab_size=tokenizer.vocab_size):

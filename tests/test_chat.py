@@ -16,9 +16,10 @@ import pytest
 import torch
 from test_hf_tokenizer import train_library_bpe
 
+from lit_lm.checkpoints import read_checkpoint, tokenizer_from
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.data import loss_mask
-from lit_lm.data.chat import ChatEncoder, ChatTemplate, encode_messages
+from lit_lm.data.chat import ChatEncoder, ChatTemplate, chat_prompt_ids, encode_messages
 from lit_lm.data.datamodule import TextDataModule
 from lit_lm.data.loss_mask import ASSISTANT, LAST, START, encode_row
 from lit_lm.data.packing import Packing
@@ -84,6 +85,10 @@ def test_the_rendering_is_transformers_apply_chat_template_token_for_token(tok_d
         assert tokenizer.encode(text) == list(ids)
         if not generation_prompt:
             assert encode_messages(tokenizer, template, messages)[0] == list(ids)
+    if generation_prompt:  # `lit-lm generate --chat`'s prompt
+        message = [{"role": "user", "content": "repeat beta"}]
+        ids = theirs.apply_chat_template(message, tokenize=True, add_generation_prompt=True)
+        assert chat_prompt_ids(tokenizer, "repeat beta") == list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def test_the_assistant_tokens_are_its_messages_and_end_of_turn(tok_dir):
@@ -307,3 +312,9 @@ def test_a_tiny_sft_run_through_the_command_lowers_the_assistant_loss(tmp_path, 
     assert fit.returncode == 0, fit.stderr[-3000:]
     val = [float(r["val_loss"]) for r in read_metrics(tmp_path / "run", 0) if r.get("val_loss")]
     assert len(val) == 20 and val[-1] < 0.6 * val[0], val
+    # `generate --chat`: the checkpoint's tokenizer keeps the template; the message is rendered as a user turn
+    last = tmp_path / "run/checkpoints/last.ckpt"
+    assert tokenizer_from(read_checkpoint(last)).chat == load_tokenizer(tok_dir).chat
+    out = run_cli("generate", "--ckpt_path", str(last), "--chat", "repeat gamma", "--max_new_tokens", "12",
+                  "--temperature", "0", cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.startswith("repeat gamma\n"), out.stderr[-2000:]

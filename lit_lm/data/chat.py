@@ -102,6 +102,13 @@ def chat_template_of(tokenizer: Tokenizer, where: str) -> ChatTemplate:
     return ChatTemplate(chat["template"], dict(chat.get("tokens", {})))
 
 
+def chat_prompt_ids(tokenizer: Tokenizer, message: str, where: str = "--chat") -> list[int]:
+    """A user message as a chat prompt (`lit-lm generate --chat`): the template's rendering of it with the
+    assistant's generation prompt, encoded as in training."""
+    return tokenizer.encode(chat_template_of(tokenizer, where).render([{"role": "user", "content": message}],
+                                                                      add_generation_prompt=True))
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
