@@ -318,3 +318,17 @@ def test_a_tiny_sft_run_through_the_command_lowers_the_assistant_loss(tmp_path, 
     out = run_cli("generate", "--ckpt_path", str(last), "--chat", "repeat gamma", "--max_new_tokens", "12",
                   "--temperature", "0", cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.startswith("repeat gamma\n"), out.stderr[-2000:]
+
+
+def test_loss_masks_under_a_pipeline_are_refused_in_one_line():
+    from types import SimpleNamespace
+
+    module = LanguageModel(ModelConfig(**TINY))
+    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(flagged=True, packing=lambda: None),
+                                      strategy=SimpleNamespace(layout=SimpleNamespace(pp_size=2)))
+    with pytest.raises(ConfigError, match="pipeline parallelism") as e:
+        module.setup("fit")
+    assert "\n" not in str(e.value)
+    module._trainer.strategy.layout.pp_size = 1
+    module.setup("fit")
+    assert module.loss_masks
