@@ -272,9 +272,10 @@ def test_export_merged_and_peft_adapter_compute_the_adapted_model(tmp_path) -> N
         import peft
     except ImportError:
         peft = None
-    if peft is not None:
+    if peft is not None:  # on its own load: PeftModel wraps the modules of the model it is given in place
+        fresh = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
         with torch.no_grad():
-            got = peft.PeftModel.from_pretrained(base_hf, adapter_dir).eval()(ids).logits
+            got = peft.PeftModel.from_pretrained(fresh, adapter_dir).eval()(ids).logits
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
     with torch.no_grad():  # PEFT's update, W + (lora_alpha / r) B A, on the named modules of the base export
         for key, a in tensors.items():
