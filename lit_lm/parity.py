@@ -362,6 +362,24 @@ def run_parity(cases: list[Case], world_size: int, env: Optional[dict[str, str]]
             for i, case in enumerate(cases)]
 
 
+def unreported_mutants(runs: list[tuple[str, str, dict[str, Any]]], check: Callable[[dict[str, Any]], None]
+                       ) -> tuple[list[str], dict[str, str]]:
+    """Each (name, report pattern, run) of a mutant must fail `check` (e.g. `assert_parity`) with a message that
+    matches its pattern. Returns the mutants that did not — passed, or failed for another reason — and every
+    mutant's report, by name."""
+    missed, reports = [], {}
+    for name, report, run in runs:
+        try:
+            check(run)
+        except AssertionError as error:
+            reports[name] = str(error)
+            if not re.search(report, str(error)):
+                missed.append(f"{name}: reported as {error}, expected /{report}/")
+            continue
+        missed.append(f"{name}: not reported")
+    return missed, reports
+
+
 def _close(got: float, expected: float, rtol: float) -> bool:
     return math.isclose(got, expected, rel_tol=rtol, abs_tol=1e-12)
 

@@ -40,7 +40,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dist_utils import REFERENCE_TILES
-from lit_lm.parity import BF16_TRUE_RTOL, CLIP_ABOVE, MOE, TINY, Case, assert_parity, bf16_true_case, run_parity
+from lit_lm.parity import (BF16_TRUE_RTOL, CLIP_ABOVE, MOE, TINY, Case, assert_parity, bf16_true_case, run_parity,
+                           unreported_mutants)
 from lit_lm.callbacks.clip import GlobalNormClip
 from lit_lm.strategies import clip, comm, grad_sync, params, zero_engine
 from lit_lm.strategies import cp as context
@@ -262,17 +263,11 @@ def _missed(mutants: dict[str, tuple[Case, str]], world_size: int) -> tuple[list
     """Run every mutant in one launch (one step: every report names step 0 or the state after it); the mutants
     not reported as expected, and every report."""
     runs = run_parity([replace(case, steps=1) for case, _ in mutants.values()], world_size, env=REFERENCE_TILES)
-    missed, reports = [], {}
-    for (name, (_, report)), run in zip(mutants.items(), runs):
-        try:
-            assert_parity(run, rtol=BF16_TRUE_RTOL if run["case"].trainer.get("precision") == "bf16-true" else 1e-5)
-        except AssertionError as error:
-            reports[name] = str(error)
-            if not re.search(report, str(error)):
-                missed.append(f"{name}: reported as {error}, expected /{report}/")
-            continue
-        missed.append(f"{name}: not reported")
-    return missed, reports
+
+    def check(run: dict) -> None:
+        assert_parity(run, rtol=BF16_TRUE_RTOL if run["case"].trainer.get("precision") == "bf16-true" else 1e-5)
+
+    return unreported_mutants([(name, report, run) for (name, (_, report)), run in zip(mutants.items(), runs)], check)
 
 
 def test_harness_reports_every_mutant() -> None:
