@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from dataclasses import asdict, replace
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -120,6 +121,8 @@ class LanguageModel(L.LightningModule):
                               f"lr={lr}, warmup_steps={warmup_steps}, min_lr_ratio={min_lr_ratio}")
         self.config = config
         self.optimizer_fn = optimizer_from(optimizer) if isinstance(optimizer, dict) else optimizer  # dict: saved
+        if optimizer is not None:
+            _warn_unused_adamw_args(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self.schedule = Schedule(**schedule) if isinstance(schedule, dict) else schedule
         self.lora = lora_from(lora)
         if self.lora is not None and fp8 is not None:
@@ -511,6 +514,16 @@ class LanguageModel(L.LightningModule):
         self._horizon, self._decay_resolved = None, False
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self.lr_multiplier(step))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def _warn_unused_adamw_args(**given: Any) -> None:
+    """`lr`, `betas`, `eps`, `weight_decay` set away from their defaults beside a configured optimizer: they are the
+    default AdamW's, and the optimizer's own init_args rule; said once, naming where to put them."""
+    defaults = inspect.signature(LanguageModel.__init__).parameters
+    unused = [f"{name}={value}" for name, value in given.items() if value != defaults[name].default]
+    if unused:
+        rank_zero_warn(f"[lit-lm] model.init_args {', '.join(unused)}: unused beside model.init_args.optimizer (they "
+                       "are the default AdamW's); set them in the optimizer's init_args")
 
 
 __all__ = ["LanguageModel", "optimizer_from", "optimizer_target"]

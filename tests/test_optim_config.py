@@ -6,6 +6,7 @@ default is today's AdamW, whose checkpoints of before still resume."""
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Optional
 
 import pytest
@@ -74,6 +75,17 @@ def test_the_default_is_todays_adamw_on_todays_groups():
     assert [g["params"] for g in adamw.param_groups] == [g["params"] for g in today]
     for group, decay in zip(adamw.param_groups, (0.05, 0.0)):
         assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (2e-3, (0.8, 0.9), 1e-6, decay)
+
+
+def test_adamw_arguments_beside_an_optimizer_are_said_unused_once():
+    with pytest.warns(UserWarning, match=r"model\.init_args lr=0\.5, eps=1e-06: unused beside "
+                                         r"model\.init_args\.optimizer") as caught:
+        _groups(functools.partial(torch.optim.SGD, lr=0.1), lr=0.5, eps=1e-6)
+    assert sum("unused beside" in str(w.message) for w in caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the defaults beside an optimizer, or any value without one: nothing said
+        LanguageModel(CFG, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+        LanguageModel(CFG, lr=0.5, eps=1e-6)
 
 
 def test_an_optimizer_that_cannot_take_the_groups_is_one_config_error():
