@@ -303,9 +303,9 @@ class LMLoss(nn.Module):
         ce = F.cross_entropy(logits, targets, ignore_index=-100)
         if self.z_loss == 0.0:
             return ce, ce.detach()
-        valid = targets != -100
-        lse = torch.logsumexp(logits[valid], dim=-1)
-        return ce + self.z_loss * lse.pow(2).mean(), ce.detach()
+        valid = targets != -100  # masked, not indexed: `logits[valid]` is a host sync (nonzero) on an accelerator
+        lse = torch.logsumexp(logits, dim=-1).masked_fill(~valid, 0.0)
+        return ce + self.z_loss * lse.pow(2).sum() / valid.sum(), ce.detach()
 
 
 class Transformer(nn.Module):

@@ -7,7 +7,7 @@ import torch
 
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.generate import generate
-from lit_lm.model import KVCache, RotaryEmbedding, Transformer
+from lit_lm.model import KVCache, LMLoss, RotaryEmbedding, Transformer
 
 
 def tiny(**overrides) -> ModelConfig:
@@ -132,6 +132,14 @@ def test_loss_is_fp32_ce_plus_z_loss():
     torch.testing.assert_close(loss.double(), ref_ce + 1e-2 * lse.pow(2).mean(), rtol=1e-5, atol=1e-6)
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_z_loss_has_no_data_dependent_shape():
+    """The z-loss over the non-ignored targets is a mask, not `logits[valid]`: boolean indexing is a nonzero, a host
+    sync in every step on an accelerator (chat data's -100 targets). The meta device refuses data-dependent ops."""
+    logits, targets = torch.empty(2, 9, 64, device="meta"), torch.empty(2, 9, dtype=torch.long, device="meta")
+    loss, _ = LMLoss(1e-2)(logits, targets)
+    assert loss.shape == ()
 
 
 def test_generate_greedy_is_deterministic():
