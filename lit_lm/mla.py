@@ -54,9 +54,9 @@ def yarn_mscale(rope_scaling: Optional[dict]) -> float:
 
 class LatentAttention(nn.Module):
     """MLA with DeepSeek's parameter names (its reference code's: wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b, wo);
-    the forward takes what `lit_lm.model.Attention` takes, so a block holds either."""
+    the constructor and forward take what `lit_lm.model.Attention`'s take, so a block holds either."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         from lit_lm.model import CausalAttention, RMSNorm, RotaryEmbedding  # model.py builds this class
 
@@ -77,8 +77,8 @@ class LatentAttention(nn.Module):
         self.rope = RotaryEmbedding(self.rope_dim, cfg.rope_theta, cfg.rope_scaling)
         self.interleaved = cfg.mla_rope_interleave
         self.q_scale = yarn_mscale(cfg.rope_scaling) ** 2  # on top of SDPA's (Dn + Dr)^-1/2
-        self.core = CausalAttention(cfg.sliding_window)
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window = cfg.window(layer)  # block `layer`'s, as `Attention` and the cp plan read it
+        self.core = CausalAttention(self.sliding_window)
 
     def query(self, x: Tensor) -> Tensor:
         return self.wq(x) if hasattr(self, "wq") else self.wq_b(self.q_norm(self.wq_a(x)))

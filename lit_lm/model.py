@@ -273,7 +273,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = LatentAttention(cfg) if cfg.mla_kv_rank else Attention(cfg, layer)  # MLA: lit_lm.mla
+        self.attn = LatentAttention(cfg, layer) if cfg.mla_kv_rank else Attention(cfg, layer)  # MLA: lit_lm.mla
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if cfg.is_moe_layer(layer):
             shared = SwiGLU(cfg.d_model, cfg.moe_shared_experts * cfg.moe_d_ff) if cfg.moe_shared_experts else None

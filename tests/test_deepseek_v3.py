@@ -225,6 +225,16 @@ DENSE_MLA = {k: v for k, v in DEEPSEEK.items() if not k.startswith("moe_")}  # M
 MTP = dict(DEEPSEEK, mtp_layers=1, mtp_weight=0.5)  # its module's block MoE (block index 2): experts under ep too
 
 
+def test_latent_attention_takes_each_layers_window():
+    """`layer_types` alternating sliding and full attention: an MLA block's core (and its decoding) uses its own
+    layer's window, the one the context-parallel plan gives that layer (`ModelConfig.window`)."""
+    cfg = ModelConfig(**dict(DENSE_MLA, n_layers=2, sliding_window=4,
+                             layer_types=["sliding_attention", "full_attention"]))
+    model = Transformer(cfg)
+    assert [(b.attn.sliding_window, b.attn.core.sliding_window) for b in model.blocks.values()] == \
+        [(4, 4), (None, None)]
+
+
 def test_layouts_equal_one_process():
     """zero1-3; cp2 ring, all-gather and ulysses (v padded to the key width, rope at the zigzag positions); tp2
     (heads split; wq_a, q_norm, wkv_a, kv_norm replicated, their gradients summed over tp; with sequence
