@@ -6,11 +6,12 @@ probability mass dropped, so a query may attend to "nothing":
 over the keys s the query t may see (causal, window, document). With lse_t = log sum_u exp(l_tu), the output of
 plain attention `o_t` gives the same result rescaled once per row:
 
-    out_t = o_t * exp(lse_t) / (exp(lse_t) + exp(s_h)) = o_t * sigmoid(lse_t - s_h)        (`apply_sink`)
+    out_t = o_t * exp(lse_t) / (exp(lse_t) + exp(s_h)) = o_t * sigmoid(lse_t - s_h)
 
-which is how a core that computes (o, lse) tile by tile (context parallelism's ring) adds the sink: after its
-tiles are merged, never per tile or per rank (each would count exp(s_h) once more). The one-process core here
-(`SinkAttention`) writes the softmax out: SDPA returns no differentiable lse on CPU.
+which is how a core that computes (o, lse) tile by tile (context parallelism's ring, all-gather and Ulysses)
+adds the sink: after its tiles are merged, never per tile or per rank (each would count exp(s_h) once more):
+`lit_lm.strategies.cp.join_sink`, with its backward. The one-process core here (`SinkAttention`) writes the
+softmax out: SDPA returns no differentiable lse on CPU.
 """
 
 from __future__ import annotations
@@ -37,12 +38,6 @@ def sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, mask: Tensor)
     sink = sinks.to(dtype).view(1, hkv, hq // hkv, 1, 1).expand(*scores.shape[:-1], 1)
     probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
     return (probs @ v.to(dtype).unsqueeze(2)).reshape(b, hq, t, d).to(q.dtype)
-
-
-def apply_sink(out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
-    """Plain attention's output `out` (..., H, T, D) and log-sum-exp `lse` (..., H, T) -> the output with the sink
-    (module docstring); `sinks` (H,)."""
-    return out * torch.sigmoid(lse - sinks.to(lse.dtype).view(-1, 1)).unsqueeze(-1).to(out.dtype)
 
 
 def causal_mask(n_q: int, n_k: int, window: Optional[int], device: torch.device) -> Tensor:

@@ -5,7 +5,7 @@ tests/test_hf_families.py holds the family's logits / greedy / export round trip
 full layers with biases and a clamping SwiGLU; full then sliding without attention biases).
 
 - attention sinks: `sink_attention` is softmax over [scores, sink] with the sink dropped, head by head, and the
-  log-sum-exp form `apply_sink` (what a tiled core would use once, after merging) gives the same output;
+  log-sum-exp form context parallelism joins once to its merged rows (`cp.join_sink`) gives the same output;
 - YaRN: frequencies and attention factor equal transformers' `_compute_yarn_parameters` (truncate on/off, mscale);
 - MXFP4: `dequantize_mxfp4` equals an integer decoding of e2m1/e8m0 and transformers' `convert_moe_packed_tensors`;
   a folder whose experts are MXFP4 imports as the same folder with the dequantized experts, an expert slice reads
@@ -13,7 +13,9 @@ full layers with biases and a clamping SwiGLU; full then sliding without attenti
 - every config.json key gpt-oss reads changes the logits when changed, and lit-lm follows transformers there;
 - zero1/2/3, tp2 (sinks and biases split with their heads, the output bias added once), ep2 (expert biases with
   their experts) and pp2 equal one process; mutants: each tp rank using the first ranks' sinks, the output bias
-  added on every tp rank.
+  added on every tp rank;
+- cp2 ring, all-gather and Ulysses (the sink joined once to each head's merged rows; a sliding and a full layer)
+  equal one process, on a dense gpt-oss (cp refuses MoE layers); mutant: the sink joined to every tile.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from lit_lm.attention_sinks import apply_sink, causal_mask, sink_attention  # noqa: E402
+from lit_lm.attention_sinks import causal_mask, sink_attention  # noqa: E402
 from lit_lm.config import ConfigError  # noqa: E402
 from lit_lm.hf.gpt_oss import E2M1, dequantize_mxfp4, quantize_mxfp4  # noqa: E402
 from lit_lm.hf.importer import HFWeights, load_model, model_config  # noqa: E402
 from lit_lm.parity import TINY, Case, assert_parity, run_parity  # noqa: E402
-from lit_lm.strategies import tp_layers  # noqa: E402
+from lit_lm.strategies import cp, tp_layers  # noqa: E402
+from lit_lm.strategies.composed import ComposedStrategy  # noqa: E402
 from lit_lm.strategies.ep import ExpertParallelStrategy  # noqa: E402
 from lit_lm.strategies.pp import PipelineStrategy  # noqa: E402
 from lit_lm.strategies.tp import TensorParallelStrategy  # noqa: E402
@@ -53,13 +56,13 @@ def test_sinks_join_each_heads_softmax_once():
         scores = (q[:, h] @ k[:, h // 2].transpose(-1, -2) / 8 ** 0.5).masked_fill(~mask, float("-inf"))
         probs = torch.cat([scores, sinks[h].expand(2, 7, 1)], -1).softmax(-1)[..., :-1]
         torch.testing.assert_close(got[:, h], probs @ v[:, h // 2])
-    # plain attention's (out, lse) rescaled once by sigmoid(lse - sink): the same output
+    # plain attention's (out, lse) with the sink joined once (cp's merged rows): the same output
     scores = (q.view(2, 2, 2, 7, 8) @ k.unsqueeze(2).transpose(-1, -2) / 8 ** 0.5).masked_fill(~mask, float("-inf"))
-    out = (scores.softmax(-1) @ v.unsqueeze(2)).view(2, 4, 7, 8)
-    lse = scores.logsumexp(-1).view(2, 4, 7)
-    torch.testing.assert_close(apply_sink(out, lse, sinks), got)
+    out, lse = scores.softmax(-1) @ v.unsqueeze(2), scores.logsumexp(-1)  # (B, Hkv, G, T, D), (B, Hkv, G, T)
+    joined, joined_lse = cp.join_sink(out, lse, sinks.view(2, 2))
+    torch.testing.assert_close(joined.reshape(2, 4, 7, 8), got)
     # joined twice (as two tiles each adding it would): another output
-    assert (apply_sink(apply_sink(out, lse, sinks), lse, sinks) - got).abs().max() > 1e-3
+    assert (cp.join_sink(joined, joined_lse, sinks.view(2, 2))[0].reshape(2, 4, 7, 8) - got).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("params", [
@@ -230,9 +233,40 @@ def test_gpt_oss_layouts_equal_one_process():
             assert_parity(run)
 
 
+DENSE = {k: v for k, v in GPT_OSS.items() if not k.startswith(("moe_", "swiglu"))}  # cp refuses MoE layers
+
+
+def sink_per_tile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tile joins the sink before the merge (a tiled core adding it per tile), not each merged row once: a row
+    whose keys span n tiles counts exp(s) n times."""
+    sinks, forward, tile = [], cp.ContextAttentionFunction.forward, cp.block_forward
+
+    def forward_per_tile(ctx, q, k, v, s, method, call):
+        sinks[:] = [s.detach().float().view(k.shape[1], -1)]
+        return forward(ctx, q, k, v, None, method, call)
+
+    monkeypatch.setattr(cp.ContextAttentionFunction, "forward", staticmethod(forward_per_tile))
+    monkeypatch.setattr(cp, "block_forward", lambda *args, **kw: cp.join_sink(*tile(*args, **kw), sinks[0]))
+
+
+def test_gpt_oss_under_cp_equals_one_process():
+    """cp2 ring, all-gather and Ulysses: a sliding and a full layer with sinks (each rank's sinks the whole (Hq,);
+    Ulysses' exchange gives each rank a head group, and its slice of them) as one process, 3 AdamW steps; the sink
+    joined to each tile instead is caught at the first loss."""
+    case = partial(Case, model=DENSE, optimizer="adamw")
+    cases = [case(partial(ComposedStrategy, context_parallel_size=2, cp_method=m), label=f"cp2 {m}")
+             for m in ("ring", "allgather", "ulysses")]
+    mutant = case(partial(ComposedStrategy, context_parallel_size=2, cp_method="ring"), mutation=sink_per_tile,
+                  label="cp2 ring, sink per tile")
+    runs = run_parity([*cases, mutant], 2)
+    for run in runs[:-1]:
+        assert_parity(run)
+    with pytest.raises(AssertionError, match=r"batch 0 rank \d: loss .* != single-process"):
+        assert_parity(runs[-1])
+
+
 def test_what_has_no_sinks_or_yarn_refuses_in_one_line():
-    """The attention kernel (no sinks), the rope kernel (no YaRN attention factor) and context parallelism (its tiled
-    cores: the sink would have to join after their merge, `apply_sink`; not built) refuse a gpt-oss model."""
+    """The attention kernel (no sinks) and the rope kernel (no YaRN attention factor) refuse a gpt-oss model."""
     from lit_lm import kernels
     from lit_lm.config import ModelConfig
     from lit_lm.model import Transformer
@@ -242,9 +276,6 @@ def test_what_has_no_sinks_or_yarn_refuses_in_one_line():
         LanguageModel(ModelConfig(**GPT_OSS), kernels=["attention"]).configure_model()
     with pytest.raises(ValueError, match="YaRN's attention factor"):
         kernels.apply(Transformer(ModelConfig(**GPT_OSS)), ["rope"])
-    dense = {k: v for k, v in GPT_OSS.items() if not k.startswith(("moe_", "swiglu"))}
-    with pytest.raises(ConfigError, match=r"context parallelism does not support attention sinks"):
-        Transformer(ModelConfig(**dense)).context_parallel_plan()
 
 
 def test_imported_gpt_oss_under_layouts_reads_each_ranks_share(tmp_path):

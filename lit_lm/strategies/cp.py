@@ -113,14 +113,13 @@ def zigzag_batch(inputs: Tensor, targets: Tensor, group: Optional[dist.ProcessGr
 
     A rank's loss is the mean over its own valid targets; times `loss_weight` (cp · local valid / all valid),
     the mean over the cp ranks is the mean over the whole sequence, even when some targets are ignored (-100),
-    and so is the gradient once the data-parallel sync averages it over the cp ranks too. A share without a valid
-    target (loss masks: e.g. the answers all in other ranks' chunks) has weight 0, and the caller takes exactly 0
-    for its loss, whose mean is 0/0 (`context_loss`)."""
+    and so is the gradient once the data-parallel sync averages it over the cp ranks too. (No valid target at
+    all: weight 1.)"""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     local_targets = zigzag_split(targets, rank, cp)
     valid = (targets != -100).sum()
     local_valid = (local_targets != -100).sum()
-    weight = cp * local_valid / valid.clamp(min=1)
+    weight = torch.where(valid > 0, cp * local_valid / valid.clamp(min=1), 1.0)
     positions = _positions_on(inputs.shape[1], rank, cp, inputs.device)
     return zigzag_split(inputs, rank, cp), local_targets, positions, weight
 
@@ -243,6 +242,24 @@ def merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -
     finite = torch.where(new.isinf(), 0.0, new)
     out.mul_(torch.exp(lse - finite).unsqueeze(-1)).add_(block_out * torch.exp(block_lse - finite).unsqueeze(-1))
     lse.copy_(new)
+
+
+def join_sink(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention sinks (gpt-oss: a learned logit s per query head in its softmax, its mass dropped): the sink is one
+    more key of logit s and value 0, joined ONCE to each row's merged (out, lse), never per tile or per rank (each
+    would count exp(s) once more):
+        lse' = logaddexp(lse, s),  out' = exp(lse − lse')·out.
+    `sinks` (Hkv, G) fp32 against lse (B, Hkv, G, L). The backward then needs nothing new: with lse' the rows'
+    log-sum-exp and delta' = rowsum(dO'∘out'), the tiles' P = exp(S − lse') and dS = P∘(dO Vᵀ − delta') are the
+    sinked softmax's (the sink's value 0 adds nothing to delta'), and the sink's own gradient is
+        ds = −Σ_rows exp(s − lse')·delta'    (`sink_grad`)."""
+    joined = torch.logaddexp(lse, sinks[..., None])
+    return out * torch.exp(lse - joined).unsqueeze(-1), joined
+
+
+def sink_grad(lse: Tensor, delta: Tensor, sinks: Tensor) -> Tensor:
+    """The sinks' gradient (Hkv, G) from the joined lse' and delta' (B, Hkv, G, L) (`join_sink`)."""
+    return -(torch.exp(sinks[..., None] - lse) * delta).sum((0, -1))
 
 
 TILE_ROWS = 512  # with documents, the most query rows of one tile (finer tiles skip more of a short document's row)
@@ -527,34 +544,42 @@ class ContextAttentionFunction(torch.autograd.Function):
     sequence of this rank's heads. Saves only what it was given (q, k, v, out, lse): 1/cp of the whole."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, method: str, call: Call) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, sinks: Optional[Tensor], method: str, call: Call
+                ) -> Tensor:
         b, hq, length, d = q.shape
         q5 = q.reshape(b, k.shape[1], hq // k.shape[1], length, d)
         kv = torch.stack((k, v))
         out, lse = _FORWARD[method](q5, kv, call)
+        if sinks is not None:  # once, on the merged rows (`join_sink`)
+            out, lse = join_sink(out, lse, sinks.float().view(k.shape[1], -1))
         out = out.to(q.dtype)
-        ctx.save_for_backward(q5, kv, out, lse)
+        ctx.save_for_backward(q5, kv, out, lse, sinks)
         ctx.method, ctx.call = method, call
         return out.view(b, hq, length, d)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
-        q5, kv, out, lse = ctx.saved_tensors
+        q5, kv, out, lse, sinks = ctx.saved_tensors
         do = grad.reshape(q5.shape)
         delta = (do.float() * out.float()).sum(-1)
         dq, dkv = _BACKWARD[ctx.method](q5, kv, do, lse, delta, ctx.call)
         b, hk, g, length, d = q5.shape
-        return dq.to(q5.dtype).view(b, hk * g, length, d), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None
+        dsinks = None if sinks is None else \
+            sink_grad(lse, delta, sinks.float().view(hk, g)).view(-1).to(sinks.dtype)
+        return (dq.to(q5.dtype).view(b, hk * g, length, d), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), dsinks,
+                None, None)
 
 
 def context_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup] = None,
                       method: str = "ring", window: Optional[int] = None, backend: str = "auto",
-                      logit_max: Optional[Tensor] = None, documents: Optional[Documents] = None) -> Tensor:
+                      logit_max: Optional[Tensor] = None, documents: Optional[Documents] = None,
+                      sinks: Optional[Tensor] = None) -> Tensor:
     """q (B, Hq, L, D), k/v (B, Hkv, L, D): this rank's zigzag share (L = 2c tokens) -> its share of the output of
     causal attention over the whole sequence of L·cp tokens; `window` as `CausalAttention.sliding_window`;
     `backend` picks the tile kernel as in `kernels.apply`; `logit_max` (Hq,), if given, is raised to the maximum
     logit of this rank's queries over the whole sequence's keys (ulysses: of its heads over the whole sequence, the
-    other heads left alone); `documents` (`row_documents`): attention within each document only."""
+    other heads left alone); `documents` (`row_documents`): attention within each document only; `sinks` (Hq,):
+    each head's attention sink, joined once to its merged rows (`join_sink`; ulysses: this rank's head group's)."""
     if method not in METHODS:
         raise ValueError(f"unknown cp_method {method!r}: choose one of {', '.join(METHODS)}")
     if q.shape[1] % k.shape[1]:
@@ -564,31 +589,36 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.Proc
     check_seq_len(seq_len, cp)
     if method == "ulysses":
         q, k, v = sequence_to_heads(q, k, v, group)
-        if logit_max is not None:  # this rank's head group, a view: the tiles raise it in place
-            n = q.shape[1]
-            logit_max = logit_max[dist.get_rank(group) * n:(dist.get_rank(group) + 1) * n]
+        n, rank = q.shape[1], dist.get_rank(group)  # this rank's head group, views (the tiles raise logit_max in place)
+        logit_max = None if logit_max is None else logit_max[rank * n:(rank + 1) * n]
+        sinks = None if sinks is None else sinks[rank * n:(rank + 1) * n]
     heads = None if logit_max is None else logit_max.view(k.shape[1], -1)
     call = Call(group, seq_len, window or seq_len, check_backend(backend), heads, documents)
-    out = ContextAttentionFunction.apply(q, k, v, method, call)
+    out = ContextAttentionFunction.apply(q, k, v, sinks, method, call)
     return heads_to_sequence(out, group) if method == "ulysses" else out
 
 
 class ContextParallelAttention(LogitMaxRecord, nn.Module):
-    """Drop-in for a causal attention core `forward(q, k, v, documents=None)` (no parameters), attending over the cp
-    group (`documents`: the rows' `Documents`, from `context_loss`); measures QK-clip's maximum as the other cores
-    do (`LogitMaxRecord`), its queries on every rank's keys (ulysses: its heads; the max over cp fills the rest)."""
+    """Drop-in for a causal attention core `forward(q, k, v, documents=None)`, attending over the cp group
+    (`documents`: the rows' `Documents`, from `context_loss`); its one possible parameter is the core's `sinks`
+    (Hq,) it replaces (attention sinks, taken over under the same name); measures QK-clip's maximum as the other
+    cores do (`LogitMaxRecord`), its queries on every rank's keys (ulysses: its heads; the max over cp fills the
+    rest)."""
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, method: str = "ring",
-                 sliding_window: Optional[int] = None, backend: str = "auto") -> None:
+                 sliding_window: Optional[int] = None, backend: str = "auto",
+                 sinks: Optional[nn.Parameter] = None) -> None:
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"unknown cp_method {method!r}: choose one of {', '.join(METHODS)}")
         self.group, self.method, self.sliding_window = group, method, sliding_window
         self.backend = check_backend(backend)
+        self.register_parameter("sinks", sinks)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, documents: Optional[Documents] = None) -> Tensor:
         heads = torch.full((q.shape[1],), float("-inf"), device=q.device) if self.measuring else None
-        out = context_attention(q, k, v, self.group, self.method, self.sliding_window, self.backend, heads, documents)
+        out = context_attention(q, k, v, self.group, self.method, self.sliding_window, self.backend, heads, documents,
+                                self.sinks)
         if heads is not None:
             self.record_logit_max(heads)
         return out
@@ -604,7 +634,8 @@ def parallelize_context(root: nn.Module, group: Optional[dist.ProcessGroup] = No
     plan = model.context_parallel_plan()
     for name, spec in plan.items():
         parent, _, child = name.rpartition(".")
-        core = ContextParallelAttention(group, method, spec.sliding_window, backend)
+        sinks = model.get_submodule(name).sinks if spec.sinks else None  # the same Parameter, under the same name
+        core = ContextParallelAttention(group, method, spec.sliding_window, backend, sinks)
         setattr(model.get_submodule(parent), child, core)
     return len(plan)
 
@@ -621,9 +652,8 @@ def context_loss(model: nn.Module, group: Optional[dist.ProcessGroup] = None
                  ) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:
     """The step's loss under context parallelism: `model.loss(inputs, targets)` of the whole (B, T) sequences run on
     this cp rank's zigzag share (with its positions, for RoPE). Autograd sees this rank's loss times the share of
-    valid targets it holds (`zigzag_batch`; none: exactly 0), whose gradients the dp x cp mean makes the whole
-    batch's; the VALUE returned, and the cross-entropy, are the cp group's mean, so what the step logs is the whole
-    sequences' loss.
+    valid targets it holds (`zigzag_batch`), whose gradients the dp x cp mean makes the whole batch's; the VALUE
+    returned, and the cross-entropy, are the cp group's mean, so what the step logs is the whole sequences' loss.
     Packed rows' `documents` (B, T) go to the attention cores as `Documents` (`row_documents`: made once per step,
     shared by every layer and recomputation)."""
     cp = dist.get_world_size(group)
@@ -637,9 +667,7 @@ def context_loss(model: nn.Module, group: Optional[dist.ProcessGroup] = None
         rows = None if documents is None else row_documents(documents, cp)
         loss, ce = model.loss(share, share_targets, positions) if rows is None else \
             model.loss(share, share_targets, positions, documents=rows)
-        # a share without a target: exactly 0, not NaN x 0 (its gradient stays 0: the mean's backward scatters into
-        # targets only, and it has none); its tokens still reach the other shares' targets through attention
-        loss, ce = (torch.where(weight > 0, x * weight, torch.zeros_like(x)) for x in (loss, ce))
+        loss, ce = loss * weight, ce * weight
         mean = torch.stack((loss.detach(), ce.detach()))
         comm.all_reduce(mean, group, label="cp loss")
         mean /= cp

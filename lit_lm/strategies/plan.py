@@ -142,9 +142,12 @@ class ContextParallel:
     """A causal attention core `forward(q, k, v) -> out` on (B, H, T, D) tensors (Hkv dividing Hq), attending to at
     most `sliding_window` past positions (itself included; None: all). Everything else in the model is token-wise,
     so under context parallelism only these modules see other ranks' tokens: the strategy replaces them, and the
-    model only has to accept the `positions` of the tokens a rank holds (for RoPE)."""
+    model only has to accept the `positions` of the tokens a rank holds (for RoPE). `sinks`: the core holds a
+    parameter `sinks` (Hq,), a learned logit per query head joining its softmax once, its mass dropped (attention
+    sinks), which the replacement takes over."""
 
     sliding_window: Optional[int] = None
+    sinks: bool = False
 
 
 @runtime_checkable
