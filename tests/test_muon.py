@@ -169,6 +169,18 @@ def test_owners_are_balanced_by_newton_schulz_flops() -> None:
     assert [chunk(2, 4, r) for r in range(4)] == [(0, 1), (1, 2), (2, 2), (2, 2)]
 
 
+def test_biases_are_no_matrices_and_never_decayed_whatever_their_shape() -> None:
+    """gpt-oss's experts' biases are (E, d) stacks of vectors: no decay, and Muon never orthogonalizes them."""
+    model = Transformer(ModelConfig(**dict(MOE, moe_biases=True, qkv_bias=True)).resolved())
+    names = {p: n for n, p in model.named_parameters()}
+    biases = {n for n in names.values() if n.endswith(("bias", "_bias"))}
+    assert {"blocks.1.mlp.experts.gate_bias", "blocks.0.attn.wq.bias"} <= biases
+    for split in (True, False):
+        groups = param_groups(model, 0.1, False, split_matrices=split)
+        assert {names[p] for p in groups[-1]["params"]} >= biases and groups[-1]["weight_decay"] == 0.0
+        assert not any(names[p] in biases for g in groups[:-1] for p in g["params"])
+
+
 def test_muon_refuses_a_matrix_group_of_vectors_and_bad_settings() -> None:
     with pytest.raises(ValueError, match="matrices"):
         Muon([{"params": [nn.Parameter(torch.zeros(3))], "matrix": True}])
