@@ -273,7 +273,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = LatentAttention(cfg) if cfg.mla_kv_rank else Attention(cfg, layer)  # MLA: lit_lm.mla
+        self.attn = LatentAttention(cfg, layer) if cfg.mla_kv_rank else Attention(cfg, layer)  # MLA: lit_lm.mla
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         if cfg.is_moe_layer(layer):
             shared = SwiGLU(cfg.d_model, cfg.moe_shared_experts * cfg.moe_d_ff) if cfg.moe_shared_experts else None
@@ -303,9 +303,9 @@ class LMLoss(nn.Module):
         ce = F.cross_entropy(logits, targets, ignore_index=-100)
         if self.z_loss == 0.0:
             return ce, ce.detach()
-        valid = targets != -100
-        lse = torch.logsumexp(logits[valid], dim=-1)
-        return ce + self.z_loss * lse.pow(2).mean(), ce.detach()
+        valid = targets != -100  # masked, not indexed: `logits[valid]` is a host sync (nonzero) on an accelerator
+        lse = torch.logsumexp(logits, dim=-1).masked_fill(~valid, 0.0)
+        return ce + self.z_loss * lse.pow(2).sum() / valid.sum(), ce.detach()
 
 
 class Transformer(nn.Module):
