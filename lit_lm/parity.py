@@ -121,6 +121,9 @@ class Case:
     # loss masks (lit_lm.data.loss_mask): every target whose id is a multiple of `loss_mask` is not trained on (so
     # each row, micro-batch and rank holds a different number of targets); the loss is per target of the step
     loss_mask: int = 0
+    # (first, stop): only targets at these positions of each row are trained on (with or without `loss_mask`), e.g.
+    # a span a context-parallel rank's share misses entirely, so that rank holds no target
+    loss_span: tuple = ()
 
     def reference(self) -> "Case":
         """The same run on one process; a callback that names its `one_process_reference()` runs that there
@@ -135,7 +138,7 @@ class Case:
         return repr((sorted(self.model.items()), self.optimizer, self.ns_dtype, self.steps, self.global_batch,
                      sorted(self.trainer.items()), self.frozen, self.lr, callbacks,
                      self.resume.key if self.resume else None, self.init_from, self.module, self.token_vocab,
-                     self.packing, self.loss_mask))
+                     self.packing, self.loss_mask, self.loss_span))
 
 
 class HarnessModule:
@@ -148,7 +151,7 @@ class HarnessModule:
         super().setup(stage)
         if self.case.packing:
             self.packing = Packing(*self.case.packing)
-        self.loss_masks = bool(self.case.loss_mask)
+        self.loss_masks = bool(self.case.loss_mask or self.case.loss_span)
 
     def step_targets(self, batch_idx: int, micro_batches: int) -> int:
         """The step's targets: the case's global batches `batch_idx`.. (every rank's k-th batch is the k-th's share)."""
@@ -312,7 +315,11 @@ def case_tokens(case: Case) -> torch.Tensor:
     if case.packing:
         tokens[tokens % 5 == 0] = case.packing[0]
     tokens = tokens % case.model["vocab_size"]
-    return tokens | torch.where(tokens % case.loss_mask == 0, NOT_TARGET, 0) if case.loss_mask else tokens
+    masked = tokens % case.loss_mask == 0 if case.loss_mask else torch.zeros_like(tokens, dtype=torch.bool)
+    if case.loss_span:  # row value t + 1 is the target of position t
+        position = torch.arange(tokens.shape[1]) - 1
+        masked |= (position < case.loss_span[0]) | (position >= case.loss_span[1])
+    return tokens | torch.where(masked, NOT_TARGET, 0) if case.loss_mask or case.loss_span else tokens
 
 
 def rank_share(data: torch.Tensor, global_batch: int, rank: int, world: int) -> torch.Tensor:

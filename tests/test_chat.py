@@ -2,7 +2,9 @@
 rendered as transformers' `apply_chat_template` renders it, token for token; the assistant's tokens found; a
 template-less tokenizer refused in one line; masked tokens contribute exactly nothing; the loss normalised per target
 of the whole global batch (accumulation x dp ranks), under lm_ddp, zero3 and tp2 equal to one process, the
-per-micro-batch mutant caught; chat rows through `lit-lm prepare`, a mixture, fit and resume; packing: false."""
+per-micro-batch mutant caught; under cp2 x dp2 with packed documents too (a cp rank's share without any target adds
+exactly nothing; the per-cp-rank mutant caught); chat rows through `lit-lm prepare`, a mixture, fit and resume;
+packing: false."""
 
 from __future__ import annotations
 
@@ -189,6 +191,43 @@ def test_the_loss_is_per_target_of_the_global_batch_under_lm_ddp_zero3_tp():
         assert_parity(runs[CASES[key].label])
     with pytest.raises(AssertionError):
         assert_parity(runs[CASES["mutant"].label])
+
+
+def per_cp_rank(monkeypatch) -> None:
+    """The mutant: each cp rank's loss its own share's mean (weight 1), not its share of the sequence's targets."""
+    from lit_lm.strategies import cp
+
+    def unweighted(*args, **kwargs):
+        share, targets, positions, weight = split_batch(*args, **kwargs)
+        return share, targets, positions, torch.ones_like(weight)
+
+    split_batch = cp.split_batch
+    monkeypatch.setattr(cp, "split_batch", unweighted)
+
+
+# T = 16 under cp2: rank 0 holds positions 0-3 and 12-15, rank 1 positions 4-11, so targets at 12-15 only leave rank 1
+# none (its tokens still reach them as keys and values of their documents)
+CP = partial(ComposedStrategy, context_parallel_size=2)
+SFT = dict(loss_mask=MASKED, packing=(1, False), trainer=ACCUMULATE, steps=2)
+CP_CASES = {
+    "empty": Case(CP, loss_span=(12, 16), label="cp2 x dp2 ring, packed, accumulate 2, cp rank 1 without a target",
+                  **SFT),
+    "unequal": Case(partial(CP, cp_method="allgather"), label="cp2 x dp2 allgather, packed, accumulate 2", **SFT),
+    "mutant": Case(partial(CP, cp_method="allgather"), mutation=per_cp_rank, label="cp2 x dp2, per-cp-rank mutant",
+                   **SFT),
+}
+
+
+def test_the_loss_is_per_target_of_the_global_batch_under_cp_with_packed_documents():
+    """Context parallelism x dp x accumulation against one process: each cp rank's share weighed by the targets it
+    holds, a share without any target contributing exactly nothing (no 0/0 mean); per-rank means are caught."""
+    tokens = case_tokens(CP_CASES["empty"])
+    assert loss_mask.targets_of(tokens[:, :13]) == 0 < loss_mask.targets_of(tokens)  # positions 0-11: no target
+    runs = {run["case"].label: run for run in run_parity(list(CP_CASES.values()), world_size=4)}
+    for key in ("empty", "unequal"):
+        assert_parity(runs[CP_CASES[key].label])
+    with pytest.raises(AssertionError):
+        assert_parity(runs[CP_CASES["mutant"].label])
 
 
 def test_accumulation_equals_one_batch_of_the_whole_step():
