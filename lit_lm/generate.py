@@ -24,6 +24,7 @@ from lit_lm.checkpoints import model_state_dict, read_checkpoint, tokenizer_from
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.model import KVCache, Transformer
 from lit_lm.data.chat import chat_prompt_ids
+from lit_lm.lora import lora_from, merge_adapters
 from lit_lm.data.tokenizer import Tokenizer, prompt_ids
 
 
@@ -73,7 +74,10 @@ def load(ckpt_path: str, device: str = "cpu") -> tuple[Transformer, Tokenizer]:
         raise ConfigError(f"{ckpt_path} was not written by lit-lm's LanguageModel (no hyper_parameters.config) "
                           "(--ckpt_path); give a checkpoint of a lit-lm run")
     model = Transformer(ModelConfig(**hparams["config"]))
-    model.load_state_dict(model_state_dict(checkpoint))
+    state, lora = model_state_dict(checkpoint), lora_from(hparams.get("lora"))
+    if lora is not None:  # a LoRA run: each adapter folded into its base weight, what the adapted model computes
+        state = merge_adapters(state, lora)
+    model.load_state_dict(state)
     return model.to(device).eval(), tokenizer_from(checkpoint)
 
 

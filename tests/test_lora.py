@@ -214,15 +214,17 @@ def test_lora_matches_one_process_under_every_layout() -> None:
 # -- export: merged into the base weights, or the adapter alone in PEFT's format ---------------------------------------
 def test_export_merged_and_peft_adapter_compute_the_adapted_model(tmp_path) -> None:
     """A LoRA run through the CLI, exported twice by scripts/ckpt.py: `--merge-lora` loads in transformers with the
-    adapted model's logits (not the base's); without it, PEFT's adapter folder: its keys name the base export's
-    modules with PEFT's prefix and factor shapes, its config r / lora_alpha / target_modules, and W + (lora_alpha / r)
-    B A on those modules of the base export (what PEFT computes) gives the adapted logits; with peft installed,
+    adapted model's logits (not the base's), as `lit-lm generate` loads the checkpoint; without it, PEFT's adapter
+    folder: its keys name the base export's modules with PEFT's prefix and factor shapes, its config r / lora_alpha /
+    target_modules, and W + (lora_alpha / r) B A on those modules of the base export (what PEFT computes) gives the
+    adapted logits; with peft installed,
     `PeftModel.from_pretrained` itself (it is not in lit-lm's lock: then the format is checked as above only)."""
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
     from test_cli import run_cli, run_script, tiny_args
 
     from lit_lm.checkpoints import model_state_dict, read_checkpoint
+    from lit_lm.generate import load
     from lit_lm.hf.exporter import write_hf
     from lit_lm.lora import add_adapters, lora_from
     from lit_lm.model import Transformer
@@ -252,6 +254,8 @@ def test_export_merged_and_peft_adapter_compute_the_adapted_model(tmp_path) -> N
 
         merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir).eval()
         torch.testing.assert_close(merged(ids).logits, expected, rtol=0, atol=1e-4)
+        generating, _ = load(str(last))  # `lit-lm generate` on the LoRA checkpoint: the adapters folded in
+        torch.testing.assert_close(generating(ids), expected, rtol=0, atol=1e-4)
 
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)
