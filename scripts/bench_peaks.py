@@ -119,7 +119,8 @@ def worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
                         callbacks=[probe], logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False, use_distributed_sampler=False, num_sanity_val_steps=0,
                         precision="32-true")
-    trainer.fit(LanguageModel(config), DataLoader(tokens, batch_size=1))
+    # `args.lora` (scripts/bench_finetune.py): LoRA adapters, the base frozen
+    trainer.fit(LanguageModel(config, lora=getattr(args, "lora", None)), DataLoader(tokens, batch_size=1))
     phases = probe.phases
     result = {"rank": rank, "baseline": baseline, "phases": phases, "peak": max(p["peak"] for p in phases),
               "state": probe.state, "dp": dp}
