@@ -151,6 +151,8 @@ class LanguageModel(L.LightningModule):
         self.packing: Optional[Packing] = None  # the rows' documents (data.init_args.document_mask), from setup
         self.loss_masks = False  # the rows carry loss masks (chat data: lit_lm.data.loss_mask), from setup
         self._token_scale = 1.0  # replicas x accumulation / the step's global targets (`per_token`)
+        self._step_targets = 0  # the step's global targets (`per_token`)
+        self._log_scale = 1.0  # the weighted micro-batch loss -> its own global mean, for the log (`per_token`)
 
     def adopt_checkpoint_config(self, saved: dict[str, Any]) -> None:
         """Before the model is built: the config fields this run left to derivation (d_ff, n_kv_heads, moe_d_ff)
@@ -364,11 +366,18 @@ class LanguageModel(L.LightningModule):
         (`loss_mb`: the mean over the micro-batch's n_mb targets; the data-parallel sync averages over R replicas,
         Lightning divides by A = accumulate_grad_batches; N: the step's targets, `step_targets`, known on the host
         before the step from the rows' masks, so no collective and no device read). A micro-batch without a
-        target contributes 0. Without masks every weight is exactly 1."""
+        target contributes 0. Without masks every weight is exactly 1.
+
+        For the log, `_log_scale` = N / (A·N_mb) (N_mb: the micro-batch's targets over the replicas; 1 without
+        accumulation) turns the ranks' mean of the weighted loss back into the micro-batch's own mean over its
+        targets, Σ loss_mb·n_mb / N_mb, what `train_loss` says without masks."""
         accumulate = self.trainer.accumulate_grad_batches
         if batch_idx % accumulate == 0:  # the step's first micro-batch
             count = self.step_targets(batch_idx, min(accumulate, self.trainer.num_training_batches - batch_idx))
             self._token_scale = self._replicas() * accumulate / count if count else 0.0
+            self._step_targets = count
+        here = self._step_targets if accumulate == 1 else self.step_targets(batch_idx, 1)
+        self._log_scale = self._step_targets / (accumulate * here) if here else 0.0
         n = (targets != loss_mask.IGNORE).sum()
         return torch.where(n > 0, loss * n * self._token_scale, torch.zeros_like(loss))
 
@@ -392,7 +401,7 @@ class LanguageModel(L.LightningModule):
         loss, _ = self.step_loss(x, y, starts)
         if self.loss_masks:
             loss = self.per_token(loss, y, batch_idx)
-        self.log("train_loss", loss.detach(), sync_dist=True)
+        self.log("train_loss", loss.detach() * self._log_scale if self.loss_masks else loss.detach(), sync_dist=True)
         self._log_moe_metrics()
         return loss
 
