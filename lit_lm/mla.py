@@ -30,7 +30,6 @@ only, so their gradients are partial and summed over tp (`per_head`)."""
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -38,18 +37,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lit_lm.config import ModelConfig
+from lit_lm.yarn import yarn_mscale
 
 
 LATENT_EPS = 1e-6  # the latents' norms' epsilon: DeepSeek's RMSNorm default, whatever rms_norm_eps says
 
 
-def yarn_mscale(rope_scaling: Optional[dict]) -> float:
-    """YaRN's attention temperature for the softmax of all dims: 0.1 * mscale_all_dim * ln(factor) + 1 when
-    `rope_scaling` is YaRN with a factor > 1 and mscale_all_dim, else 1 (transformers' `yarn_apply_mscale`)."""
+def softmax_mscale(rope_scaling: Optional[dict]) -> float:
+    """YaRN's attention temperature for the softmax of all dims: `lit_lm.yarn.yarn_mscale(factor, mscale_all_dim)`
+    (0.1 * mscale_all_dim * ln(factor) + 1) when `rope_scaling` is YaRN with mscale_all_dim, else 1 (transformers'
+    `yarn_apply_mscale`)."""
     if not rope_scaling or rope_scaling.get("rope_type", rope_scaling.get("type")) != "yarn":
         return 1.0
-    factor, all_dim = rope_scaling.get("factor", 1.0), rope_scaling.get("mscale_all_dim") or 0.0
-    return 0.1 * all_dim * math.log(factor) + 1.0 if factor > 1 and all_dim else 1.0
+    all_dim = rope_scaling.get("mscale_all_dim")
+    return yarn_mscale(rope_scaling.get("factor", 1.0), all_dim) if all_dim else 1.0
 
 
 class LatentAttention(nn.Module):
@@ -76,7 +77,7 @@ class LatentAttention(nn.Module):
         self.wo = nn.Linear(h * self.v_dim, d, bias=False)
         self.rope = RotaryEmbedding(self.rope_dim, cfg.rope_theta, cfg.rope_scaling)
         self.interleaved = cfg.mla_rope_interleave
-        self.q_scale = yarn_mscale(cfg.rope_scaling) ** 2  # on top of SDPA's (Dn + Dr)^-1/2
+        self.q_scale = softmax_mscale(cfg.rope_scaling) ** 2  # on top of SDPA's (Dn + Dr)^-1/2
         self.sliding_window = cfg.window(layer)  # block `layer`'s, as `Attention` and the cp plan read it
         self.core = CausalAttention(self.sliding_window)
 
