@@ -66,7 +66,7 @@ def read_run(fragments: list[Path]) -> dict[str, tuple[list[int], list[float]]]:
 def plot_run(fragments: list[Path], out: Path, title: str) -> Path:
     series = read_run(fragments)
     fig, axes = figure(8.0, 5.0, nrows=2, ncols=2)
-    for ax, (title, names) in zip(axes.flat, PANELS):
+    for ax, (panel, names) in zip(axes.flat, PANELS):
         drawn = [n for n in names if n in series]
         for name in drawn:
             steps, values = series[name]
@@ -76,7 +76,7 @@ def plot_run(fragments: list[Path], out: Path, title: str) -> Path:
                     fontsize=8, color="grey")
         elif len(drawn) > 1:
             ax.legend(fontsize=7)
-        ax.set_title(title, fontsize=9)
+        ax.set_title(panel, fontsize=9)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
     for ax in axes[1]:

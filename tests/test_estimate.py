@@ -25,6 +25,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from dist_utils import REFERENCE_TILES, TINY, TinyLM, rank_share, run_distributed, token_data
 from lit_lm.check.meter import CONTROL
 from lit_lm.config import ModelConfig
+from lit_lm.lora import LoRA, add_adapters
+import lit_lm.planner.estimate as estimate_module
 from lit_lm.planner.estimate import GLOO_STAGING, Workload, estimate, flops_per_token, peak_in_flight
 from lit_lm.model import Transformer
 from lit_lm.optim import Muon
@@ -216,6 +218,56 @@ def test_muon_state_and_orthogonalizer_traffic_equal_a_real_run() -> None:
         assert measured["state"]["optimizer"] == expected.optimizer < adamw.optimizer, name
         assert measured["comm"] == expected.comm, (name, measured["comm"], expected.comm)
         assert any(op == "all_to_all" or group == "tp" for group, op in expected.comm), name
+
+
+ADAPTERS = LoRA(rank=4)
+
+
+class LoRALM(EstimateLM):
+    """The model with LoRA's adapters (`lit_lm.lora`): the factors train, the rest is frozen."""
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            super().configure_model()
+            add_adapters(self.model, ADAPTERS)
+
+
+LORA_LAYOUTS = {"lm_ddp": ParallelConfig(dp_shard=2), "zero1": ParallelConfig(dp_shard=2, zero_stage=1),
+                "zero3": ParallelConfig(dp_shard=2, zero_stage=3), "tp2": ParallelConfig(tp=2)}
+
+
+def all_trained(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mutant: the frozen base weights counted as trained (gradients and optimizer state)."""
+    inventory = estimate_module._inventory
+    monkeypatch.setattr(estimate_module, "_inventory", lambda key, lora=None: tuple(
+        dataclasses.replace(q, trains=True) for q in inventory(key, lora)))
+
+
+def test_lora_state_and_reductions_equal_a_real_run(monkeypatch) -> None:
+    """LoRA (`Workload.lora`): the frozen base weights held as in full fine-tuning, only the adapters with gradients,
+    optimizer state and gradient reductions, as a 2-rank run allocates and records them (rank 0 exactly), under
+    lm_ddp, ZeRO-1, ZeRO-3 and tp2 (the factors cut with their base linear); counting the frozen weights as trained
+    (the mutant) misses."""
+    names = list(LORA_LAYOUTS)
+    ranks = run_distributed(_measure, 2, names, LORA_LAYOUTS, 2, LoRALM, init_process_group=False,
+                            env=REFERENCE_TILES)
+    work = Workload(ModelConfig(**dict(MODEL, max_seq_len=SEQ)), SEQ, GLOBAL_BATCH, "32-true", device="cpu",
+                    lora=ADAPTERS)
+
+    def check(name: str) -> None:
+        expected, measured = estimate(work, LORA_LAYOUTS[name]).ranks[0], ranks[0][names.index(name)]
+        for part in ("params", "grads", "optimizer"):
+            assert measured["state"][part] == getattr(expected, part), (name, part)
+        assert measured["comm"] == expected.comm, (name, measured["comm"], expected.comm)
+
+    for name in names:
+        check(name)
+        full = estimate(dataclasses.replace(work, lora=None), LORA_LAYOUTS[name]).ranks[0]
+        assert ranks[0][names.index(name)]["state"]["optimizer"] < full.optimizer / 4, name
+    all_trained(monkeypatch)
+    for name in names:
+        with pytest.raises(AssertionError):
+            check(name)
 
 
 def test_newton_schulz_flops_per_rank_fall_as_one_over_n() -> None:

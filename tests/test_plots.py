@@ -26,7 +26,7 @@ def test_sensitivity_curves(tmp_path: Path) -> None:
     assert_png(sensitivity.plot_curves(results, 3.99, tmp_path / "s.png"))
 
 
-def test_plot_run_reads_csvlogger_metrics(tmp_path: Path) -> None:
+def test_plot_run_reads_csvlogger_metrics(tmp_path: Path, monkeypatch) -> None:
     run = tmp_path / "run" / "lightning_logs" / "version_0"
     run.mkdir(parents=True)
     rows = ["epoch,grad_norm,lr,step,tokens_per_s,train_loss,val_loss,val_ppl"]
@@ -42,6 +42,11 @@ def test_plot_run_reads_csvlogger_metrics(tmp_path: Path) -> None:
                          capture_output=True, text=True).stdout
     assert out.strip() == f"wrote {tmp_path / 'run' / 'curves.png'}"
     assert_png(tmp_path / "run" / "curves.png")
+    figures = []  # the picture's title is the run's, each panel its own (the panel loop once overwrote the title)
+    monkeypatch.setattr(plot_run, "save", lambda fig, path: figures.append(fig) or path)
+    plot_run.plot_run(fragments, tmp_path / "unused.png", "the run")
+    assert figures[0]._suptitle.get_text() == "the run"
+    assert [ax.get_title() for ax in figures[0].axes] == [panel for panel, _ in plot_run.PANELS]
 
 
 def test_plot_run_joins_a_run_across_its_resumes(tmp_path: Path) -> None:

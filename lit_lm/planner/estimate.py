@@ -36,10 +36,6 @@ Where the figures come from, so that they match what the strategies allocate and
   per layer and forward; gradient finishes after the dp reduce (tp partial sums, a tied embedding over the first
   and last stage) on this rank's ZeRO rows only; the forwards activation checkpointing recomputes are not counted;
   the bubble from `lit_lm.strategies.pp_schedules.bubble_theory`;
-- packed documents (`Workload.document_length`, their assumed mean length): the attention term of the FLOPs is the
-  share of causal pairs the document mask leaves, and under cp the busiest rank's excess over the mean rank's
-  attention (`RankEstimate.cp_excess_flops`: the split's imbalance; none under Ulysses) is in its work
-  (`lit_lm.planner.documents`);
 - MoE layers under tensor parallelism: the model's plan replicates them over tp (`batch` style, sequence
   parallelism off): every tp rank holds every expert (or its ep share) and computes the layer whole, so its FLOPs
   are not divided by tp (`RankEstimate.replicated_flops`: the part the tp peers repeat).
@@ -57,7 +53,7 @@ from typing import Optional
 import torch
 
 from lit_lm.config import ConfigError, ModelConfig
-from lit_lm.planner.documents import allowed_share, imbalance
+from lit_lm.lora import LoRA, add_adapters, lora_factor
 from lit_lm.planner.optimizer import NS_BYTES, NS_STEPS, OPTIMIZERS, Cut, muon_matrix, ns_work, state_bytes
 from lit_lm.strategies.ac import MODES as CHECKPOINTING
 from lit_lm.strategies.comm import wire_factor, zero_forms
@@ -114,9 +110,7 @@ class Workload:
     ns_mode: str = "auto"  # Muon's: how the strategy spreads Newton-Schulz (`lit_lm.planner.optimizer.ns_work`)
     ns_dtype: str = "bfloat16"  # Muon's: what Newton-Schulz computes in, and the pieces travel in
     ns_steps: int = NS_STEPS  # Muon's Newton-Schulz steps per optimizer step
-    # packed documents (data.init_args.document_mask): their mean length in tokens, the planner's assumption
-    # (`lit_lm.planner.documents`: exponential lengths); None: attention crosses documents (no mask)
-    document_length: Optional[int] = None
+    lora: Optional[LoRA] = None  # model.init_args.lora: only the adapters train (`trains` of `ParamSpec`)
 
     def __post_init__(self) -> None:
         check_fp8(self.fp8)
@@ -128,9 +122,6 @@ class Workload:
             raise ConfigError(f"accumulate {self.accumulate!r}: must be an integer >= 1")
         if self.device not in DEVICES:
             raise ConfigError(f"device {self.device!r}: the estimate knows {', '.join(DEVICES)}")
-        length = self.document_length
-        if length is not None and not (isinstance(length, int) and length > 0):
-            raise ConfigError(f"document length {self.document_length!r}: a mean number of tokens >= 1")
         if self.optimizer not in OPTIMIZERS or self.ns_dtype not in NS_BYTES:
             raise ConfigError(f"optimizer {self.optimizer!r}, ns_dtype {self.ns_dtype!r}: the estimate knows "
                               f"{', '.join(OPTIMIZERS)} and {', '.join(NS_BYTES)}")
@@ -153,7 +144,6 @@ class RankEstimate:
     flops: float = 0.0  # model FLOPs (what MFU counts)
     replicated_flops: float = 0.0  # what the tp peers compute again (MoE layers are replicated over tp)
     recompute_flops: float = 0.0  # the forwards activation checkpointing runs again
-    cp_excess_flops: float = 0.0  # with documents, the attention the busiest cp rank does above the mean rank's
     optimizer_flops: float = 0.0  # Muon's Newton-Schulz on this rank (`lit_lm.planner.optimizer.ns_work`)
     comm: dict[tuple[str, str], int] = field(default_factory=dict)  # (group, op) -> logical bytes, as recorded
     _sizes: dict[str, int] = field(default_factory=dict, repr=False)  # ranks per group
@@ -204,7 +194,7 @@ class RankEstimate:
     def work_flops(self) -> float:
         """What this rank computes: its model FLOPs, what its tp peers compute too, the recomputation and the
         optimizer's Newton-Schulz."""
-        return self.flops + self.replicated_flops + self.recompute_flops + self.optimizer_flops + self.cp_excess_flops
+        return self.flops + self.replicated_flops + self.recompute_flops + self.optimizer_flops
 
     def wire(self, group: Optional[str] = None, op: Optional[str] = None) -> float:
         """Bytes this rank sends per step (ring algorithm), over one group (and op) or all."""
@@ -267,6 +257,7 @@ class ParamSpec:
     expert: bool
     fp8: bool = False  # a weight FP8 swaps: a block linear's or an expert stack's (`lit_lm.strategies.fp8.fp8_linears`,
     # `fp8_experts`)
+    trains: bool = True  # False: frozen (LoRA's base weights): held, but no gradient and no optimizer state
 
 
 def _config_key(cfg: ModelConfig) -> tuple:
@@ -274,7 +265,9 @@ def _config_key(cfg: ModelConfig) -> tuple:
 
 
 @functools.lru_cache(maxsize=16)
-def _inventory(key: tuple) -> tuple[ParamSpec, ...]:
+def _inventory(key: tuple, lora: Optional[LoRA] = None) -> tuple[ParamSpec, ...]:
+    """The parameters in registration order; with `lora`, the adapters beside their linears (`lit_lm.lora`) and
+    everything else frozen."""
     from lit_lm.model import Transformer
 
     cfg = ModelConfig(**dict(key))
@@ -284,15 +277,25 @@ def _inventory(key: tuple) -> tuple[ParamSpec, ...]:
     experts = set(model.expert_plan())
     swapped = {f"{n}.weight" for n in fp8_linears(model)}
     swapped |= {f"{n}.{p}" for n, m in fp8_experts(model).items() for p, _ in m.named_parameters(recurse=False)}
+    if lora is not None:
+        add_adapters(model, lora)
     out, seen_blocks = [], False
     for name, p in model.named_parameters():
         module = name.rpartition(".")[0]
         layer = int(name.split(".")[1]) if name.startswith("blocks.") else None
         seen_blocks |= layer is not None
         unit = f"blocks.{layer}" if layer is not None else "tail" if seen_blocks else "root"
-        out.append(ParamSpec(name, tuple(p.shape), unit, layer,
-                             plan[module].style if module in plan else None, module in experts, name in swapped))
+        out.append(ParamSpec(name, tuple(p.shape), unit, layer, _tp_style(plan[module].style, lora_factor(name))
+                             if module in plan else None, module in experts, name in swapped, p.requires_grad))
     return tuple(out)
+
+
+def _tp_style(style: str, factor: Optional[str]) -> Optional[str]:
+    """A parameter's tp style; an adapter's factor is cut along its base linear's cut dimension or kept whole
+    (`lit_lm.strategies.tp_layers.shard_adapted`): column -> B's rows (A whole), row -> A's columns (B whole)."""
+    if (factor == "A" and style == "column") or (factor == "B" and style == "row"):
+        return None
+    return style
 
 
 def _chunk(n: int, parts: int) -> int:
@@ -317,7 +320,8 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
                  pbytes: int, group_name: str, accumulate: int, reduce_in_backward: bool,
                  fp8: Optional[dict[str, list[int]]] = None,
                  forms: tuple[str, str] = ("reduce_scatter", "all_gather"),
-                 matrix: Optional[dict[str, list[bool]]] = None) -> None:
+                 matrix: Optional[dict[str, list[bool]]] = None,
+                 trains: Optional[dict[str, list[bool]]] = None) -> None:
     """Params, grads, optimizer state and the data-parallel collectives of `units` ({unit: local shapes}) under
     ZeRO `stage` over `group` ranks (stage 0: `GradSync`'s bucketed all-reduce). Under accumulation stages 2-3
     reduce-scatter after every micro-step's backward into the shard (docs/zero.md), stage 1 and GradSync once at the
@@ -327,16 +331,21 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
     bytes (1 per element) after one all-reduce of the unit's fp32 amaxes, one per linear, one per expert of a
     stack (`lit_lm.strategies.zero_engine.Fp8Layout`). `forms`: the ops ZeRO's reduce-scatter and all-gather run
     as (`lit_lm.strategies.comm.zero_forms`: the same logical bytes, an all-reduce's twice on the wire). `matrix`
-    ({unit: per shape whether Muon steps it}): its one momentum buffer there (`lit_lm.planner.optimizer`)."""
+    ({unit: per shape whether Muon steps it}): its one momentum buffer there (`lit_lm.planner.optimizer`).
+    `trains` ({unit: per shape whether it trains}; default all): a frozen parameter (LoRA's base) is held as in
+    full fine-tuning, its rows and master rows, gathered by ZeRO-3, but has no gradient and no optimizer state;
+    GradSync leaves it out of its buckets, ZeRO reduces it with its unit (zeros)."""
     shapes = [s for unit in units.values() for s in unit]
     numel = sum(math.prod(s) for s in shapes)
-    matrix = matrix or {}
+    matrix, trains = matrix or {}, trains or {}
     if stage == 0:
-        rank.params += numel * pbytes
-        rank.grads += numel * pbytes  # GradSync's buckets: the .grads are views into them
         flags = [f for name, unit in units.items() for f in matrix.get(name, [False] * len(unit))]
-        rank.optimizer += state_bytes([math.prod(s) for s in shapes], flags, pbytes)  # parameter dtype
-        rank.add_comm(group_name, "all_reduce", numel * pbytes, group)
+        taught = [t for name, unit in units.items() for t in trains.get(name, [True] * len(unit))]
+        trained = [math.prod(s) for s, t in zip(shapes, taught) if t]
+        rank.params += numel * pbytes
+        rank.grads += sum(trained) * pbytes  # GradSync's buckets: the .grads are views into them
+        rank.optimizer += state_bytes(trained, [f for f, t in zip(flags, taught) if t], pbytes)  # parameter dtype
+        rank.add_comm(group_name, "all_reduce", sum(trained) * pbytes, group)
         return
     master_copy = pbytes != 4  # fp32 parameters are their own master rows (a view)
     fp8 = fp8 if stage == 3 else None
@@ -345,10 +354,17 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
         in_fp8 = (fp8 or {}).get(name, [False] * len(shapes))
         gathered_bytes[name] = sum(math.prod(s) * (1 if f else pbytes) for s, f in zip(shapes, in_fp8))
         rows = [(_chunk(s[0], group), min(_chunk(s[0], group), s[0]), math.prod(s[1:])) for s in shapes]
-        segment = sum(chunk * row for chunk, _, row in rows)  # padded, one rank's share of the packed buffer
+        # padded, one rank's share of the packed buffer: every row of the unit, a frozen one's as zeros (the engine
+        # packs and reduces whole units; `ZeroEngine._launch_reduce`)
+        segment = sum(chunk * row for chunk, _, row in rows)
         local = sum(mine * row for _, mine, row in rows)
         full = sum(math.prod(s) for s in shapes)
         rank.params += full * pbytes * (stage < 3) + local * 4 * (stage == 3 or master_copy)
+        taught = trains.get(name, [True] * len(shapes))  # from here on, what trains only
+        trained = [r for r, t in zip(rows, taught) if t]
+        muon = [m for m, t in zip(matrix.get(name, [False] * len(shapes)), taught) if t]
+        local = sum(mine * row for _, mine, row in trained)
+        full = sum(math.prod(s) for s, t in zip(shapes, taught) if t)
         # stage 1: the full gradient (and an fp32 copy of the owned rows below fp32); stages 2-3: the reduced rows
         # in the flat fp32 gradient buffer of the optimizer step (lit_lm/strategies/flat_step.py), under a pipeline
         # stage 2 also the full gradient until it is reduced
@@ -359,7 +375,7 @@ def _model_state(rank: RankEstimate, units: dict[str, list[tuple[int, ...]]], st
                     rank.add_transient(moment, PREVIOUS_GRADS, full * pbytes)
         else:
             rank.grads += local * 4 + full * pbytes * (not reduce_in_backward)
-        rank.optimizer += state_bytes([mine * row for _, mine, row in rows], matrix.get(name, [False] * len(shapes)), 4)
+        rank.optimizer += state_bytes([mine * row for _, mine, row in trained], muon, 4)
         gathers = 2 * accumulate if stage == 3 else 1
         reduces = accumulate if stage >= 2 and reduce_in_backward else 1
         rank.add_comm(group_name, forms[0], reduces * group * segment * pbytes, group)
@@ -622,7 +638,7 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
     check_layout(work, layout)
     cfg, dims = work.config, layout.dims()
     pbytes, abytes = PRECISIONS[work.precision]
-    inventory = _inventory(_config_key(cfg))
+    inventory = _inventory(_config_key(cfg), work.lora)
     p, m, v = _pipeline(layout)
     stages = _split(cfg.n_layers, p, v)
     in_flight = peak_in_flight(layout.schedule, p, m, v) if p > 1 else [1]
@@ -646,12 +662,15 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
         experts: dict[str, list[tuple[int, ...]]] = {}
         matrix: dict[str, list[bool]] = {}  # Muon's: {unit: per shape whether it is a matrix}; experts' own under ep
         expert_matrix: dict[str, list[bool]] = {}
+        trains: dict[str, list[bool]] = {}  # {unit: per shape whether it trains} (LoRA: the adapters only)
+        expert_trains: dict[str, list[bool]] = {}
         for q in keep:
             # experts get an engine of their own under expert parallelism only (the ranks holding the same ones)
             own = q.expert and layout.ep > 1
             (experts if own else dense).setdefault(q.unit, []).append(_local_shape(q, layout))
             muon = work.optimizer == "muon" and muon_matrix(q.name, q.shape)
             (expert_matrix if own else matrix).setdefault(q.unit, []).append(muon)
+            (expert_trains if own else trains).setdefault(q.unit, []).append(q.trains)
         # dense gradients over the strategy's group (every rank that saw other tokens; under ZeRO within a replica,
         # HSDP all-reducing the shard over the replicas), experts over the ranks holding the same experts
         dp_group = dims.size(layout.dense_group)
@@ -662,14 +681,15 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
                 in_fp8.setdefault(q.unit, []).append(amaxes)
         if experts:  # each engine holds a list of parameters without blocks (`ModelSplit.dp_parts`): its one unit is
             # its root
-            dense, in_fp8, experts, matrix, expert_matrix = ({"root": [x for u in d.values() for x in u]}
-                                                              for d in (dense, in_fp8, experts, matrix, expert_matrix))
+            dense, in_fp8, experts, matrix, expert_matrix, trains, expert_trains = (
+                {"root": [x for u in d.values() for x in u]}
+                for d in (dense, in_fp8, experts, matrix, expert_matrix, trains, expert_trains))
         forms = zero_forms(layout.zero_collectives, work.device, layout.zero_stage)  # the ops that run
         _model_state(rank, dense, layout.zero_stage, dp_group, pbytes, layout.dense_group, work.accumulate, p == 1,
-                     in_fp8, forms, matrix)
+                     in_fp8, forms, matrix, trains)
         if experts:
-            _model_state(rank, experts, layout.zero_stage,
-                         dims.size("edp"), pbytes, "edp", work.accumulate, p == 1, forms=forms, matrix=expert_matrix)
+            _model_state(rank, experts, layout.zero_stage, dims.size("edp"), pbytes, "edp", work.accumulate, p == 1,
+                         forms=forms, matrix=expert_matrix, trains=expert_trains)
         if work.optimizer == "muon":
             _newton_schulz(rank, work, layout, keep, pbytes)
         engines = [([_local_shape(q, layout) for q in keep if not (q.expert and layout.ep > 1)], dense, dp_group)]
@@ -705,19 +725,16 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
         share = sum(len(c) for c in chunks) / cfg.n_layers
         rank.flops = flops_per_token(n_active, cfg.n_layers, cfg.d_model, work.seq_len) * share * tokens_per_rank
         rank.flops /= layout.tp
-        if work.document_length:  # the mask leaves a share of the attention pairs; the cp split shares it unevenly
-            attention = 12 * cfg.n_layers * cfg.d_model * work.seq_len * share * tokens_per_rank / layout.tp
-            masked = attention * allowed_share(work.seq_len, work.document_length)
-            rank.flops -= attention - masked
-            rank.cp_excess_flops = masked * (imbalance(work.seq_len, layout.cp, work.document_length, mb,
-                                                       layout.cp_method) - 1)
         if layout.tp > 1:  # MoE layers are replicated over tp: each peer computes them whole, 6 FLOPs per parameter
             moe = 6 * sum(_moe_active_params(inventory, cfg, i) for i in layers if cfg.is_moe_layer(i))
             rank.replicated_flops = moe * tokens_per_rank * (1 - 1 / layout.tp)
         if work.checkpointing == "full":  # every block's forward again (2N of 6N); selective recomputes no matmul
             rank.recompute_flops = (rank.flops + rank.replicated_flops) / 3
+        adapters = None if work.lora is None else [  # factors whole beside a tp-cut base (MoE layers: replicated)
+            _local_shape(q, layout) for q in keep if q.trains and q.tp_style is None and q.layer is not None
+            and not cfg.is_moe_layer(q.layer)]
         _activation_comm(rank, r, cfg, layout, chunks, first, last, mb, t, local_batch, work.accumulate, abytes,
-                         pbytes, dp_group)
+                         pbytes, dp_group, adapters)
         _fp8_tp_comm(rank, work, layout, keep, mb * t, work.accumulate * m)
         ranks.append(rank)
     bubble = bubble_theory(layout.schedule, p, m, v) if p > 1 else 0.0
@@ -813,10 +830,14 @@ def _split(n_layers: int, p: int, v: int) -> list[list[int]]:
 
 def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout: ParallelConfig,
                      chunks: list[list[int]], first: bool, last: bool, mb: int, t: int, local_batch: int,
-                     accumulate: int, abytes: int, pbytes: int, dp_group: int) -> None:
+                     accumulate: int, abytes: int, pbytes: int, dp_group: int,
+                     adapters: Optional[list[tuple[int, ...]]] = None) -> None:
     """The collectives that move activations: tp region borders, pipeline sends, cp ring, ep all-to-alls; and the
     gradient finishes after the data-parallel reduce (tp partial sums, the tied embedding over pp), which under
-    ZeRO reduce only this rank's rows of its `dp_group` shard (the engine's optimized tensor)."""
+    ZeRO reduce only this rank's rows of its `dp_group` shard (the engine's optimized tensor). `adapters` (LoRA: the
+    local shapes of the factors kept whole beside a tp-cut base linear, `_tp_style`): theirs are the only partial
+    gradients (the norms are frozen), and on the first stage nothing before the first block trains, so the first
+    region's entry and the embedding's exit have no gradient to carry back."""
 
     def rows(n: int) -> int:  # of a tensor's n rows, those the gradient finish reduces on this rank
         return _chunk(n, dp_group) if layout.zero_stage else n
@@ -828,6 +849,7 @@ def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout:
         # per region (attention, a dense MLP; an MoE layer is replicated, no region): an entry and an exit
         # collective forward and their conjugates backward; the embedding exits like a region, the head enters like one
         calls = sum(2 + 2 * (not cfg.is_moe_layer(i)) for i in layers) + first + last
+        calls -= adapters is not None and first  # LoRA: the first entry's backward (SP: and the embedding's exit's)
         if layout.sp:
             rank.add_comm("tp", "all_gather", calls * act, layout.tp)
             rank.add_comm("tp", "reduce_scatter", calls * act, layout.tp)
@@ -836,6 +858,9 @@ def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout:
             rank.add_comm("tp", "all_reduce", calls * act, layout.tp)
             partial = 0
         partial += 2 * len(layers) * cfg.head_dim if cfg.qk_norm else 0
+        if adapters is not None:  # LoRA: the frozen norms (and latent down-projections) reduce nothing
+            partial = 0
+            rank.add_comm("tp", "all_reduce", sum(rows(s[0]) * math.prod(s[1:]) for s in adapters) * pbytes, layout.tp)
         if partial:  # one all-reduce of the partial gradients (under ZeRO: this rank's dp rows of each)
             rank.add_comm("tp", "all_reduce", partial * rows(cfg.d_model) // cfg.d_model * pbytes, layout.tp)
         if last:  # loss-parallel cross-entropy: max, sum-exp and target logit per token, fp32
