@@ -4,6 +4,7 @@
     python scripts/ckpt.py convert runs/.../checkpoints/last.ckpt model.ckpt   # one plain torch.save file
     python scripts/ckpt.py export-hf runs/.../checkpoints/last.ckpt hf/        # a Hugging Face model (docs/hf.md)
     python scripts/ckpt.py export-hf --merge-lora last.ckpt hf/   # a LoRA run: adapters merged (docs/finetune.md)
+    python scripts/ckpt.py export-hf --dtype float32 last.ckpt hf/   # fp32 tensors (default: the family's dtype)
 
 Every command takes any checkpoint a run writes: a single file (`make train`, Lightning's strategies) or a
 sharded directory (lit-lm's strategies), and a Hugging Face model folder (config.json + safetensors). `inspect`
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lit_lm.checkpoints import read_checkpoint, read_meta  # noqa: E402
 from lit_lm.errors import pop_debug_flag, reporting_errors  # noqa: E402
 from lit_lm.config import ModelConfig  # noqa: E402
-from lit_lm.hf.exporter import export_hf  # noqa: E402
+from lit_lm.hf.exporter import EXPORT_DTYPES, export_hf  # noqa: E402
 from lit_lm.hf.importer import HFWeights, is_hf_folder  # noqa: E402
 from lit_lm.hf.peft import checkpoint_lora, export_lora  # noqa: E402
 from lit_lm.strategies.checkpoint import check_complete, is_sharded_checkpoint, to_single_file  # noqa: E402
@@ -131,6 +132,9 @@ def main() -> None:
     export.add_argument("out_dir", type=Path)
     export.add_argument("--merge-lora", action="store_true",
                         help="a LoRA run: W + (alpha/r) B A into the base weights (default: the adapter alone, PEFT)")
+    export.add_argument("--dtype", choices=list(EXPORT_DTYPES),
+                        help="the tensors' dtype (default: the family's: bfloat16 for deepseek_v3 and gpt_oss, as "
+                             "released; float32 for the others)")
     args = parser.parse_args()
     if args.command == "inspect":
         inspect(args.checkpoint)
@@ -142,7 +146,7 @@ def main() -> None:
         if args.merge_lora or checkpoint_lora(checkpoint) is not None:
             print(f"wrote {args.out_dir}: {export_lora(checkpoint, args.out_dir, args.merge_lora)}")
             return
-        export_hf(checkpoint, args.out_dir)
+        export_hf(checkpoint, args.out_dir, args.dtype)
         print(f"wrote {args.out_dir} (load with transformers.AutoModelForCausalLM.from_pretrained)")
 
 

@@ -10,7 +10,9 @@ per expert, as the family stores them), and `config.json` is the import backward
 windowed, Qwen2 with q/k/v biases, Qwen3 with per-head QK-norm, Mixtral / Qwen3-MoE / OLMoE for MoE models; a
 model no family holds (shared experts, sigmoid routing, ...) is refused naming the field. A model imported from
 Hugging Face comes back tensor for tensor (the same names, shapes and values). The embedding keeps its padded
-rows (config `vocab_size` is the padded size; the tokenizer never produces the extra ids).
+rows (config `vocab_size` is the padded size; the tokenizer never produces the extra ids). Tensors are written in
+`dtype` (`EXPORT_DTYPES`), by default the family's (`Family.export_dtype`): bfloat16 for DeepSeek-V3 and gpt-oss (as
+they are released), float32 (lossless from fp32 masters) for the others; config.json's `torch_dtype` says which.
 """
 
 from __future__ import annotations
@@ -34,6 +36,16 @@ from lit_lm.data.tokenizer import Tokenizer
 FUNCTION = ("rope_theta", "rope_scaling", "sliding_window", "norm_eps", "moe_top_k", "moe_score", "moe_norm_topk",
             "padded_vocab_size", "moe_groups", "moe_topk_groups", "moe_routed_scale", "mla_rope_interleave",
             "layer_types", "swiglu_limit", "swiglu_alpha")
+
+
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def export_dtype(cfg: ModelConfig, dtype: Optional[str] = None) -> str:
+    """The dtype an export writes: `dtype`, else the model's family's (`Family.export_dtype`)."""
+    if dtype is not None and dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"export dtype {dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}")
+    return dtype or export_family(cfg).export_dtype
 
 
 def _signature(cfg: ModelConfig) -> dict[str, Any]:
@@ -94,16 +106,19 @@ def check_exportable(cfg: ModelConfig) -> None:
     export_family(cfg)
 
 
-def hf_config(cfg: ModelConfig, bos_id: Optional[int], eos_id: Optional[int]) -> dict[str, Any]:
-    """config.json of the model, as its family (`export_family`) writes it."""
+def hf_config(cfg: ModelConfig, bos_id: Optional[int], eos_id: Optional[int], dtype: Optional[str] = None
+              ) -> dict[str, Any]:
+    """config.json of the model, as its family (`export_family`) writes it, its tensors in `dtype` (`export_dtype`)."""
     return {**family_config(cfg, export_family(cfg)), "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
             "initializer_range": cfg.init_std, "bos_token_id": bos_id, "eos_token_id": eos_id,
-            "torch_dtype": "float32"}
+            "torch_dtype": export_dtype(cfg, dtype)}
 
 
-def hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The state dict (lit-lm names) under the family's names, fp32; a stacked expert weight one tensor per expert.
-    A router's balancing bias (auxiliary-loss-free balancing) has no Hugging Face tensor: refused unless zero."""
+def hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, dtype: Optional[str] = None
+               ) -> dict[str, torch.Tensor]:
+    """The state dict (lit-lm names) under the family's names, in `dtype` (`export_dtype`: rounded to nearest from
+    the fp32 values; the family's `keep_fp32` tensors fp32); a stacked expert weight one tensor per expert. A
+    router's balancing bias (auxiliary-loss-free balancing) has no Hugging Face tensor: refused unless zero."""
     family = export_family(cfg)
     out = {}
     fused: dict[str, dict[str, torch.Tensor]] = {}  # gpt-oss's experts: a layer's parts, fused at the end
@@ -128,17 +143,20 @@ def hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
             out.update({t: v.contiguous() for t, v in zip(target, value.unbind(0))})
     for prefix, parts in fused.items():
         out.update({f"{prefix}.{k}": v.contiguous() for k, v in fuse(parts).items()})
-    return out
+    torch_dtype = EXPORT_DTYPES[export_dtype(cfg, dtype)]
+    return {name: value if name.endswith(family.keep_fp32) else value.to(torch_dtype) for name, value in out.items()}
 
 
-def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer: Optional[Tokenizer], out_dir: Path) -> None:
-    """The Transformer's state dict (lit-lm names) and config as a Hugging Face model folder in out_dir."""
+def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer: Optional[Tokenizer], out_dir: Path,
+             dtype: Optional[str] = None) -> None:
+    """The Transformer's state dict (lit-lm names) and config as a Hugging Face model folder in out_dir, its tensors
+    in `dtype` (`export_dtype`: None, the family's)."""
     check_exportable(cfg)
     state = dict(state)
     if cfg.tie_embeddings:
         state.pop("lm_head.weight", None)  # transformers ties it to embed_tokens itself (tie_word_embeddings)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = hf_tensors(state, cfg)
+    tensors = hf_tensors(state, cfg, dtype)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     umask = os.umask(0)  # safetensors writes 0600 (a temporary file renamed): give it the mode open() would
     os.umask(umask)
@@ -147,22 +165,22 @@ def write_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, tokenizer: Option
     bos, eos = None, None
     if tokenizer is not None:
         bos, eos = (tokenizer.eos_id if tokenizer.bos_id is None else tokenizer.bos_id), tokenizer.eos_id
-    (out_dir / "config.json").write_text(json.dumps(hf_config(cfg, bos, eos), indent=1))
+    (out_dir / "config.json").write_text(json.dumps(hf_config(cfg, bos, eos, dtype), indent=1))
     (out_dir / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}))
     if tokenizer is not None:
         tokenizer.save_hf(out_dir, model_max_length=cfg.max_seq_len)
 
 
-def export_hf(checkpoint: dict[str, Any], out_dir: Path) -> None:
+def export_hf(checkpoint: dict[str, Any], out_dir: Path, dtype: Optional[str] = None) -> None:
     """Write the Hugging Face export of a lit-lm checkpoint dict (`lit_lm.checkpoints.read_checkpoint`, which also
-    reads a Hugging Face folder: a round trip) to out_dir; a checkpoint without a tokenizer (a Hugging Face folder
-    that has none) is exported without one."""
+    reads a Hugging Face folder: a round trip) to out_dir, its tensors in `dtype` (None: the family's,
+    `export_dtype`); a checkpoint without a tokenizer (a Hugging Face folder that has none) is exported without one."""
     cfg = ModelConfig(**checkpoint["hyper_parameters"]["config"])
-    check_exportable(cfg)
+    export_dtype(cfg, dtype)  # refused before anything is written
     try:
         tokenizer = tokenizer_from(checkpoint)
     except ConfigError:
         if HF_FOLDER not in checkpoint:
             raise
         tokenizer = None
-    write_hf(model_state_dict(checkpoint), cfg, tokenizer, out_dir)
+    write_hf(model_state_dict(checkpoint), cfg, tokenizer, out_dir, dtype)

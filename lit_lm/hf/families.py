@@ -80,6 +80,12 @@ class Family:
     writes: dict[str, Any] = field(default_factory=dict)  # constant config.json keys of the export
     experts: Optional[Union[Experts, GptOssExperts]] = None  # an MoE family's layer names
     block: Optional[dict[str, str]] = None  # module names beyond (and before) BLOCK's (MLA's)
+    # what an export writes unless asked otherwise (`lit_lm.hf.exporter.EXPORT_DTYPES`): float32, lossless for a
+    # model trained with fp32 masters; bfloat16 where the family's released checkpoints are bf16 or lower
+    export_dtype: str = "float32"
+    # Hugging Face names (suffixes) written in float32 whatever the export's dtype: what transformers keeps in fp32
+    # (`_keep_in_fp32_modules_strict`), DeepSeek-V3's router, whose discrete top-k choices bf16 rounding would flip
+    keep_fp32: tuple[str, ...] = ()
 
     @property
     def all_fields(self) -> dict[str, tuple[str, ...]]:
@@ -161,7 +167,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            refuse=NO_BIAS[:1] + (("quantization_config", "lit-lm reads unquantized weights, not DeepSeek-V3's FP8 "
                                   "blocks (weight_scale_inv): convert them to bf16 first"),),
            writes={"attention_bias": False, "num_nextn_predict_layers": 0},
-           experts=Experts(shared="mlp.shared_experts", bias="mlp.gate.e_score_correction_bias"), block=MLA_BLOCK),
+           experts=Experts(shared="mlp.shared_experts", bias="mlp.gate.e_score_correction_bias"), block=MLA_BLOCK,
+           export_dtype="bfloat16", keep_fp32=("mlp.gate.weight", "mlp.gate.e_score_correction_bias")),  # as
+    # released: FP8 blocks (bf16 once converted), the router's selection bias fp32
     # gpt-oss: attention sinks (self_attn.sinks), sliding and full layers (layer_types), YaRN, biases in attention,
     # router and experts, the clamped SwiGLU; its experts fused (lit_lm.hf.gpt_oss), in MXFP4 as released
     Family("gpt_oss", "GptOssForCausalLM",
@@ -176,7 +184,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
                                                 for i in range(hf["num_hidden_layers"])],
                      "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                          "truncate": False, "original_max_position_embeddings": 4096}},
-           sets={"attn_sinks": True, "moe_biases": True, "moe_norm_topk": True}, experts=GptOssExperts()),
+           sets={"attn_sinks": True, "moe_biases": True, "moe_norm_topk": True}, experts=GptOssExperts(),
+           export_dtype="bfloat16"),  # as released: bf16, the experts MXFP4
 )}
 
 # families recognised but refused, with the config.json key that lit-lm cannot express
