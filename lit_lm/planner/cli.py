@@ -8,7 +8,12 @@ Reads the same yaml as `fit` (configs/default.yaml first, later files win): the 
 accumulation from `trainer`. The global batch defaults to what that per-device batch gives on every GPU of the
 cluster (`--global-batch` to fix it); the plan keeps it and sets the per-device batch and accumulation to match.
 Prints the fastest layouts that fit (`lit_lm.planner.plan`: only those the strategy runs) with the reason for each, and
-writes the fastest as yaml. `--answer` adds the two questions asked before every run: the largest
+writes the fastest as yaml. With context parallelism in the winner (or `--cp-methods`), a second table ranks ring,
+all-gather and Ulysses at that layout's sizes per sequence length (`lit_lm.planner.cp_rank`). With packed documents
+(`data.init_args.document_mask`) attention FLOPs are the mask's share of the causal ones and the busiest cp rank's
+(`lit_lm.planner.documents`), for documents of `--document-length` tokens on average (default: the prepared
+sources' own mean, tokens / documents of their index; unknown: counted unmasked, and said).
+`--answer` adds the two questions asked before every run: the largest
 model that fits the cluster, and how many days N tokens take.
 """
 
@@ -26,7 +31,10 @@ from rich.console import Console
 from rich.table import Table
 
 from lit_lm.config import ConfigError, ModelConfig
+from lit_lm.lora import lora_from
 from lit_lm.moved import load_yaml
+from lit_lm.planner.cp_rank import rank_methods, reference_layout
+from lit_lm.planner.documents import allowed_share
 from lit_lm.planner.estimate import CHECKPOINTING, PRECISIONS, Workload, flops_per_token
 from lit_lm.planner.optimizer import optimizer_fields
 from lit_lm.planner.plan import USABLE_MEMORY, Cluster, Ranked, fitting, layouts, plan, strategy_yaml
@@ -81,8 +89,29 @@ def workload_from(config: dict[str, Any], args: argparse.Namespace, world: int) 
                           "(override with --precision)")
     batch = args.global_batch or data["batch_size"] * int(trainer.get("accumulate_grad_batches") or 1) * world
     init = (config.get("model") or {}).get("init_args") or {}
-    return Workload(cfg, data["seq_len"], batch, precision, fp8=init.get("fp8"),
+    return Workload(cfg, data["seq_len"], batch, precision, fp8=init.get("fp8"), lora=lora_from(init.get("lora")),
+                    document_length=document_length(data, args.document_length),
                     **optimizer_fields(init.get("optimizer")))
+
+
+def document_length(data: dict[str, Any], given: Optional[int]) -> Optional[int]:
+    """The mean document length the estimate assumes: `--document-length`, else with `document_mask` the prepared
+    sources' (token-weighted over the mixture: total tokens over total documents of each source's index, the
+    sources mixed by weight); None: no mask, or its lengths unknown."""
+    if given is not None:
+        return given
+    if not data.get("document_mask") or not data.get("sources"):
+        return None
+    from lit_lm.data.datamodule import _source_specs
+    from lit_lm.data.prepare import PreparedSource
+
+    specs = _source_specs(data["sources"])
+    indexes = [PreparedSource(path).index for _, path, _ in specs]
+    if any(not i.get("documents") for i in indexes):
+        return None
+    total = sum(w for _, _, w in specs)  # a token of the mix comes from source i with its weight's share
+    per_token = sum(w / total * i["documents"] / i["tokens"] for (_, _, w), i in zip(specs, indexes))
+    return max(1, round(1 / per_token))
 
 
 def _speed_options(config: dict[str, Any], modes: tuple[str, ...], console: Console) -> tuple[str, ...]:
@@ -128,6 +157,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write the fastest layout here as yaml")
     p.add_argument("--answer", action="store_true", help="the largest model that fits; days to train --tokens")
     p.add_argument("--tokens", type=float, default=15e12, help="tokens to train, for --answer")
+    p.add_argument("--document-length", type=int, default=None, help="mean tokens per document under "
+                   "data.init_args.document_mask (default: the prepared sources' own mean)")
+    p.add_argument("--cp-methods", action="store_true", help="rank ring, all-gather and Ulysses per sequence length "
+                   "even when the fastest layout has no context parallelism")
+    p.add_argument("--cp-seq-lens", type=int, nargs="+", default=None,
+                   help="sequence lengths of that table (default: the run's and 16k-128k)")
     return p
 
 
@@ -158,7 +193,10 @@ def run(args: argparse.Namespace) -> None:
         raise ConfigError("no layout fits: add GPUs (--nodes), allow activation checkpointing (--checkpointing "
                           "auto) or shorten data.init_args.seq_len")
     print_table(console, ranked[: args.top], cluster)
+    _documents_note(console, config, work)
     winner = ranked[0]
+    if winner.config.cp > 1 or args.cp_methods:
+        print_cp_table(console, work, cluster, ranked, args.cp_seq_lens)
     if args.out:
         text = yaml.safe_dump(strategy_yaml(winner, cluster, args.precision), sort_keys=False)
         header = (f"# lit-lm plan: {winner.estimate.describe()} on {cluster.nodes} x {cluster.gpus_per_node} GPUs, "
@@ -184,6 +222,48 @@ def print_table(console: Console, rows: list[Ranked], cluster: Cluster) -> None:
     console.print(table)
     for i, r in enumerate(rows, 1):
         console.print(f"  {i}. {r.reason}")
+
+
+def _documents_note(console: Console, config: dict[str, Any], work: Workload) -> None:
+    if work.document_length:
+        share = allowed_share(work.seq_len, work.document_length)
+        console.print(f"documents: attention FLOPs masked for documents of {work.document_length} tokens on average "
+                      f"(exponential lengths, lit_lm/planner/documents.py): {share:.1%} of the causal pairs")
+    elif ((config.get("data") or {}).get("init_args") or {}).get("document_mask"):
+        console.print("documents: data.init_args.document_mask is on but the documents' lengths are unknown (no "
+                      "prepared sources): attention FLOPs counted unmasked; give --document-length N")
+
+
+def print_cp_table(console: Console, work: Workload, cluster: Cluster, ranked: list[Ranked],
+                   seq_lens: Optional[list[int]]) -> None:
+    """Ring, all-gather and Ulysses per sequence length at the sizes of the fastest layout with cp (`cp_rank`)."""
+    reference = reference_layout(ranked, cluster)
+    if reference is None:
+        console.print("context parallelism: no layout with cp > 1 to compare the methods at (pipeline, or too few "
+                      "data-parallel ranks)")
+        return
+    layout, checkpointing = reference
+    lengths = sorted(set(seq_lens or [work.seq_len, 16384, 32768, 65536, 131072]))
+    rows = rank_methods(dataclasses.replace(work, checkpointing=checkpointing), cluster, layout, lengths)
+    shown = dataclasses.replace(layout, cp_method="ring").describe()
+    table = Table(title=f"context parallelism per sequence length at {shown}, {checkpointing} activation "
+                  "checkpointing (estimated)")
+    for col in ("T", "method", "rank", "step s", "exposed cp comm", "cp MiB/step/rank", "peak GiB", "attn buffers GiB",
+                "busiest/mean attn"):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for r in rows:
+        if r.refused:
+            table.add_row(str(r.seq_len), r.method, "-", "refused: " + r.refused[:70], "", "", "", "", "")
+            continue
+        table.add_row(str(r.seq_len), r.method, str(r.rank), f"{r.step_time:.3g}",
+                      f"{r.exposed * 1e3:.3g} ms ({r.exposed / r.step_time:.0%})", f"{r.cp_bytes / 2**20:,.0f}",
+                      f"{r.peak / 2**30:.1f}" + ("" if r.fits else " (does not fit)"), f"{r.buffers / 2**30:.2f}",
+                      f"{r.imbalance:.2f}")
+    console.print(table)
+    console.print("  rank: the fastest step (compute at the MFU, the busiest cp rank's attention, plus the cp bytes "
+                  "over the cp group's bandwidth: the planner counts cp traffic as exposed) among the methods that fit "
+                  "the GPU, then the rest by memory; peak = the estimate's peak + the method's attention buffers "
+                  "(lit_lm/planner/cp_rank.py)")
 
 
 def _count(n: float) -> str:

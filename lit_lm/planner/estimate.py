@@ -36,6 +36,10 @@ Where the figures come from, so that they match what the strategies allocate and
   per layer and forward; gradient finishes after the dp reduce (tp partial sums, a tied embedding over the first
   and last stage) on this rank's ZeRO rows only; the forwards activation checkpointing recomputes are not counted;
   the bubble from `lit_lm.strategies.pp_schedules.bubble_theory`;
+- packed documents (`Workload.document_length`, their assumed mean length): the attention term of the FLOPs is the
+  share of causal pairs the document mask leaves, and under cp the busiest rank's excess over the mean rank's
+  attention (`RankEstimate.cp_excess_flops`: the split's imbalance; none under Ulysses) is in its work
+  (`lit_lm.planner.documents`);
 - MoE layers under tensor parallelism: the model's plan replicates them over tp (`batch` style, sequence
   parallelism off): every tp rank holds every expert (or its ep share) and computes the layer whole, so its FLOPs
   are not divided by tp (`RankEstimate.replicated_flops`: the part the tp peers repeat).
@@ -54,6 +58,7 @@ import torch
 
 from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.lora import LoRA, add_adapters, lora_factor
+from lit_lm.planner.documents import allowed_share, imbalance
 from lit_lm.planner.optimizer import NS_BYTES, NS_STEPS, OPTIMIZERS, Cut, muon_matrix, ns_work, state_bytes
 from lit_lm.strategies.ac import MODES as CHECKPOINTING
 from lit_lm.strategies.comm import wire_factor, zero_forms
@@ -110,6 +115,9 @@ class Workload:
     ns_mode: str = "auto"  # Muon's: how the strategy spreads Newton-Schulz (`lit_lm.planner.optimizer.ns_work`)
     ns_dtype: str = "bfloat16"  # Muon's: what Newton-Schulz computes in, and the pieces travel in
     ns_steps: int = NS_STEPS  # Muon's Newton-Schulz steps per optimizer step
+    # packed documents (data.init_args.document_mask): their mean length in tokens, the planner's assumption
+    # (`lit_lm.planner.documents`: exponential lengths); None: attention crosses documents (no mask)
+    document_length: Optional[int] = None
     lora: Optional[LoRA] = None  # model.init_args.lora: only the adapters train (`trains` of `ParamSpec`)
 
     def __post_init__(self) -> None:
@@ -122,6 +130,9 @@ class Workload:
             raise ConfigError(f"accumulate {self.accumulate!r}: must be an integer >= 1")
         if self.device not in DEVICES:
             raise ConfigError(f"device {self.device!r}: the estimate knows {', '.join(DEVICES)}")
+        length = self.document_length
+        if length is not None and not (isinstance(length, int) and length > 0):
+            raise ConfigError(f"document length {self.document_length!r}: a mean number of tokens >= 1")
         if self.optimizer not in OPTIMIZERS or self.ns_dtype not in NS_BYTES:
             raise ConfigError(f"optimizer {self.optimizer!r}, ns_dtype {self.ns_dtype!r}: the estimate knows "
                               f"{', '.join(OPTIMIZERS)} and {', '.join(NS_BYTES)}")
@@ -144,6 +155,7 @@ class RankEstimate:
     flops: float = 0.0  # model FLOPs (what MFU counts)
     replicated_flops: float = 0.0  # what the tp peers compute again (MoE layers are replicated over tp)
     recompute_flops: float = 0.0  # the forwards activation checkpointing runs again
+    cp_excess_flops: float = 0.0  # with documents, the attention the busiest cp rank does above the mean rank's
     optimizer_flops: float = 0.0  # Muon's Newton-Schulz on this rank (`lit_lm.planner.optimizer.ns_work`)
     comm: dict[tuple[str, str], int] = field(default_factory=dict)  # (group, op) -> logical bytes, as recorded
     _sizes: dict[str, int] = field(default_factory=dict, repr=False)  # ranks per group
@@ -194,7 +206,7 @@ class RankEstimate:
     def work_flops(self) -> float:
         """What this rank computes: its model FLOPs, what its tp peers compute too, the recomputation and the
         optimizer's Newton-Schulz."""
-        return self.flops + self.replicated_flops + self.recompute_flops + self.optimizer_flops
+        return self.flops + self.replicated_flops + self.recompute_flops + self.optimizer_flops + self.cp_excess_flops
 
     def wire(self, group: Optional[str] = None, op: Optional[str] = None) -> float:
         """Bytes this rank sends per step (ring algorithm), over one group (and op) or all."""
@@ -725,6 +737,12 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
         share = sum(len(c) for c in chunks) / cfg.n_layers
         rank.flops = flops_per_token(n_active, cfg.n_layers, cfg.d_model, work.seq_len) * share * tokens_per_rank
         rank.flops /= layout.tp
+        if work.document_length:  # the mask leaves a share of the attention pairs; the cp split shares it unevenly
+            attention = 12 * cfg.n_layers * cfg.d_model * work.seq_len * share * tokens_per_rank / layout.tp
+            masked = attention * allowed_share(work.seq_len, work.document_length)
+            rank.flops -= attention - masked
+            rank.cp_excess_flops = masked * (imbalance(work.seq_len, layout.cp, work.document_length, mb,
+                                                       layout.cp_method) - 1)
         if layout.tp > 1:  # MoE layers are replicated over tp: each peer computes them whole, 6 FLOPs per parameter
             moe = 6 * sum(_moe_active_params(inventory, cfg, i) for i in layers if cfg.is_moe_layer(i))
             rank.replicated_flops = moe * tokens_per_rank * (1 - 1 / layout.tp)

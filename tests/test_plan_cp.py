@@ -1,0 +1,146 @@
+"""The planner with packed documents and the context-parallel methods (issue 57): masked attention FLOPs, the cp
+split's imbalance, and `lit-lm plan`'s ranking of ring, all-gather and Ulysses per sequence length."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import pytest
+import torch
+from rich.console import Console
+
+from lit_lm.config import ConfigError, ModelConfig
+from lit_lm.model import document_mask
+from lit_lm.planner import cli
+from lit_lm.planner.cp_rank import attention_buffers, rank_methods, reference_layout
+from lit_lm.planner.documents import allowed_share, imbalance, pairs_per_token, zigzag_rank_pairs
+from lit_lm.planner.estimate import Workload, estimate
+from lit_lm.planner.plan import Cluster, plan
+from lit_lm.strategies.cp import zigzag_positions
+from lit_lm.strategies.layout import ParallelConfig
+
+MODEL = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=8, n_kv_heads=8, d_ff=512, max_seq_len=4096)
+
+
+def _ids(seq_len: int, mean: int, seed: int = 0) -> torch.Tensor:
+    """The planner's row as document ids (B=1, T): a new document wherever a token's keys restart at 1."""
+    return (pairs_per_token(seq_len, mean, seed) == 1).long().cumsum(0)[None]
+
+
+@pytest.mark.parametrize("seq_len, mean", [(256, 16), (512, 100), (96, 1)])
+def test_the_planners_pairs_are_the_models_mask(seq_len: int, mean: int) -> None:
+    """Allowed pairs and each zigzag rank's share, counted by the planner's arithmetic, equal the pairs the model's
+    own document mask (`lit_lm.model.document_mask`) lets through, row by row."""
+    ids = _ids(seq_len, mean)
+    mask = document_mask(ids)[0, 0]
+    assert int(pairs_per_token(seq_len, mean).sum()) == int(mask.sum())
+    for cp in (2, 4):
+        per_rank = [int(mask[zigzag_positions(seq_len, r, cp)].sum()) for r in range(cp)]
+        assert zigzag_rank_pairs(seq_len, cp, mean) == per_rank
+    assert ids.max() > 0  # documents, not one causal row
+
+
+def test_masked_attention_flops_and_the_busiest_cp_rank() -> None:
+    """With documents the attention term of the FLOPs (12 L d T per token) falls to the mask's share; under ring the
+    busiest cp rank does `imbalance` times the mean rank's attention (counted apart from model FLOPs, in the step's
+    work); Ulysses attends the whole sequence on every rank: no excess."""
+    work = Workload(MODEL, 4096, 8, "bf16-mixed")
+    masked = dataclasses.replace(work, document_length=256)
+    layout = ParallelConfig(dp_shard=2, cp=4)
+    plain, docs = estimate(work, layout).ranks[0], estimate(masked, layout).ranks[0]
+    attention = 12 * MODEL.n_layers * MODEL.d_model * 4096 * (8 // 2) * 4096 / 4  # per token x tokens per rank
+    share = allowed_share(4096, 256)
+    assert 0.02 < share < 0.2
+    assert plain.flops - docs.flops == pytest.approx(attention * (1 - share))
+    ring_excess = attention * share * (imbalance(4096, 4, 256, 4) - 1)
+    assert docs.cp_excess_flops == pytest.approx(ring_excess) and ring_excess > 0
+    assert docs.work_flops == pytest.approx(docs.flops + docs.cp_excess_flops)
+    ulysses = estimate(masked, dataclasses.replace(layout, cp_method="ulysses")).ranks[0]
+    assert ulysses.cp_excess_flops == 0 and ulysses.flops == pytest.approx(docs.flops)
+    with pytest.raises(ConfigError, match="document length"):
+        Workload(MODEL, 4096, 8, document_length=0)
+
+
+def test_imbalance_is_the_busiest_rank_over_the_mean() -> None:
+    pairs = zigzag_rank_pairs(8192, 4, 512)
+    assert imbalance(8192, 4, 512) == pytest.approx(max(pairs) * 4 / sum(pairs)) and imbalance(8192, 4, 512) > 1
+    assert imbalance(8192, 4, 512, method="ulysses") == 1.0 and imbalance(8192, 1, 512) == 1.0
+    many = zigzag_rank_pairs(8192, 4, 512, rows=4)  # a micro-batch of rows: each rank's work summed over them
+    assert many == [sum(x) for x in zip(*(_rank_pairs(8192, 4, 512, seed) for seed in range(4)))]
+
+
+def _rank_pairs(seq_len: int, cp: int, mean: int, seed: int) -> list[int]:
+    mask = document_mask(_ids(seq_len, mean, seed))[0, 0]
+    return [int(mask[zigzag_positions(seq_len, r, cp)].sum()) for r in range(cp)]
+
+
+def _rows(work: Workload, cluster: Cluster, layout: ParallelConfig, seq_lens: tuple[int, ...]) -> dict:
+    return {(r.seq_len, r.method): r for r in rank_methods(work, cluster, layout, seq_lens)}
+
+
+def test_slow_links_rank_by_bytes_ulysses_first_at_cp8_with_mha() -> None:
+    """Where communication dominates (a slow cp link), the order follows the bytes: with MHA at cp 8 Ulysses sends
+    (cp-1)/cp of 2q + kv = 1.75 kv, against the ring's 2 x 7 kv + 8 kv32 (docs/cp.md), so it ranks first and the
+    ring last; each row's bytes are the estimate's for that method."""
+    work = Workload(MODEL, 4096, 8, "bf16-mixed")
+    cluster = Cluster(1, 8, 80e9, intra_bw=1e6, inter_bw=1e6)
+    layout = ParallelConfig(cp=8)
+    rows = _rows(work, cluster, layout, (4096,))
+    assert [rows[4096, m].rank for m in ("ulysses", "allgather", "ring")] == [1, 2, 3]
+    for m in ("ring", "allgather", "ulysses"):
+        est = estimate(work, dataclasses.replace(layout, cp_method=m))
+        assert rows[4096, m].cp_bytes == est.wire_bytes("cp") and rows[4096, m].fits
+
+
+def test_documents_rank_ulysses_first_when_links_are_fast() -> None:
+    """With documents and links fast enough to hide the bytes, the ring's busiest rank (the zigzag split's
+    imbalance) sets the step: its step is longer than Ulysses' (balanced by construction) by that rank's excess
+    attention at the assumed MFU, and Ulysses ranks first."""
+    work = Workload(MODEL, 8192, 4, "bf16-mixed", document_length=512)
+    cluster = Cluster(1, 4, 80e9, intra_bw=1e18, inter_bw=1e18)
+    rows = _rows(work, cluster, ParallelConfig(cp=4), (8192,))
+    ring, ulysses = rows[8192, "ring"], rows[8192, "ulysses"]
+    assert ring.imbalance > 1.05 and ulysses.imbalance == 1.0
+    excess = estimate(work, ParallelConfig(cp=4)).ranks[0].cp_excess_flops
+    assert ring.step_time - ulysses.step_time == pytest.approx(excess / (cluster.peak_flops * cluster.mfu), rel=1e-3)
+    assert ulysses.rank == 1
+
+
+def test_memory_decides_and_heads_refuse() -> None:
+    """A method whose attention buffers do not fit ranks after those that do (the all-gather holds the whole
+    sequence's K/V and its fp32 gradient); Ulysses is refused in one line where the heads do not divide by cp."""
+    work = Workload(MODEL, 8192, 4, "bf16-mixed")
+    layout = ParallelConfig(cp=4)
+    budgets = {m: attention_buffers(work, dataclasses.replace(layout, cp_method=m), 4)  # the batch of 4 rows
+               for m in ("ring", "allgather")}
+    assert budgets["allgather"] > budgets["ring"]
+    est = estimate(work, layout)
+    gpu = (est.peak_bytes + (budgets["ring"] + budgets["allgather"]) / 2) / 0.9  # the ring fits, the all-gather not
+    rows = _rows(work, Cluster(1, 4, gpu, intra_bw=1e6, inter_bw=1e6), layout, (8192,))
+    assert rows[8192, "ring"].fits and not rows[8192, "allgather"].fits
+    assert rows[8192, "allgather"].rank == 3
+    odd = Workload(dataclasses.replace(MODEL, n_heads=6, n_kv_heads=6, d_model=192), 8192, 4)
+    refused = _rows(odd, Cluster(1, 4, 80e9), layout, (8192,))[8192, "ulysses"]
+    assert refused.rank == 0 and "cp_method ulysses" in refused.refused
+
+
+def test_plan_prints_the_cp_table_with_documents(tmp_path) -> None:
+    """`lit-lm plan --cp-methods --document-length`: the masked share and the methods' table per sequence length,
+    at the sizes of a cp layout (the winner has none at 4k: cp is taken from its data-parallel ranks)."""
+    work = Workload(MODEL, 4096, 8, "bf16-mixed", document_length=256)
+    cluster = Cluster(1, 4, 80e9)
+    ranked = plan(work, cluster, ("none",))
+    layout, checkpointing = reference_layout(ranked, cluster)
+    assert layout.cp > 1 and checkpointing == "none"
+    out = io.StringIO()
+    cli.print_cp_table(Console(file=out, width=200), work, cluster, ranked, [4096, 8192])
+    text = out.getvalue()
+    assert "context parallelism per sequence length" in text
+    assert all(m in text for m in ("ring", "allgather", "ulysses")) and "8192" in text
+
+
+def test_document_length_from_the_option_or_unknown() -> None:
+    assert cli.document_length({"document_mask": True}, 300) == 300
+    assert cli.document_length({"document_mask": True}, None) is None  # no prepared sources: unknown, said
+    assert cli.document_length({"document_mask": False, "sources": None}, None) is None
