@@ -59,8 +59,8 @@ def heads_reversed(patch: pytest.MonkeyPatch) -> None:
     """Mutant: Ulysses' return all-to-all puts the head groups back in reverse order."""
     exchange = context.heads_to_sequence
 
-    def reversed_heads(out: Tensor, group: Any) -> Tensor:
-        y = exchange(out, group)
+    def reversed_heads(out: Tensor, group: Any, *split: Any) -> Tensor:
+        y = exchange(out, group, *split)
         b, h, length, d = y.shape
         cp = dist.get_world_size(group)
         return y.view(b, cp, h // cp, length, d).flip(1).reshape(b, h, length, d)

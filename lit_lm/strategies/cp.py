@@ -45,83 +45,79 @@ from lit_lm.kernels.attention import flash_attention_lse, flash_attention_lse_ba
 from lit_lm.kernels.logit_max import LogitMaxRecord, tile_logit_max
 from lit_lm.kernels.runtime import check_backend, use_triton
 from lit_lm.strategies import comm
+from lit_lm.strategies.cp_balance import DocumentBalancer, Runs, SequenceSplit, check_seq_len, zigzag
 from lit_lm.strategies.errors import ConfigError
 from lit_lm.strategies.plan import ContextParallelModel
 
 METHODS = ("ring", "allgather", "ulysses")
 
 
-# -- the zigzag split ---------------------------------------------------------------------------------------
-def check_seq_len(seq_len: int, cp: int) -> int:
-    """The chunk length c = T / (2·cp); refuses a T the split cannot cut evenly."""
-    if seq_len % (2 * cp):
-        raise ValueError(f"context parallelism cp={cp} needs the sequence length divisible by 2·cp={2 * cp}, "
-                         f"got {seq_len}: change data.seq_len (or cp)")
-    return seq_len // (2 * cp)
-
-
-Runs = tuple[tuple[int, int], ...]  # (first position, count) per run of consecutive positions, in the tokens' order
-
-
+# -- the split: zigzag by default (`lit_lm.strategies.cp_balance`: the `SequenceSplit`, and the document balance) ---
 def zigzag_runs(seq_len: int, rank: int, cp: int) -> Runs:
-    """The positions cp rank `rank` holds, as runs: chunks `rank` and 2·cp−1−`rank` (one run when they touch,
-    cp = 1). Plain integers from (seq_len, rank, cp) alone: the step plans its tiles without reading a tensor."""
-    c = check_seq_len(seq_len, cp)
-    first, second = rank * c, (2 * cp - 1 - rank) * c
-    return ((first, 2 * c),) if second == first + c else ((first, c), (second, c))
+    """The positions cp rank `rank` holds under the zigzag split, as runs: chunks `rank` and 2·cp−1−`rank` (one run
+    when they touch, cp = 1). Plain integers: the step plans its tiles without reading a tensor."""
+    return zigzag(seq_len, cp).runs(rank)
 
 
 def zigzag_positions(seq_len: int, rank: int, cp: int) -> Tensor:
     """The sequence positions (2c,) that cp rank `rank` holds: chunks `rank` and 2·cp−1−`rank`, in that order."""
-    return torch.cat([torch.arange(first, first + n) for first, n in zigzag_runs(seq_len, rank, cp)])
+    return zigzag(seq_len, cp).positions(rank)
 
 
 @functools.lru_cache(maxsize=64)
-def _positions_on(seq_len: int, rank: int, cp: int, device: torch.device) -> Tensor:
-    """`zigzag_positions` on `device`, made once: the same tensor every step, so the model's RoPE tables for it
-    are built once (they are cached against it) rather than per layer per step. Never modify it in place."""
-    return zigzag_positions(seq_len, rank, cp).to(device)
+def _positions_on(split: SequenceSplit, rank: int, device: torch.device) -> Tensor:
+    """`split.positions(rank)` on `device`, made once per split: the zigzag split's is the same tensor every step,
+    so the model's RoPE tables for it are built once (they are cached against it) rather than per layer per step.
+    Never modify it in place."""
+    return split.positions(rank).to(device)
 
 
 def zigzag_split(x: Tensor, rank: int, cp: int, dim: int = 1) -> Tensor:
-    """This rank's share of `x` along `dim` (the sequence dimension)."""
-    c = check_seq_len(x.shape[dim], cp)
-    return torch.cat((x.narrow(dim, rank * c, c), x.narrow(dim, (2 * cp - 1 - rank) * c, c)), dim=dim)
+    """This rank's zigzag share of `x` along `dim` (the sequence dimension)."""
+    return zigzag(x.shape[dim], cp).share(x, rank, dim)
 
 
 def zigzag_merge(shares: Tensor, dim: int) -> Tensor:
     """The inverse: `shares` stacks every rank's share along dim 0 (rank order); returns the whole sequence."""
-    cp = shares.shape[0]
-    chunks: list[Tensor] = [torch.empty(0)] * (2 * cp)
-    for r in range(cp):
-        chunks[r], chunks[2 * cp - 1 - r] = shares[r].chunk(2, dim=dim)
-    return torch.cat(chunks, dim=dim)
+    return zigzag(shares.shape[0] * shares[0].shape[dim], shares.shape[0]).merge(shares, dim)
 
 
-def zigzag_gather(x: Tensor, group: Optional[dist.ProcessGroup] = None, dim: int = 1) -> Tensor:
-    """Every rank's share of a sequence-split tensor, put back in sequence order (on every rank)."""
+def split_gather(x: Tensor, split: SequenceSplit, group: Optional[dist.ProcessGroup] = None, dim: int = 1
+                 ) -> Tensor:
+    """Every rank's share of a tensor split by `split`, put back in sequence order (on every rank)."""
     cp = dist.get_world_size(group)
     shares = x.new_empty((cp * x.shape[0], *x.shape[1:]))  # gloo wants the concatenation along dim 0
     comm.all_gather(shares, x.contiguous(), group)
-    return zigzag_merge(shares.view(cp, *x.shape), dim)
+    return split.merge(shares.view(cp, *x.shape), dim)
+
+
+def zigzag_gather(x: Tensor, group: Optional[dist.ProcessGroup] = None, dim: int = 1) -> Tensor:
+    """`split_gather` of the zigzag split."""
+    return split_gather(x, zigzag(x.shape[dim] * dist.get_world_size(group), dist.get_world_size(group)), group, dim)
 
 
 def zigzag_batch(inputs: Tensor, targets: Tensor, group: Optional[dist.ProcessGroup] = None
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """A cp rank's (inputs, targets, positions, loss_weight) from the whole (B, T) batch every cp peer was given,
-    all on the batch's device (no host sync: the weight stays a tensor, the positions are cached).
+    """`split_batch` of the zigzag split."""
+    return split_batch(inputs, targets, zigzag(inputs.shape[1], dist.get_world_size(group)), group)
+
+
+def split_batch(inputs: Tensor, targets: Tensor, split: SequenceSplit, group: Optional[dist.ProcessGroup] = None
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A cp rank's (inputs, targets, positions, loss_weight) under `split` from the whole (B, T) batch every cp peer
+    was given, all on the batch's device (no host sync: the weight stays a tensor, the positions are cached).
 
     A rank's loss is the mean over its own valid targets; times `loss_weight` (cp · local valid / all valid),
     the mean over the cp ranks is the mean over the whole sequence, even when some targets are ignored (-100),
     and so is the gradient once the data-parallel sync averages it over the cp ranks too. (No valid target at
     all: weight 1.)"""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
-    local_targets = zigzag_split(targets, rank, cp)
+    local_targets = split.share(targets, rank)
     valid = (targets != -100).sum()
     local_valid = (local_targets != -100).sum()
     weight = torch.where(valid > 0, cp * local_valid / valid.clamp(min=1), 1.0)
-    positions = _positions_on(inputs.shape[1], rank, cp, inputs.device)
-    return zigzag_split(inputs, rank, cp), local_targets, positions, weight
+    positions = _positions_on(split, rank, inputs.device)
+    return split.share(inputs, rank), local_targets, positions, weight
 
 
 # -- blockwise attention with log-sum-exp (the PyTorch reference; the kernel seam) -------------------------------
@@ -275,29 +271,33 @@ class Documents:
     per step on a CPU rank, all 0 (nothing skipped before the kernel) on an accelerator (`row_documents`)."""
 
     ids: Tensor
-    shares: tuple[Tensor, ...]  # zigzag_split(ids, r, cp) for each cp rank r: the ids of rank r's tokens
+    shares: tuple[Tensor, ...]  # split.share(ids, r) for each cp rank r: the ids of rank r's tokens
     first_key: tuple[int, ...]
     piece: int
+    split: Optional[SequenceSplit] = None  # how the cp ranks split the rows (None: zigzag)
 
 
-def row_documents(ids: Tensor, cp: int, rows: int = TILE_ROWS) -> Documents:
+def row_documents(ids: Tensor, cp: int, rows: int = TILE_ROWS, split: Optional[SequenceSplit] = None) -> Documents:
     """`Documents` of (B, T) rows for a cp group of `cp` ranks: tiles of the largest divisor of the chunk c up to
     `rows` query rows. On a CPU rank, a host read of T/piece integers per step, before the model runs (a tile's
     skip is a host decision, as varlen kernels' cu_seqlens are); on an accelerator none (NCCL's path: no host sync
     in the step): tiles stay a chunk tall, masked, and the kernel skips inside them. Piece k starts at p = k·piece;
     its first document starts at the first s with ids[s] = ids[p] (ids non-decreasing: a binary search). When no
     piece's document starts after position 0 (one document per row), finer tiles would skip nothing: tiles stay a
-    chunk tall, as without documents (so such rows give today's result bit for bit)."""
-    c = check_seq_len(ids.shape[1], cp)
+    chunk tall, as without documents (so such rows give today's result bit for bit). `split`: the cp ranks' split
+    of the rows (None: zigzag; c is its chunk)."""
+    split = split or zigzag(ids.shape[1], cp)
+    c = split.chunk
     piece = c // next(k for k in range(-(-c // rows), c + 1) if c % k == 0)
     ids = ids.contiguous()
+    shares = tuple(split.share(ids, r) for r in range(cp))
     if ids.device.type != "cpu":  # no host read in an accelerator's step: chunk-tall tiles, each masked, and the
         # varlen FlashAttention kernel skips what lies outside a tile's documents inside the tile, on the device
-        return Documents(ids, tuple(zigzag_split(ids, r, cp) for r in range(cp)), (0,) * (2 * cp), c)
+        return Documents(ids, shares, (0,) * (ids.shape[1] // c), c, split)
     starts = torch.searchsorted(ids, ids[:, ::piece].contiguous()).amin(0).tolist()  # (T/piece,) min over rows
     if not any(starts):
-        piece, starts = c, [0] * (2 * cp)
-    return Documents(ids, tuple(zigzag_split(ids, r, cp) for r in range(cp)), tuple(starts), piece)
+        piece, starts = c, [0] * (ids.shape[1] // c)
+    return Documents(ids, shares, tuple(starts), piece, split)
 
 
 @dataclass(frozen=True)
@@ -322,9 +322,18 @@ class Call:
         return dist.get_world_size(self.group)
 
     @property
+    def split(self) -> SequenceSplit:
+        """How this call's group holds the sequence: the rows' split (`Documents.split`; over a hybrid's ring, what
+        each Ulysses group holds together), else zigzag."""
+        split = None if self.documents is None else self.documents.split
+        if split is None:
+            return zigzag(self.seq_len, self.cp)
+        return split.grouped(split.cp // self.cp)
+
+    @property
     def chunk(self) -> int:
-        """c = T / (2·cp): a zigzag chunk, and the query rows of one tile."""
-        return self.seq_len // (2 * self.cp)
+        """A chunk of the split (zigzag: c = T / (2·cp)), and the query rows of one tile."""
+        return self.split.chunk
 
     def ids(self, rank: Optional[int] = None) -> Optional[Tensor]:
         """The document ids of cp rank `rank`'s tokens (None: of the whole sequence); None without documents."""
@@ -391,14 +400,14 @@ def _wait(works: list[dist.Work]) -> None:
 def ring_forward(q: Tensor, kv: Tensor, call: Call) -> tuple[Tensor, Tensor]:
     """q (B, Hkv, G, L, D), kv = stack(k, v) (2, B, Hkv, L, D) of this rank -> (out, lse) over the whole ring."""
     rank, cp = call.rank, call.cp
-    q_pos = zigzag_runs(call.seq_len, rank, cp)
+    q_pos = call.split.runs(rank)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
     for step in range(cp):
         if step < cp - 1:
             next_kv, works = _ring_pass(kv, call.group)
         src = (rank - step) % cp  # whose block is in hand
-        attend(q, kv, q_pos, zigzag_runs(call.seq_len, src, cp), call, out, lse, call.ids(rank), call.ids(src))
+        attend(q, kv, q_pos, call.split.runs(src), call, out, lse, call.ids(rank), call.ids(src))
         if step < cp - 1:
             _wait(works)
             kv = next_kv
@@ -410,7 +419,7 @@ def ring_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
     """(dq, dkv) fp32: K/V go around the ring again, each with the dK/dV accumulator of the ranks it has visited;
     the accumulator makes one extra hop to come home."""
     rank, cp = call.rank, call.cp
-    q_pos = zigzag_runs(call.seq_len, rank, cp)
+    q_pos = call.split.runs(rank)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     in_flight: Optional[tuple[Tensor, list[dist.Work]]] = None  # a dK/dV accumulator on its way to this rank
     for step in range(cp):
@@ -418,7 +427,7 @@ def ring_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
             next_kv, kv_works = _ring_pass(kv, call.group)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         src = (rank - step) % cp
-        attend_backward(q, kv, do, lse, delta, q_pos, zigzag_runs(call.seq_len, src, cp), call, dq, dkv,
+        attend_backward(q, kv, do, lse, delta, q_pos, call.split.runs(src), call, dq, dkv,
                         call.ids(rank), call.ids(src))
         if in_flight is not None:  # what the ranks before added to this block's gradient
             _wait(in_flight[1])
@@ -436,8 +445,8 @@ def ring_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor,
 
 # -- all-gather -------------------------------------------------------------------------------------------
 def allgather_forward(q: Tensor, kv: Tensor, call: Call) -> tuple[Tensor, Tensor]:
-    full = zigzag_gather(kv, call.group, dim=-2)  # stack(k, v) of the whole sequence
-    q_pos = zigzag_runs(call.seq_len, call.rank, call.cp)
+    full = split_gather(kv, call.split, call.group, dim=-2)  # stack(k, v) of the whole sequence
+    q_pos = call.split.runs(call.rank)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
     attend(q, full, q_pos, ((0, call.seq_len),), call, out, lse, call.ids(call.rank), call.ids())
@@ -447,13 +456,13 @@ def allgather_forward(q: Tensor, kv: Tensor, call: Call) -> tuple[Tensor, Tensor
 def allgather_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor, call: Call
                        ) -> tuple[Tensor, Tensor]:
     rank, cp = call.rank, call.cp
-    full = zigzag_gather(kv, call.group, dim=-2)  # stack(k, v) of the whole sequence
-    q_pos = zigzag_runs(call.seq_len, rank, cp)
+    full = split_gather(kv, call.split, call.group, dim=-2)  # stack(k, v) of the whole sequence
+    q_pos = call.split.runs(rank)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv_full = torch.zeros(full.shape, dtype=torch.float32, device=q.device)
     attend_backward(q, full, do, lse, delta, q_pos, ((0, call.seq_len),), call, dq, dkv_full, call.ids(rank),
                     call.ids())
-    shares = torch.cat([zigzag_split(dkv_full, r, cp, dim=-2) for r in range(cp)])  # rank r's share r-th
+    shares = torch.cat([call.split.share(dkv_full, r, dim=-2) for r in range(cp)])  # rank r's share r-th
     dkv = torch.empty(kv.shape, dtype=torch.float32, device=kv.device)
     comm.reduce_scatter(dkv, shares, call.group)
     return dq, dkv
@@ -488,11 +497,12 @@ class HeadExchange(torch.autograd.Function):
         return HeadExchange.apply(grad, ctx.group), None
 
 
-def sequence_to_heads(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup]
-                      ) -> tuple[Tensor, Tensor, Tensor]:
-    """This rank's zigzag share of q (B, Hq, L, D), k/v (B, Hkv, L, D) -> the whole sequence (T = L·cp, in order)
+def sequence_to_heads(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup],
+                      split: Optional[SequenceSplit] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """This rank's share of q (B, Hq, L, D), k/v (B, Hkv, L, D) -> the whole sequence (T = L·cp, in order)
     of its heads: query heads [r·Hq/cp, (r+1)·Hq/cp) and their kv heads. One all-to-all for q, k and v together:
-    head group r of every rank's share goes to rank r, which puts the shares back in sequence order."""
+    head group r of every rank's share goes to rank r, which puts the shares back in sequence order (`split`: how
+    the group's ranks hold the sequence; None: zigzag)."""
     cp = dist.get_world_size(group)
     copies = ulysses_kv_copies(q.shape[1], k.shape[1], cp)
     if copies > 1:
@@ -502,15 +512,18 @@ def sequence_to_heads(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.Proc
     received = HeadExchange.apply(parts, group)  # (cp, B, Hq/cp + 2·Hkv'/cp, L, D): rank r's share r-th
     hq, hk = q.shape[1] // cp, k.shape[1] // cp
     # each merged on its own (a tensor of its own: the attention saves q alone, not a view holding k and v too)
-    return tuple(zigzag_merge(received[:, :, heads], dim=-2)  # type: ignore[return-value]
+    split = split or zigzag(length * cp, cp)
+    return tuple(split.merge(received[:, :, heads], dim=-2)  # type: ignore[return-value]
                  for heads in (slice(0, hq), slice(hq, hq + hk), slice(hq + hk, None)))
 
 
-def heads_to_sequence(out: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
-    """The inverse for the output: (B, Hq/cp, T, D) of this rank's heads -> (B, Hq, L, D), its zigzag share of
-    every head (rank r's sequence share to rank r; what comes back from rank r is head group r)."""
+def heads_to_sequence(out: Tensor, group: Optional[dist.ProcessGroup], split: Optional[SequenceSplit] = None
+                      ) -> Tensor:
+    """The inverse for the output: (B, Hq/cp, T, D) of this rank's heads -> (B, Hq, L, D), its share (`split`;
+    None: zigzag) of every head (rank r's sequence share to rank r; what comes back from rank r is head group r)."""
     cp = dist.get_world_size(group)
-    shares = torch.stack([zigzag_split(out, r, cp, dim=-2) for r in range(cp)])  # (cp, B, Hq/cp, L, D)
+    split = split or zigzag(out.shape[-2], cp)
+    shares = torch.stack([split.share(out, r, dim=-2) for r in range(cp)])  # (cp, B, Hq/cp, L, D)
     heads = HeadExchange.apply(shares, group).transpose(0, 1)  # (B, cp, Hq/cp, L, D), head group r from rank r
     return heads.reshape(heads.shape[0], -1, *heads.shape[3:])
 
@@ -587,15 +600,16 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.Proc
     cp = dist.get_world_size(group)
     seq_len = q.shape[2] * cp
     check_seq_len(seq_len, cp)
+    held = None if documents is None else documents.split  # how the cp ranks hold the sequence (None: zigzag)
     if method == "ulysses":
-        q, k, v = sequence_to_heads(q, k, v, group)
+        q, k, v = sequence_to_heads(q, k, v, group, held)
         n, rank = q.shape[1], dist.get_rank(group)  # this rank's head group, views (the tiles raise logit_max in place)
         logit_max = None if logit_max is None else logit_max[rank * n:(rank + 1) * n]
         sinks = None if sinks is None else sinks[rank * n:(rank + 1) * n]
     heads = None if logit_max is None else logit_max.view(k.shape[1], -1)
     call = Call(group, seq_len, window or seq_len, check_backend(backend), heads, documents)
     out = ContextAttentionFunction.apply(q, k, v, sinks, method, call)
-    return heads_to_sequence(out, group) if method == "ulysses" else out
+    return heads_to_sequence(out, group, held) if method == "ulysses" else out
 
 
 class ContextParallelAttention(LogitMaxRecord, nn.Module):
@@ -648,14 +662,15 @@ def check_data_seq_len(module: nn.Module, cp: int) -> None:
                           f"seq_len is {seq_len} (data.init_args.seq_len); use a multiple of {2 * cp}, or another cp")
 
 
-def context_loss(model: nn.Module, group: Optional[dist.ProcessGroup] = None
-                 ) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:
+def context_loss(model: nn.Module, group: Optional[dist.ProcessGroup] = None,
+                 balancer: Optional[DocumentBalancer] = None) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:
     """The step's loss under context parallelism: `model.loss(inputs, targets)` of the whole (B, T) sequences run on
     this cp rank's zigzag share (with its positions, for RoPE). Autograd sees this rank's loss times the share of
     valid targets it holds (`zigzag_batch`), whose gradients the dp x cp mean makes the whole batch's; the VALUE
     returned, and the cross-entropy, are the cp group's mean, so what the step logs is the whole sequences' loss.
     Packed rows' `documents` (B, T) go to the attention cores as `Documents` (`row_documents`: made once per step,
-    shared by every layer and recomputation)."""
+    shared by every layer and recomputation). With a `balancer` (cp_balance documents) the split is the one it
+    planned on the host for this batch (`lit_lm.strategies.cp_balance`), and everything is cut by it."""
     cp = dist.get_world_size(group)
 
     def loss_fn(inputs: Tensor, targets: Tensor, positions: Optional[Tensor] = None,
@@ -663,8 +678,9 @@ def context_loss(model: nn.Module, group: Optional[dist.ProcessGroup] = None
         if positions is not None:
             raise ConfigError("data.init_args.position_reset under context parallelism: not yet (RoPE's per-row "
                               "tables would need the whole row's length on each rank; issue 57): drop it")
-        share, share_targets, positions, weight = zigzag_batch(inputs, targets, group)
-        rows = None if documents is None else row_documents(documents, cp)
+        split = zigzag(inputs.shape[1], cp) if balancer is None or documents is None else balancer.take(documents)
+        share, share_targets, positions, weight = split_batch(inputs, targets, split, group)
+        rows = None if documents is None else row_documents(documents, cp, split=split)
         loss, ce = model.loss(share, share_targets, positions) if rows is None else \
             model.loss(share, share_targets, positions, documents=rows)
         loss, ce = loss * weight, ce * weight
