@@ -10,7 +10,13 @@ checks), so the check sees the run `fit` would start. From them:
   scheduled by step (`*start_step`, `*end_step`, `frequency`) acts at once: its schedule starts and ends at step
   0 (pruning: its final sparsity after the first step, so the next steps train the pruned weights);
 - the data: random token ids over the scaled model's whole vocabulary (every row is looked up and a target, under
-  tp every rank's vocabulary shard);
+  tp every rank's vocabulary shard); with `data.init_args.document_mask` (packed documents) the rows are packed:
+  every token drawn as a multiple of 5 becomes an EOS (`DOCUMENT_EOS`: documents of about 5 tokens, crossing the
+  cp chunks and the rows, one-token ones among them) and both sides mask attention at them, `position_reset` too;
+- chat data (`data.init_args.format: chat`): the rows carry loss masks (every target whose id is a multiple of
+  `CHAT_MASK` is not trained on, so rows, micro-batches and ranks hold different numbers of targets; the loss is per
+  target of the global batch) and, `packed` (the default), conversations of about 5 tokens as packed documents;
+  with `model.init_args.lora` the module trains its adapters alone (an SFT + LoRA layout);
 - two cases: plain SGD (every gradient compared: a constant factor shows) and the module's own optimizer, param
   groups and LR schedule (its sharded state and update: a final parameter shows).
 Precision is fp32 on the CPU: the layout's maths is what is checked (bf16 rounding would hide a 1e-5 difference).
@@ -45,6 +51,9 @@ WATCHERS = (Checkpoint, ProgressBar, LearningRateMonitor, ModelSummary, EarlySto
 WATCHER_PATHS = ("lit_lm.callbacks.progress.", "lit_lm.callbacks.throughput.")
 TRAINER_KEYS = ("accumulate_grad_batches", "gradient_clip_val", "gradient_clip_algorithm")
 MODEL_ARGS_DROPPED = ("config", "init_from")  # the config goes in scaled; weights are not loaded
+CHAT_MASK = 3  # chat data: targets whose id is a multiple of it are not trained on (`Case.loss_mask`)
+CHAT_EOS = 1  # chat data, packed: the id that ends the check's conversations (the harness packs at an EOS)
+DOCUMENT_EOS = 1  # with document_mask: the EOS id of the check's packed rows (any id of the scaled vocabulary)
 
 
 @dataclass
@@ -116,15 +125,43 @@ def plan_check(config: Namespace, argv: list[str], steps: int = 2, mutation: Any
     if str(trainer.precision) != "32-true":
         notes.append(f"precision {trainer.precision} -> 32-true (the layout's maths, without bf16 rounding)")
     module = (module_path, tuple(sorted(module_kwargs.items())))
-    common = dict(strategy=partial(build_strategy, spec), model=model_args(small), steps=steps,
+    packing, note = _packing(config.data.init_args)
+    notes += [note] if note else []
+    common = dict(packing=packing, strategy=partial(build_strategy, spec), model=model_args(small), steps=steps,
                   global_batch=micro * dp, trainer=settings, callbacks=(*callbacks, Meter()), module=module,
                   mutation=mutation, token_vocab=small.vocab_size)  # every row: a tp rank's vocabulary shard too
     labels = {"sgd": "SGD", "module": "the module's optimizer"}
+    common.update(_chat(config.data.init_args, parallel, notes))
     cases = [Case(optimizer=o, label=f"{strategy_name}, {labels[o]}", **common) for o in optimizers]
     data = config.data.init_args
     return CheckPlan(argv=list(argv), world=world, model=full, small=small, notes=notes, parallel=parallel,
                      strategy=strategy_name, precision=str(trainer.precision), batch_size=int(data.batch_size),
                      accumulate=accumulate, dims=dims, cases=cases, nodes=int(trainer.num_nodes or 1))
+
+
+def _packing(data: Namespace) -> tuple[tuple, str]:
+    """The harness's `Case.packing` for the user's data settings, and the report's line on it."""
+    if not data.get("document_mask"):
+        return (), ""
+    reset = bool(data.get("position_reset"))
+    return (DOCUMENT_EOS, reset), (f"document_mask: rows packed with documents of ~5 tokens (every token drawn as a "
+                                   f"multiple of 5 is EOS id {DOCUMENT_EOS}), attention masked at them on both sides"
+                                   + (", RoPE positions reset per document" if reset else ""))
+
+
+def _chat(data: Namespace, parallel: ParallelConfig, notes: list[str]) -> dict[str, Any]:
+    """The harness's loss masks (and packed conversations) for chat data, with the report's line; {} for text."""
+    if data.get("format") != "chat":
+        return {}
+    if parallel is not None and parallel.pp > 1:  # as `LanguageModel.setup` refuses the run itself
+        raise ConfigError("data.init_args.format chat under pipeline parallelism: loss masks are not built for the "
+                          "pipeline's schedule yet; check (and run) chat data with dp, ZeRO, tp, cp or ep")
+    packed = data.get("packed", True)
+    notes.append(f"format chat: loss masks on the check's rows (targets whose id is a multiple of {CHAT_MASK} not "
+                 "trained on), the loss per target of the global batch" + (
+                     f"; conversations packed (~5 tokens, ended by id {CHAT_EOS}), attention masked at them" if packed
+                     else ""))
+    return dict(loss_mask=CHAT_MASK, **({"packing": (CHAT_EOS, False)} if packed else {}))
 
 
 def _world(trainer: Namespace) -> int:
