@@ -346,6 +346,14 @@ class LanguageModel(L.LightningModule):
                               "pipeline parallelism are not built yet (its schedule weighs microbatches equally); use "
                               "dp, ZeRO, tp, cp or ep")
 
+    def host_documents(self, batch: Tensor) -> Optional[Tensor]:
+        """(B, T) document ids of a (B, T+1) batch still on the host, as `step_loss` will compute them on the device;
+        None without packing. A strategy plans from them before the transfer (`lit_lm.strategies.cp_balance`)."""
+        if self.packing is None:
+            return None
+        inputs, _, starts = loss_mask.decode(batch) if self.loss_masks else (batch[:, :-1], None, None)
+        return self.packing.rows(inputs, starts if self.packing.starts else None)[0]
+
     def step_loss(self, inputs: Tensor, targets: Tensor, starts: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """The step's (loss, ce), through the strategy's loss seam (`lit_lm.strategies.plan.LossSeam`): a pipeline
         runs its schedule, a context split feeds the model its share of the tokens; other strategies call

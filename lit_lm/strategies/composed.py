@@ -47,6 +47,7 @@ from typing_extensions import override
 
 from lit_lm.strategies import ac
 from lit_lm.strategies import cp as context
+from lit_lm.strategies.cp_balance import DocumentBalancer, HostDocuments
 from lit_lm.strategies.base import BaseStrategy, GradPart, WeightShard, _unwrap
 from lit_lm.strategies.clip import GradShards
 from lit_lm.strategies.compile import CompileReport, check_compile, compile_blocks, wants_compile
@@ -81,6 +82,9 @@ class ComposedStrategy(BaseStrategy):
             (outermost ranks) and the schedule's settings (`lit_lm/strategies/pp_schedules.py`).
         context_parallel_size, cp_method: ranks that split every sequence (zigzag, `lit_lm/strategies/cp.py`), attending
             over the whole sequence by ring (default), allgather or ulysses (docs/cp.md).
+        cp_balance: how each sequence is split over the cp ranks: zigzag (default: causal work equal), or documents
+            (packed documents: chunks assigned from each batch's document ids, planned on the host before the
+            batch's transfer, so every rank's attention work is even; `lit_lm/strategies/cp_balance.py`).
         expert_parallel_size: ranks that split each MoE layer's experts, carved from the data-parallel ranks.
         data_parallel_replicate_size: HSDP: whole replicas of the ZeRO shards (dp_shard = what is left).
         zero_stage: 0 (replicated, `GradSync` all-reduce), 1, 2 or 3 (see `lit_lm/strategies/zero_engine.py`).
@@ -97,12 +101,12 @@ class ComposedStrategy(BaseStrategy):
                  balance: Optional[str] = None, context_parallel_size: int = 1, cp_method: Optional[str] = None,
                  expert_parallel_size: int = 1, data_parallel_replicate_size: int = 1, zero_stage: int = 0,
                  zero_collectives: str = "auto", bucket_cap_mb: float = 25.0, activation_checkpointing: str = "none",
-                 **kwargs: Any) -> None:
+                 cp_balance: Optional[str] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.config = c = ParallelConfig.from_args(
             tensor_parallel_size, sequence_parallel, pipeline_parallel_size, microbatches, schedule, virtual_stages,
             layers_per_stage, balance, context_parallel_size, cp_method, expert_parallel_size,
-            data_parallel_replicate_size, zero_stage, zero_collectives).check()
+            data_parallel_replicate_size, zero_stage, zero_collectives, cp_balance=cp_balance).check()
         self._schedule = build_schedule(c.schedule, c.pp, c.microbatches, c.virtual_stages) if c.pp > 1 else None
         self.bucket_cap_mb, self.activation_checkpointing = bucket_cap_mb, ac.check_mode(activation_checkpointing)
         self._module: Optional[nn.Module] = None  # the LightningModule the engines were applied to
@@ -111,6 +115,7 @@ class ComposedStrategy(BaseStrategy):
         self._engines: list[DataParallelEngine] = []
         self._zero_for: Optional[tuple[nn.Module, list[DataParallelEngine]]] = None  # kept for a validate after fit
         self._pipeline: Optional[PipelineStep] = None
+        self._balancer: Optional[DocumentBalancer] = None  # cp_balance documents: plans each batch's split
         self._seam: Optional[StepLoss] = None  # the step's loss under pp (the schedule) or cp (the zigzag share)
         self._compile_report: Optional[CompileReport] = None  # under the module's `compile` option
         self._readers: Optional[FlushBeforeReaders] = None  # ZeRO-1/2: `lit_lm/strategies/weight_readers.py`
@@ -181,7 +186,8 @@ class ComposedStrategy(BaseStrategy):
                          "context_parallel_plan()", module)
             context.check_data_seq_len(module, c.cp)
             context.parallelize_context(model, layout.group("cp"), c.cp_method)
-            loss = context.context_loss(model, layout.group("cp"))
+            self._balancer = self._document_balancer(module, model)
+            loss = context.context_loss(model, layout.group("cp"), self._balancer)
             self._seam = StepLoss(model, lambda x, y, train=None, scale=None, **row: loss(x, y, **row),
                                   "context parallelism")
         if c.ep > 1:
@@ -287,6 +293,25 @@ class ComposedStrategy(BaseStrategy):
         for engine in self._engines:
             engine.finish_grad_sync()
         self._index.finish_split_grads(self.layout)
+
+    def _document_balancer(self, module: nn.Module, model: nn.Module) -> Optional[DocumentBalancer]:
+        """cp_balance documents: a `DocumentBalancer` over the attention cores' windows, or a one-line refusal where
+        the rows are not packed documents (there is nothing to balance by)."""
+        if self.config.cp_balance != "documents":
+            return None
+        if not isinstance(module, HostDocuments) or getattr(module, "packing", None) is None:
+            raise ConfigError("cp_balance documents balances packed documents: set data.init_args.document_mask true "
+                              "(or cp_balance zigzag)")
+        windows = tuple(spec.sliding_window for spec in model.context_parallel_plan().values()) or (None,)
+        return DocumentBalancer(self.config.cp, windows)
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """cp_balance documents: the batch's split planned from its document ids while it is still on the host (no
+        read of a device tensor in the step), then the transfer."""
+        if self._balancer is not None:
+            self._balancer.plan(self.lightning_module.host_documents(batch))
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     def after_optimizer_step(self, optimizer: Union[Optimizer, LightningOptimizer]) -> None:
         for engine in self._engines:

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from lit_lm.strategies import comm
+from lit_lm.strategies.cp_balance import BALANCES as CP_BALANCES
 from lit_lm.strategies.cp import METHODS as CP_METHODS
 from lit_lm.strategies.errors import ConfigError
 from lit_lm.strategies.zero_engine import check_stage
@@ -125,7 +126,7 @@ class ParallelDims:
 PIPELINE_DEFAULTS = {"microbatches": 4, "schedule": "1f1b", "virtual_stages": 1, "balance": "layers"}
 BALANCE = ("layers", "params")  # how a pipeline assigns blocks to stages (`lit_lm.strategies.pp_split`)
 ARGS = {name: arg for name, arg in FIELDS.items() if name != "dp_shard"}  # the sizes the strategy takes
-OPTIONS = {"sequence_parallel": "tp", "cp_method": "cp", "microbatches": "pp", "schedule": "pp",
+OPTIONS = {"sequence_parallel": "tp", "cp_method": "cp", "cp_balance": "cp", "microbatches": "pp", "schedule": "pp",
            "virtual_stages": "pp", "layers_per_stage": "pp", "balance": "pp"}  # option -> the dimension reading it
 
 
@@ -152,6 +153,7 @@ class ParallelConfig:
     balance: str = PIPELINE_DEFAULTS["balance"]
     cp: int = 1
     cp_method: str = "ring"
+    cp_balance: str = "zigzag"  # how each sequence is split over the cp ranks (`lit_lm.strategies.cp_balance`)
     ep: int = 1
     dp_replicate: int = 1
     dp_shard: Optional[int] = None
@@ -173,6 +175,8 @@ class ParallelConfig:
                               f"{', '.join(comm.ZERO_COLLECTIVES)}")
         if self.cp_method not in CP_METHODS:
             raise ConfigError(f"cp_method: unknown {self.cp_method!r}; choose one of {', '.join(CP_METHODS)}")
+        if self.cp_balance not in CP_BALANCES:
+            raise ConfigError(f"cp_balance: unknown {self.cp_balance!r}; choose one of {', '.join(CP_BALANCES)}")
         if self.balance not in BALANCE:
             raise ConfigError(f"balance: unknown {self.balance!r}; choose one of {', '.join(BALANCE)}")
         if self.layers_per_stage is not None:  # a yaml list: kept as a tuple, so the config stays hashable
@@ -184,19 +188,21 @@ class ParallelConfig:
                   virtual_stages: Optional[int] = None, layers_per_stage: Optional[list[int]] = None,
                   balance: Optional[str] = None, context_parallel_size: int = 1, cp_method: Optional[str] = None,
                   expert_parallel_size: int = 1, data_parallel_replicate_size: int = 1,
-                  zero_stage: int = 0, zero_collectives: str = "auto") -> "ParallelConfig":
+                  zero_stage: int = 0, zero_collectives: str = "auto", cp_balance: Optional[str] = None
+                  ) -> "ParallelConfig":
         """From `ComposedStrategy`'s arguments, where None means "not given": an option given without its
         dimension is refused (nobody would read it)."""
-        options = dict(sequence_parallel=sequence_parallel, cp_method=cp_method, microbatches=microbatches,
-                       schedule=schedule, virtual_stages=virtual_stages, layers_per_stage=layers_per_stage,
-                       balance=balance)
+        options = dict(sequence_parallel=sequence_parallel, cp_method=cp_method, cp_balance=cp_balance,
+                       microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
+                       layers_per_stage=layers_per_stage, balance=balance)
         sizes = dict(tp=tensor_parallel_size, pp=pipeline_parallel_size, cp=context_parallel_size,
                      ep=expert_parallel_size, dp_replicate=data_parallel_replicate_size)
         if sequence_parallel is not None and tensor_parallel_size == 1:
             raise ConfigError("sequence_parallel is a tensor-parallel option: set tensor_parallel_size > 1 or "
                               "remove it")
-        if cp_method is not None and context_parallel_size == 1:
-            raise ConfigError("cp_method is a context-parallel option: set context_parallel_size > 1 or remove it")
+        for option in ("cp_method", "cp_balance"):
+            if options[option] is not None and context_parallel_size == 1:
+                raise ConfigError(f"{option} is a context-parallel option: set context_parallel_size > 1 or remove it")
         given = [k for k, v in options.items() if v is not None and OPTIONS[k] == "pp"]
         if pipeline_parallel_size == 1 and given:
             raise ConfigError(f"{', '.join(given)}: pipeline options, but pipeline_parallel_size is 1: set "
