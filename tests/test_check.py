@@ -25,7 +25,7 @@ from lit_lm.check.command import report, run_checks
 from lit_lm.check.report import render
 from lit_lm.check.scale import scaled_config
 from lit_lm.cli import DEFAULT_CONFIG, LitLMCLI, main
-from lit_lm.config import ModelConfig
+from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.module import LanguageModel
 from lit_lm.strategies.layout import ParallelConfig
 
@@ -232,3 +232,33 @@ def test_a_muon_config_passes_and_the_planner_counts_its_state_and_traffic(tmp_p
         assert all(c["agree"] for c in costs["comm"]), (preset, costs["comm"])
         moved = rows[("dp_shard" if preset == "zero2" else "tp", "all_to_all")]
         assert moved["measured"] > 0, preset
+
+
+def per_micro_batch_mean(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mutant: each micro-batch's (so each rank's) own mean, not the mean over the global batch's targets."""
+    monkeypatch.setattr(LanguageModel, "per_token", lambda self, loss, targets, batch_idx: loss)
+
+
+def test_an_sft_lora_layout_passes_and_the_planner_counts_its_state(tmp_path: Path) -> None:
+    """Chat data (`format: chat`: loss masks, packed conversations) with LoRA under zero3 and tp2: the module's own
+    run agrees with one process, the planner's model state for the adapted model is the measured one, and a loss
+    normalised per micro-batch (the mutant) fails the check."""
+    sft = tmp_path / "sft.yaml"
+    sft.write_text("model:\n  init_args:\n    lora:\n      rank: 4\n      alpha: 8\n"
+                   "data:\n  init_args:\n    format: chat\n")
+    argvs = [_argv(preset, 2, "--config", str(sft)) for preset in ("zero3", "tp", "zero3")]
+    reports = _checked(argvs, mutations=[None, None, per_micro_batch_mean], optimizers=[("module",)] * 3)
+    for preset, r in zip(("zero3", "tp"), reports):
+        assert r["ok"], (preset, r["verdict"])
+        assert any("format chat" in line for line in r["model"]["changes"]), r["model"]["changes"]
+        memory = r["costs"]["memory"]
+        assert memory["measured"] == memory["estimate"], (preset, memory)
+    assert not reports[2]["ok"] and re.search(r"the loss of batch 0|" + GRADIENT, reports[2]["verdict"]), \
+        reports[2]["verdict"]
+
+
+def test_chat_data_under_a_pipeline_is_refused_by_the_check_in_one_line() -> None:
+    argv = _argv("pp", 2, "--data.init_args.format", "chat")
+    with pytest.raises(ConfigError, match="pipeline parallelism") as e:
+        plan_check(parse(argv, LitLMCLI, DEFAULTS), argv)
+    assert "\n" not in str(e.value)

@@ -12,6 +12,7 @@ from lit_lm.check.build import CheckPlan
 from lit_lm.check.meter import Meter
 from lit_lm.config import ConfigError
 from lit_lm.check.fit import run_estimate
+from lit_lm.lora import lora_from
 from lit_lm.planner.estimate import Workload, estimate
 from lit_lm.planner.optimizer import optimizer_fields
 
@@ -56,7 +57,8 @@ def _estimate(plan: CheckPlan, cfg: Any, global_batch: int, precision: str, devi
     try:
         module = dict(plan.cases[0].module[1]) if plan.cases and plan.cases[0].module else {}
         return estimate(Workload(cfg, cfg.max_seq_len, global_batch, precision, accumulate=plan.accumulate,
-                                 fp8=module.get("fp8"), device=device, **optimizer_fields(module.get("optimizer"))),
+                                 fp8=module.get("fp8"), device=device, lora=lora_from(module.get("lora")),
+                                 **optimizer_fields(module.get("optimizer"))),
                         layout)
     except (ConfigError, ValueError, KeyError) as err:
         return f"no estimate: {err}"

@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from lit_lm.check.build import CheckPlan, build_strategy
+from lit_lm.lora import lora_from
 from lit_lm.planner.estimate import PRECISIONS, Estimate, Workload, estimate
 from lit_lm.planner.optimizer import optimizer_fields
 from lit_lm.planner.plan import USABLE_MEMORY, Cluster, nearest, strategy_yaml
@@ -36,7 +37,7 @@ def run_workload(plan: CheckPlan, precision: str = "", device: str = "cuda") -> 
     module = dict(plan.cases[0].module[1]) if plan.cases and plan.cases[0].module else {}
     return Workload(plan.model, plan.model.max_seq_len, plan.batch_size * plan.dims["dp"] * plan.accumulate,
                     precision, checkpointing(plan), plan.accumulate, device, module.get("fp8"),
-                    **optimizer_fields(module.get("optimizer")))
+                    lora=lora_from(module.get("lora")), **optimizer_fields(module.get("optimizer")))
 
 
 def run_estimate(plan: CheckPlan, precision: str = "", device: str = "cuda") -> Estimate:

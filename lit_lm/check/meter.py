@@ -34,7 +34,9 @@ class Meter(L.Callback):
 
     def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:
-        self.state.append(model_state_bytes(module, getattr(optimizer, "_optimizer", optimizer)))
+        held = [w.local for w in trainer.strategy.owned_weights()] if isinstance(trainer.strategy, BaseStrategy) \
+            else []  # a frozen parameter's master rows are in no optimizer
+        self.state.append(model_state_bytes(module, getattr(optimizer, "_optimizer", optimizer), held))
 
     def on_train_batch_end(self, *args: Any) -> None:
         seconds = time.perf_counter() - self._start

@@ -885,11 +885,13 @@ def _flat_shards(optimizer: torch.optim.Optimizer, engines: list[ZeroEngine]) ->
     return out
 
 
-def model_state_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, int]:
+def model_state_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                      held: Iterable[Tensor] = ()) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state allocated on this rank, by walking the tensors.
 
     Storage is counted once (a master shard that is a view of its parameter is free) and in full (padding
-    counts); DTensors count their local shard.
+    counts); DTensors count their local shard. `held`: more parameter tensors a strategy keeps (the master rows of
+    parameters outside the optimizer, e.g. LoRA's frozen base under ZeRO: `BaseStrategy.owned_weights`).
     """
     seen: set[int] = set()
 
@@ -906,7 +908,7 @@ def model_state_bytes(module: nn.Module, optimizer: Optional[torch.optim.Optimiz
         return total
 
     opt_params = [p for g in optimizer.param_groups for p in g["params"]] if optimizer is not None else []
-    params = nbytes([*module.parameters(), *opt_params])
+    params = nbytes([*module.parameters(), *opt_params, *held])
     grads = nbytes([*(p.grad for p in module.parameters()), *(p.grad for p in opt_params)])
     state = nbytes(t for s in (optimizer.state.values() if optimizer else ()) for t in s.values()
                    if isinstance(t, Tensor))
