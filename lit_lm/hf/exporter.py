@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from lit_lm.checkpoints import model_state_dict, tokenizer_from
 from lit_lm.config import ARCHITECTURE, ConfigError, ModelConfig
-from lit_lm.hf.families import FAMILIES, Family
+from lit_lm.hf.families import FAMILIES, MTP_SHARED, Family
 from lit_lm.hf.gpt_oss import FusedSource, fuse
 from lit_lm.hf.importer import HF_FOLDER, config_from_hf
 from lit_lm.data.tokenizer import Tokenizer
@@ -75,6 +75,8 @@ def family_config(cfg: ModelConfig, family: Family) -> dict[str, Any]:
     out["vocab_size"] = cfg.padded_vocab_size
     if family.experts is not None and cfg.moe_first_dense:
         out["mlp_only_layers"] = list(range(cfg.moe_first_dense))
+    if family.mtp:
+        out["num_nextn_predict_layers"] = cfg.mtp_layers
     rope = {"rope_type": "default"} if cfg.rope_scaling is None else dict(cfg.rope_scaling)
     out.update(family.writes, rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
                rope_parameters={**rope, "rope_theta": cfg.rope_theta})
@@ -123,7 +125,7 @@ def hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, dtype: Optional
     out = {}
     fused: dict[str, dict[str, torch.Tensor]] = {}  # gpt-oss's experts: a layer's parts, fused at the end
     for name, value in state.items():
-        if name.startswith("mtp."):  # multi-token prediction: a training loss, not in the family's model
+        if name.startswith("mtp.") and not family.mtp:  # multi-token prediction: a family without it drops it
             continue
         if name.endswith("expert_bias") and family.experts.bias is None:
             if value.any():
@@ -143,6 +145,11 @@ def hf_tensors(state: dict[str, torch.Tensor], cfg: ModelConfig, dtype: Optional
             out.update({t: v.contiguous() for t, v in zip(target, value.unbind(0))})
     for prefix, parts in fused.items():
         out.update({f"{prefix}.{k}": v.contiguous() for k, v in fuse(parts).items()})
+    if family.mtp:  # each prediction layer's copies of the embedding and head it shares (as DeepSeek-V3 stores them)
+        for k in range(cfg.mtp_layers):
+            for ours, theirs in MTP_SHARED.items():
+                shared = state.get(ours, state["tok_embeddings.weight"])  # a tied head is the embedding
+                out[f"model.layers.{cfg.n_layers + k}.{theirs}"] = shared.detach().to(torch.float32, copy=True)
     torch_dtype = EXPORT_DTYPES[export_dtype(cfg, dtype)]
     return {name: value if name.endswith(family.keep_fp32) else value.to(torch_dtype) for name, value in out.items()}
 

@@ -39,6 +39,11 @@ BLOCK = {"attn_norm": "input_layernorm", "attn.wq": "self_attn.q_proj", "attn.wk
          "mlp.w_up": "mlp.up_proj", "mlp.w_down": "mlp.down_proj",
          "attn.core": "self_attn"}  # the core's parameters: attention sinks (gpt-oss's self_attn.sinks)
 TOP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"}
+# multi-token prediction module k (lit_lm.mtp: mtp.<k>.*) as DeepSeek-V3 stores it: layer n_layers + k of the
+# decoder (model.layers.<n_layers + k>.*: its block's tensors named as a layer's, and these), plus copies of the
+# embedding and head it shares with the model (`MTP_SHARED`: not read, written back as copies)
+MTP = {"enorm": "enorm", "hnorm": "hnorm", "eh_proj": "eh_proj", "norm": "shared_head.norm"}
+MTP_SHARED = {"tok_embeddings.weight": "embed_tokens.weight", "lm_head.weight": "shared_head.head.weight"}
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,7 @@ class Family:
     # Hugging Face names (suffixes) written in float32 whatever the export's dtype: what transformers keeps in fp32
     # (`_keep_in_fp32_modules_strict`), DeepSeek-V3's router, whose discrete top-k choices bf16 rounding would flip
     keep_fp32: tuple[str, ...] = ()
+    mtp: bool = False  # stores multi-token prediction layers past the decoder's (`MTP`; num_nextn_predict_layers)
 
     @property
     def all_fields(self) -> dict[str, tuple[str, ...]]:
@@ -95,6 +101,13 @@ class Family:
         """lit-lm's parameter name -> the Hugging Face one (blocks.3.attn.wq.bias -> model.layers.3.self_attn.q_proj
         .bias), or the per-expert names of a stacked expert weight (in expert order)."""
         module, _, kind = name.rpartition(".")
+        if module.startswith("mtp.") and self.mtp:  # mtp.<k>.block.<rest> is layer n_layers + k's <rest>
+            _, k, rest = module.split(".", 2)
+            layer = config.n_layers + int(k)
+            if rest.startswith("block."):
+                return self.hf_name(f"blocks.{layer}.{rest.removeprefix('block.')}.{kind}", config)
+            if rest in MTP:
+                return f"model.layers.{layer}.{MTP[rest]}.{kind}"
         if not module.startswith("blocks."):
             return f"{TOP[module]}.{kind}"
         _, layer, rest = module.split(".", 2)
@@ -148,7 +161,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            experts=Experts()),
     # DeepSeek-V3 (also Moonlight, Kimi K2's architecture): MLA, sigmoid node-limited routing with a selection bias
     # and a scale, a shared expert, the first blocks dense. Its multi-token prediction layers (model.layers.<n>.*,
-    # num_nextn_predict_layers) are skipped on import as transformers skips them, and not exported.
+    # num_nextn_predict_layers), which transformers skips, are lit_lm.mtp's modules (`MTP`) when the files hold them.
     Family("deepseek_v3", "DeepseekV3ForCausalLM",
            fields={"moe_experts": ("n_routed_experts",), "moe_d_ff": ("moe_intermediate_size",),
                    "moe_norm_topk": ("norm_topk_prob",), "moe_shared_experts": ("n_shared_experts",),
@@ -166,7 +179,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
            sets={"moe_score": "sigmoid", "moe_every": 1, "n_kv_heads": None},  # MLA: no kv heads
            refuse=NO_BIAS[:1] + (("quantization_config", "lit-lm reads unquantized weights, not DeepSeek-V3's FP8 "
                                   "blocks (weight_scale_inv): convert them to bf16 first"),),
-           writes={"attention_bias": False, "num_nextn_predict_layers": 0},
+           writes={"attention_bias": False}, mtp=True,
            experts=Experts(shared="mlp.shared_experts", bias="mlp.gate.e_score_correction_bias"), block=MLA_BLOCK,
            export_dtype="bfloat16", keep_fp32=("mlp.gate.weight", "mlp.gate.e_score_correction_bias")),  # as
     # released: FP8 blocks (bf16 once converted), the router's selection bias fp32

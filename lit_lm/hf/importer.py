@@ -28,7 +28,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from lit_lm.config import ARCHITECTURE, ConfigError, ModelConfig
-from lit_lm.hf.families import DEFAULT, FAMILIES, NULL_IS_NONE, REFUSED, REQUIRED, Family
+from lit_lm.hf.families import DEFAULT, FAMILIES, MTP_SHARED, NULL_IS_NONE, REFUSED, REQUIRED, Family
 from lit_lm.hf.gpt_oss import FusedSource
 
 PathLike = Union[str, Path]
@@ -155,8 +155,37 @@ def config_from_hf(hf: dict[str, Any], base: Optional[ModelConfig] = None, where
 
 
 def model_config(folder: PathLike, base: Optional[ModelConfig] = None) -> ModelConfig:
-    """`config_from_hf` of the Hugging Face model in `folder`."""
-    return config_from_hf(read_hf_config(folder), base, str(Path(folder) / CONFIG))
+    """`config_from_hf` of the Hugging Face model in `folder`, with its multi-token prediction layers (`mtp_layers`)
+    where the files hold them (`held_mtp_layers`)."""
+    hf = read_hf_config(folder)
+    config = config_from_hf(hf, base, str(Path(folder) / CONFIG))
+    mtp = held_mtp_layers(folder, hf, config)
+    return replace(config, mtp_layers=mtp) if mtp and config.mtp_weight > 0 else config
+
+
+def held_mtp_layers(folder: PathLike, hf: dict[str, Any], config: ModelConfig) -> int:
+    """DeepSeek-V3's multi-token prediction layers, `num_nextn_predict_layers` of them stored past the decoder's as
+    model.layers.<n_layers + k>.* (the released checkpoints): that many when the files hold any such tensor, else 0
+    (transformers saves none; it skips them). Imported as `lit_lm.mtp`'s modules, unless the run's `mtp_weight` is
+    0 (no loss would train them); the import then checks that the files hold every tensor of them."""
+    family = FAMILIES.get(hf.get("model_type"))
+    n = int(hf.get("num_nextn_predict_layers") or 0)
+    if family is None or not family.mtp or not n:
+        return 0
+    layers = {f"model.layers.{config.n_layers + k}." for k in range(n)}
+    return n if any(name.startswith(tuple(layers)) for name in tensor_names(folder)) else 0
+
+
+def tensor_names(folder: PathLike) -> list[str]:
+    """The tensors of a Hugging Face folder: its index's names, or its safetensors files' headers (no data read)."""
+    index = Path(folder) / INDEX
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    names = []
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            names += list(f.keys())
+    return names
 
 
 def overridden(before: ModelConfig, after: ModelConfig) -> list[str]:
@@ -228,16 +257,26 @@ class HFWeights:
         missing = sorted(wanted - set(self.files))
         extra = sorted(k for k in set(self.files) - wanted - {"lm_head.weight"}
                        if not k.endswith("inv_freq") and not self._past_layers(k))
+        mtp = [k for k in missing if self._past_layers(k, 0)]
+        if mtp:
+            raise ConfigError(f"{self.folder}: holds multi-token prediction layers (num_nextn_predict_layers "
+                              f"{self.config.mtp_layers}) but not all of them: no tensor {mtp[0]} ({len(mtp)} "
+                              "missing); give the whole layers, or set model.init_args.config.mtp_weight 0 to skip "
+                              "them (model.init_args.init_from)")
         if missing or extra:
             what = f"has no tensor {missing[0]}" if missing else f"has a tensor {extra[0]} lit-lm's model has not"
             raise ConfigError(f"{self.folder}: the weights do not match its {CONFIG}: it {what} "
                               f"({len(missing)} missing, {len(extra)} unexpected) (model.init_args.init_from)")
 
-    def _past_layers(self, key: str) -> bool:
-        """A tensor of a layer past the decoder's (DeepSeek-V3's multi-token prediction layers, model.layers.<n>):
-        skipped, as transformers skips them."""
+    def _past_layers(self, key: str, mtp: Optional[int] = None) -> bool:
+        """A tensor of a layer past the decoder's and its `mtp` (default: the config's) multi-token prediction
+        layers (DeepSeek-V3's, model.layers.<n>): skipped, as transformers skips them; so are an imported
+        prediction layer's copies of the embedding and head (`MTP_SHARED`: lit-lm's module shares the model's)."""
         parts = key.split(".")
-        return key.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= self.config.n_layers
+        if not (key.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= self.config.n_layers):
+            return False
+        return int(parts[2]) >= self.config.n_layers + (self.config.mtp_layers if mtp is None else mtp) or \
+            ".".join(parts[3:]) in MTP_SHARED.values()
 
     def holds(self, name: str) -> bool:
         """Whether the files hold parameter or buffer `name` (a router's selection bias in DeepSeek-V3 only)."""
