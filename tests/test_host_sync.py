@@ -274,3 +274,28 @@ def test_an_moe_layer_runs_without_a_host_sync(capacity: Optional[float]) -> Non
     assert all(p.grad is not None for n, p in model.named_parameters() if "experts." in n)
     if capacity is not None:
         assert float(moe_layers(model)["blocks.1.mlp"].stats["dropped"]) > 0  # the drop path ran
+
+
+def _z_loss_sites() -> dict[str, int]:
+    """Each loss of the model with a z-loss and ignored targets (chat data's -100), forward and backward, on a
+    1-rank tp group for the vocab-parallel one."""
+    import torch.distributed as dist
+
+    from lit_lm.kernels.cross_entropy import cross_entropy_reference
+    from lit_lm.model import LMLoss
+    from lit_lm.strategies.tp_layers import TPGroup, VocabParallelLoss
+
+    targets = torch.tensor([3, -100, 5, -100, 7, 1, -100, 2, 0])
+    losses = [LMLoss(1e-2), lambda x, t: cross_entropy_reference(x, t, 1e-2),
+              VocabParallelLoss(1e-2, 0, TPGroup(dist.group.WORLD, 2, 0))]  # size 2: the collectives run
+    with SyncCounter() as counter:
+        for loss in losses:
+            logits = torch.randn(9, 16, requires_grad=True)
+            loss(logits, targets)[0].backward()
+    return dict(counter.sites)
+
+
+def test_the_z_loss_over_kept_targets_has_no_host_sync() -> None:
+    """The z-loss's mean over the kept targets is a mask and a count, not `lse[valid]` (a boolean index: a nonzero,
+    a host sync every step on an accelerator) in LMLoss, the kernels' reference loss and the vocab-parallel one."""
+    assert run_distributed(_z_loss_sites, 2) == [{}, {}]

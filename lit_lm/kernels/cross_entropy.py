@@ -31,8 +31,9 @@ def cross_entropy_reference(logits: Tensor, targets: Tensor, z_loss: float) -> t
     ce = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
     if z_loss == 0.0:
         return ce, ce.detach()
-    lse = torch.logsumexp(logits[targets != IGNORE_INDEX], dim=-1)
-    return ce + z_loss * lse.pow(2).mean(), ce.detach()
+    valid = targets != IGNORE_INDEX  # masked, not indexed: `logits[valid]` is a host sync on an accelerator
+    lse = torch.logsumexp(logits, dim=-1).masked_fill(~valid, 0.0)
+    return ce + z_loss * lse.pow(2).sum() / valid.sum(), ce.detach()
 
 
 @jit

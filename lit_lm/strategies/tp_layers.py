@@ -254,7 +254,8 @@ class VocabParallelLoss(nn.Module):
         ce = (lse - target_logit).masked_fill(~valid, 0.0).sum() / valid.sum()
         if self.z_loss == 0.0:
             return ce, ce.detach()
-        return ce + self.z_loss * lse[valid].pow(2).mean(), ce.detach()
+        # masked, not indexed: `lse[valid]` is a nonzero, a host sync on an accelerator
+        return ce + self.z_loss * lse.masked_fill(~valid, 0.0).pow(2).sum() / valid.sum(), ce.detach()
 
 
 # -- applying a model's plan ----------------------------------------------------------------------------------
