@@ -294,6 +294,25 @@ def _grouped_mm(a: Tensor, b: Tensor, offs: Optional[Tensor] = None, **kwargs: A
     return _GroupedMM.apply(a, b, offs)
 
 
+class _EfficientAttention(torch.autograd.Function):
+    """SDPA on meta tensors whose values are narrower than the keys (MLA: v_head_dim < qk head dim), as CUDA's
+    memory-efficient kernel runs it (flash wants one head size; the CPU's math fallback would hold every (t, t)
+    score matrix): the output (B, H, T, Dv), laid out (B, T, H, Dv) as the kernel writes it (the output projection's
+    input is a view of it); saves q, k, v, the output and the fp32 log-sum-exp per head and row."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        b, h, t, _ = q.shape
+        out = q.new_empty((b, t, h, v.shape[-1])).transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 def _flash_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
                      is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
     """SDPA as CUDA and CPU run it (a flash kernel: saves q, k, v, the output and the fp32 log-sum-exp; grouped kv
@@ -301,6 +320,8 @@ def _flash_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
     if q.device.type != "meta" or dropout_p:
         return _SDPA(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                      enable_gqa=enable_gqa)
+    if v.shape[-1] != q.shape[-1]:  # MLA's narrower values: the flash kernel wants one head size
+        return _EfficientAttention.apply(q, k, v)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     return flash(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -96,6 +97,56 @@ def flops_per_token(num_params: int, n_layers: int, d_model: int, seq_len: int) 
     Activation recomputation is not counted (model FLOPs, not hardware FLOPs).
     """
     return 6 * num_params + 12 * n_layers * d_model * seq_len
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int, layer: int) -> int:
+    """Training FLOPs per token of block `layer`'s attention scores and weighted values (PaLM's 12 d T, generalised):
+    q k^T over `span` keys is 2 span H D_qk FLOPs forward, the weighted values 2 span H D_v, x3 with backward. Span:
+    the sequence, or the layer's window when shorter (gpt-oss's sliding layers: the keys a query can see; the causal
+    half is not discounted, as PaLM's). Grouped-query attention: D_qk = D_v = head_dim, 12 H head_dim T = 12 d T;
+    latent attention (`lit_lm.mla`): D_qk = nope + rope dims, D_v = v dims. A sink is one more logit per row: not
+    counted. Layers past the blocks (multi-token prediction's) take the config's window."""
+    window = cfg.window(layer) if layer < cfg.n_layers else cfg.sliding_window
+    span = min(seq_len, window or seq_len)
+    if cfg.mla_kv_rank:
+        qk, v = cfg.mla_qk_nope_dim + cfg.mla_qk_rope_dim, cfg.mla_v_dim
+    else:
+        qk = v = cfg.head_dim
+    return 6 * span * cfg.n_heads * (qk + v)
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int, layers: Optional[list[int]] = None) -> float:
+    """Training FLOPs per token of `layers` (default: the whole model) from the model's own shapes: 6 per
+    parameter a token multiplies by in those blocks (`block_active_params`), each block's attention
+    (`attention_flops_per_token`), and where the last block is among them the final norm and head, and the
+    multi-token prediction modules (`lit_lm.mtp`): module k runs its block, eh_proj (2d -> d), its norms and the
+    shared head again on T - k of the T positions. A dense GQA model without windows: `flops_per_token`."""
+    layers = list(range(cfg.n_layers)) if layers is None else layers
+    d, head = cfg.d_model, cfg.padded_vocab_size * cfg.d_model
+    flops = float(sum(6 * block_active_params(cfg, i) + attention_flops_per_token(cfg, seq_len, i) for i in layers))
+    if cfg.n_layers - 1 in layers:
+        flops += 6 * (head + d)
+        for k in range(1, cfg.mtp_layers + 1):
+            layer = cfg.n_layers + k - 1
+            module = block_active_params(cfg, layer) + 2 * d * d + 3 * d + head
+            flops += (seq_len - k) / seq_len * (6 * module + attention_flops_per_token(cfg, seq_len - k, layer))
+    return flops
+
+
+def block_active_params(cfg: ModelConfig, layer: int) -> int:
+    """The parameters of block `layer` one token multiplies by (norms included; an MoE block's router, shared
+    experts and top_k routed experts): `ModelConfig.num_params(active=True)`'s count of a one-block model of that
+    kind, less its final norm and head."""
+    return _one_block(_config_key(cfg), cfg.is_moe_layer(layer))
+
+
+@functools.lru_cache(maxsize=64)
+def _one_block(key: str, moe: bool) -> int:
+    cfg = _config_of(key)
+    one = dataclasses.replace(cfg, n_layers=1, layer_types=None, mtp_layers=0, moe_first_dense=0, moe_every=1,
+                              **({} if moe else {"moe_experts": 0, "moe_groups": 1, "moe_topk_groups": 1}))
+    head = 0 if cfg.tie_embeddings else cfg.padded_vocab_size * cfg.d_model
+    return one.num_params(include_embedding=False, active=True) - head - cfg.d_model
 
 
 @dataclass(frozen=True)
@@ -272,8 +323,14 @@ class ParamSpec:
     trains: bool = True  # False: frozen (LoRA's base weights): held, but no gradient and no optimizer state
 
 
-def _config_key(cfg: ModelConfig) -> tuple:
-    return tuple(dataclasses.asdict(cfg).items())
+def _config_key(cfg: ModelConfig) -> str:
+    """The config as a cache key: JSON, so that its dict and list fields (YaRN's rope_scaling, gpt-oss's
+    layer_types) hash (`_config_of` reads it back)."""
+    return json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+
+
+def _config_of(key: str) -> ModelConfig:
+    return ModelConfig(**json.loads(key))
 
 
 @functools.lru_cache(maxsize=16)
@@ -282,10 +339,11 @@ def _inventory(key: tuple, lora: Optional[LoRA] = None) -> tuple[ParamSpec, ...]
     everything else frozen."""
     from lit_lm.model import Transformer
 
-    cfg = ModelConfig(**dict(key))
+    cfg = _config_of(key)
     with torch.device("meta"):
         model = Transformer(cfg)
-    plan = model.tensor_parallel_plan()  # MoE layers: `batch`, their parameters unsplit
+    # MoE layers: `batch`, their parameters unsplit; multi-token prediction has no tp plan (`check_layout`)
+    plan = {} if cfg.mtp_layers else model.tensor_parallel_plan()
     experts = set(model.expert_plan())
     swapped = {f"{n}.weight" for n in fp8_linears(model)}
     swapped |= {f"{n}.{p}" for n, m in fp8_experts(model).items() for p, _ in m.named_parameters(recurse=False)}
@@ -318,9 +376,9 @@ def _chunk(n: int, parts: int) -> int:
 def _local_shape(p: ParamSpec, layout: ParallelConfig) -> tuple[int, ...]:
     """The shape rank 0 of the tp (and ep) group holds."""
     shape = list(p.shape)
-    if layout.tp > 1 and p.tp_style in ("column", "vocab_embedding", "vocab_head"):
+    if layout.tp > 1 and p.tp_style in ("column", "vocab_embedding", "vocab_head", "heads"):  # heads: the sinks
         shape[0] = _chunk(shape[0], layout.tp)
-    elif layout.tp > 1 and p.tp_style == "row":
+    elif layout.tp > 1 and p.tp_style == "row" and len(shape) > 1:  # a row-parallel bias is whole (gpt-oss's wo)
         shape[1] = _chunk(shape[1], layout.tp)
     if p.expert and layout.ep > 1:
         shape[0] = _chunk(shape[0], layout.ep)
@@ -544,18 +602,53 @@ def _block_activations(cfg: ModelConfig, layer: int, b: int, t: int, layout: Par
     bt = b * t
     norm = (2 * bt * d * 4 + bt * 4) // sp  # RMSNorm: its input and normalised value, 1/rms: fp32
     rope = rope_table_bytes(cfg, t)
-    attn = (3 if autocast else 1) * bt * d * abytes + ((2 * bt * q + 2 * bt * kv) * abytes + b * h * t * 4) // tp + rope
+    if cfg.mla_kv_rank:
+        attn = _latent_attention_activations(cfg, bt, t, layout, abytes, autocast)
+    else:
+        attn = (3 if autocast else 1) * bt * d * abytes + ((2 * bt * q + 2 * bt * kv) * abytes + b * h * t * 4) // tp
+        attn += rope + (_sink_activations(cfg, b, t, layout) if cfg.attn_sinks else 0)
     if cfg.is_moe_layer(layer):
         k, f, e = cfg.moe_top_k, cfg.moe_d_ff, cfg.moe_experts
         # gathered rows, the expert SwiGLU, the experts' outputs (the gates' product keeps them) and their gated
         # product (the combining `index_add_` keeps its source: its backward expands the gradient to its shape):
-        # on the fp32 residual stream's rows, measured as large under bf16 autocast as in fp32
-        routed = bt * k * (3 * d + 4 * f) * 4
+        # on the fp32 residual stream's rows, measured as large under bf16 autocast as in fp32; gpt-oss's clamped
+        # SwiGLU (`swiglu_limit`) keeps three more of the hidden width per pair (the clamps' and the sigmoid's
+        # inputs), its router bias one more score
+        routed = bt * k * (3 * d + (7 if cfg.swiglu_limit else 4) * f) * 4
         shared = 4 * bt * cfg.moe_shared_experts * f * 4
-        mlp = bt * d * 4 + 3 * bt * e * 4 + routed + shared  # fp32 router input and scores
+        mlp = bt * d * 4 + (3 + cfg.moe_biases) * bt * e * 4 + routed + shared  # fp32 router input and scores
     else:
         mlp = (2 if autocast else 1) * bt * d * abytes + 4 * bt * cfg.d_ff * abytes // tp
     return 2 * norm + attn + mlp
+
+
+def _latent_attention_activations(cfg: ModelConfig, bt: int, t: int, layout: ParallelConfig, abytes: int,
+                                  autocast: bool) -> int:
+    """Bytes latent attention (`lit_lm.mla`) saves per block for bt tokens of a t-long sequence: the input (each
+    down-projection's own cast under autocast: wq_a or wq, and wkv_a); per query rank r_q its RMSNorm (fp32 input
+    and normalised value, 1/rms) and output; the latent's norm the same over r_kv, its fp32 input the whole wkv_a
+    output (r_kv + Dr) unless autocast copied the latent alone; per head (split by tp) q and k of D_qk = Dn + Dr
+    each, wkv_b's output (Dn + Dv: v is a view of it), the attention output (Dv; wo's input a view of it) and the
+    fp32 log-sum-exp; the RoPE tables of the Dr rope dims (the rotation saves no input: only the tables need it)."""
+    h = cfg.n_heads // layout.tp
+    r_kv, dr, dn, dv = cfg.mla_kv_rank, cfg.mla_qk_rope_dim, cfg.mla_qk_nope_dim, cfg.mla_v_dim
+
+    def norm(r: int) -> int:  # an RMSNorm over r: fp32 input and normalised value, 1/rms; its output
+        return bt * (2 * r * 4 + 4 + r * abytes)
+
+    saved = (2 if autocast else 1) * bt * cfg.d_model * abytes + norm(r_kv) + (0 if autocast else bt * dr * 4)
+    if cfg.mla_q_rank:
+        saved += norm(cfg.mla_q_rank)
+    return saved + bt * h * ((2 * (dn + dr) + dn + 2 * dv) * abytes + 4) + t * dr * 4
+
+
+def _sink_activations(cfg: ModelConfig, b: int, t: int, layout: ParallelConfig) -> int:
+    """What attention with sinks (`lit_lm.attention_sinks.sink_attention`, the softmax written out) saves beyond a
+    fused kernel's output and log-sum-exp: the fp32 probabilities of every (query, key) pair per head, the grouped
+    queries and keys matmul copies in fp32 (2 (Hq - Hkv) head_dim per token), and the (t, t) boolean mask per call.
+    Quadratic in t: at 4,096 positions and 64 heads, 4 GiB per sequence and layer (split by tp)."""
+    h, kv = cfg.n_heads // layout.tp, max(1, cfg.n_kv_heads // layout.tp)
+    return b * h * t * t * 4 + 2 * b * t * (h - kv) * cfg.head_dim * 4 + t * t
 
 
 def _mlp_backward(cfg: ModelConfig, layer: int, b: int, t: int, layout: ParallelConfig, abytes: int) -> int:
@@ -610,7 +703,20 @@ def _stage_activations(cfg: ModelConfig, layers: list[int], first: bool, last: b
         # fp32: the log-softmax (and the z-loss's logsumexp input); under tp the vocab-parallel loss keeps the logits
         # (its target gather's input) and their exp (`lit_lm.strategies.tp_layers.VocabParallelLoss`)
         kept += b * t * v * 4 * (2 if cfg.z_loss or layout.tp > 1 else 1)
+        kept += sum(_mtp_activations(cfg, k, b, t, layout, abytes, autocast) for k in range(1, cfg.mtp_layers + 1))
     return kept, recompute
+
+
+def _mtp_activations(cfg: ModelConfig, k: int, b: int, t: int, layout: ParallelConfig, abytes: int,
+                     autocast: bool) -> int:
+    """Multi-token prediction module k (`lit_lm.mtp`) on its t - k positions, never checkpointed (activation
+    checkpointing wraps `blocks`): the shifted token ids, enorm (its fp32 input, the embedding, and normalised
+    value; 1/rms) and hnorm (the normalised value and 1/rms: its input is the main stream, kept anyway), eh_proj's
+    input (the two concatenated, 2d), its block, its final norm, the head's input and the fp32 log-softmax."""
+    n, d = b * (t - k), cfg.d_model
+    block = _block_activations(cfg, cfg.n_layers + k - 1, b, t - k, layout, abytes, autocast)
+    loss = cfg.padded_vocab_size * 4 * (2 if cfg.z_loss else 1)
+    return block + n * (8 + (2 * d + 1 + d + 1 + 2 * d + 1) * 4 + 3 * d * abytes + loss)
 
 
 # -- the estimate ----------------------------------------------------------------------------------------------
@@ -633,6 +739,8 @@ def check_layout(work: Workload, layout: ParallelConfig) -> None:
         raise ConfigError(f"accumulate {work.accumulate} x microbatches {m} must divide the per-replica batch {local}")
     if p * v > cfg.n_layers:
         raise ConfigError(f"pp x virtual_stages = {p * v} exceeds n_layers {cfg.n_layers}")
+    if cfg.mtp_layers and (layout.tp > 1 or p > 1):  # as `Transformer.tensor_parallel_plan`, `pipeline_split` refuse
+        raise ConfigError("multi-token prediction (mtp_layers) runs under ZeRO, ep and cp, not tp or pp")
     dense = any(not cfg.is_moe_layer(i) for i in range(cfg.n_layers))  # MoE layers are not split over tp
     if cfg.n_kv_heads % layout.tp or (dense and cfg.d_ff % layout.tp):
         raise ConfigError(f"tp {layout.tp} must divide n_kv_heads {cfg.n_kv_heads} and d_ff {cfg.d_ff}")
@@ -733,9 +841,8 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
                 rank.add_transient(moment, "input gradients sent, held to the step's end",
                                    (m - 1) * sum(s > 0 for s in mine) * one)
 
-        n_active = cfg.num_params(include_embedding=False, active=True)
         share = sum(len(c) for c in chunks) / cfg.n_layers
-        rank.flops = flops_per_token(n_active, cfg.n_layers, cfg.d_model, work.seq_len) * share * tokens_per_rank
+        rank.flops = model_flops_per_token(cfg, work.seq_len) * share * tokens_per_rank  # MLA, windows, MTP
         rank.flops /= layout.tp
         if work.document_length:  # the mask leaves a share of the attention pairs; the cp split shares it unevenly
             attention = 12 * cfg.n_layers * cfg.d_model * work.seq_len * share * tokens_per_rank / layout.tp
@@ -881,6 +988,10 @@ def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout:
             rank.add_comm("tp", "all_reduce", sum(rows(s[0]) * math.prod(s[1:]) for s in adapters) * pbytes, layout.tp)
         if partial:  # one all-reduce of the partial gradients (under ZeRO: this rank's dp rows of each)
             rank.add_comm("tp", "all_reduce", partial * rows(cfg.d_model) // cfg.d_model * pbytes, layout.tp)
+        if cfg.mla_kv_rank:  # latent attention's replicated down-projections and norms (`lit_lm.mla`): partial sums
+            r_q, latent = cfg.mla_q_rank or 0, cfg.mla_kv_rank + cfg.mla_qk_rope_dim
+            per_layer = rows(latent) * cfg.d_model + rows(cfg.mla_kv_rank) + rows(r_q) * (cfg.d_model + 1)
+            rank.add_comm("tp", "all_reduce", len(layers) * per_layer * pbytes, layout.tp)
         if last:  # loss-parallel cross-entropy: max, sum-exp and target logit per token, fp32
             rank.add_comm("tp", "all_reduce", 3 * tokens * 4, layout.tp)
     if layout.pp > 1:
@@ -913,14 +1024,20 @@ def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout:
         else:  # allgather: K/V gathered forward and again backward; the fp32 dK/dV shares reduce-scattered
             rank.add_comm("cp", "all_gather", 2 * layout.cp * kv * abytes, layout.cp)
             rank.add_comm("cp", "reduce_scatter", layout.cp * kv * 4, layout.cp)
-    moe = [i for i in layers if cfg.is_moe_layer(i)]
+    # multi-token prediction module k's block (after the last block; on t - k of the t positions)
+    mtp = [k for k in range(1, cfg.mtp_layers + 1) if last and cfg.is_moe_layer(cfg.n_layers + k - 1)]
+    moe = [i for i in layers if cfg.is_moe_layer(i)] + [cfg.n_layers + k - 1 for k in mtp]
     forwards = accumulate * (layout.microbatches if layout.pp > 1 else 1)  # (recomputed forwards not counted)
     if layout.ep > 1:
         # per layer and forward the per-expert counts (int64); the token rows, dispatch and combine forward and
         # backward: a rank sends its own tokens' rows (dropless) and the rows it received, as many under balanced
-        # routing: the expectation, exact for the ep group's mean (what every rank sends, the group receives)
-        dispatched = tokens * cfg.moe_top_k * cfg.d_model * abytes
-        rank.add_comm("ep", "all_to_all", len(moe) * (4 * dispatched + forwards * cfg.moe_experts * 8), layout.ep)
+        # routing: the expectation, exact for the ep group's mean (what every rank sends, the group receives).
+        # One row per (token, expert) pair: node-limited routing (moe_groups, moe_topk_groups) bounds the groups a
+        # token's rows go to, not their number (no row is sent once per node and fanned out there, as DeepEP's
+        # dispatch does), so it changes no byte here
+        routed = tokens * (len(moe) - len(mtp)) + sum(local_batch * (t - k) for k in mtp)  # over the layers
+        dispatched = routed * cfg.moe_top_k * cfg.d_model * abytes
+        rank.add_comm("ep", "all_to_all", 4 * dispatched + len(moe) * forwards * cfg.moe_experts * 8, layout.ep)
     dp = layout.dims().dp
     if moe and cfg.moe_balance == "global" and dp > 1:  # each forward's per-expert counts (int64) over the batch
         rank.add_comm("dp", "all_gather", forwards * len(moe) * dp * cfg.moe_experts * 8, dp)
