@@ -106,9 +106,17 @@ class ModelConfig:
         return config
 
     def derived_fields(self) -> list[str]:
-        """The DERIVED fields whose value is what derivation gives (left open, or stated equal to it)."""
-        fresh = replace(self, **{n: None for n in self.DERIVED})
-        return [n for n in self.DERIVED if getattr(self, n) is None or getattr(self, n) == getattr(fresh, n)]
+        """The DERIVED fields whose value is what derivation gives (left open, or stated equal to it). A field whose
+        derivation is invalid for this config is stated (gpt-oss: d_model 2880 over 64 heads derives head_dim 45,
+        odd, where the config states 64), and the others are derived beside it."""
+        for stated in ((), *((n,) for n in self.DERIVED)):
+            try:
+                fresh = replace(self, **{n: None for n in self.DERIVED if n not in stated})
+            except ConfigError:
+                continue
+            return [n for n in self.DERIVED if n not in stated and
+                    (getattr(self, n) is None or getattr(self, n) == getattr(fresh, n))]
+        return []
 
     def resolved(self) -> "ModelConfig":
         """This config with its derived fields filled (itself when they are)."""

@@ -147,3 +147,29 @@ def test_multi_token_prediction_is_refused_under_tp_and_pp() -> None:
         with pytest.raises(planner.ConfigError, match="multi-token prediction"):
             planner.estimate(work, layout)
     assert planner.estimate(work, ParallelConfig(dp_shard=2, zero_stage=2, ep=2)).ranks[0].comm
+
+
+def test_a_head_dim_stated_apart_from_an_odd_derivation_builds_the_module() -> None:
+    """gpt-oss-120b: d_model 2880 over 64 heads would derive head_dim 45 (odd: refused for RoPE); its config states 64.
+    The module's record of derived fields (`ModelConfig.derived_fields`) re-derived them all at once and raised."""
+    from lit_lm.module import LanguageModel
+
+    cfg = ModelConfig(vocab_size=64, d_model=36, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8)
+    assert cfg.derived_fields() == ["d_ff", "moe_d_ff"]
+    assert LanguageModel(cfg).config.head_dim == 8
+
+
+@pytest.mark.parametrize("model, layout, billions, roles", [("deepseek_v3_671b", "deepseek_v3_2048", 671.0, 6),
+                                                             ("gpt_oss_120b", "gpt_oss_2048", 116.8, 2)])
+def test_the_2048_rank_configs_plan(model: str, layout: str, billions: float, roles: int) -> None:
+    """The page's configs (docs/benchmarks/2026-12-families-full-size.md): the public shapes' parameter counts
+    (DeepSeek-V3 without its MTP layer under a pipeline: 671B; gpt-oss-120b: 116.8B), 2,048 ranks, the rank roles
+    the full-size check runs (the check's scaled copy cuts gpt-oss's 36 layer_types with its layers)."""
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    argv = ["--config", str(configs / "models" / f"{model}.yaml"),
+            "--config", str(configs / "full_size" / f"{layout}.yaml")]
+    plan = plan_check(parse(argv, LitLMCLI, [str(DEFAULT_CONFIG)]), argv, optimizers=("module",))
+    check = full_size.prepare(plan)
+    assert plan.world == 2048 and len(check.roles) == roles, check.roles
+    assert round(plan.model.num_params() / 1e9, 1) == billions
+    assert full_size.planner(check, "bf16-mixed", "cuda").peak_bytes > 0

@@ -59,6 +59,8 @@ def scaled_config(cfg: ModelConfig, par: Optional[ParallelConfig]) -> tuple[Mode
     if par.layers_per_stage is None:
         need = max(2, stages, first + every + (1 if cfg.moe_experts and every > 1 else 0))
         sizes["n_layers"] = min(cfg.n_layers, round_up(need, stages))
+    if cfg.layer_types is not None:  # gpt-oss's sliding and full layers: the first ones, in their order
+        sizes["layer_types"] = cfg.layer_types[: sizes.get("n_layers", cfg.n_layers)]
     small = replace(cfg, **sizes)
     notes = [f"{k} {getattr(cfg, k)} -> {v}" for k, v in sizes.items() if getattr(cfg, k) != v]
     return small, notes
