@@ -14,7 +14,7 @@ from lit_lm.config import ConfigError, ModelConfig
 from lit_lm.model import document_mask
 from lit_lm.planner import cli
 from lit_lm.planner.cp_rank import attention_buffers, rank_methods, reference_layout
-from lit_lm.planner.documents import allowed_share, imbalance, pairs_per_token, zigzag_rank_pairs
+from lit_lm.planner.documents import ROWS, allowed_share, document_ids, imbalance
 from lit_lm.planner.estimate import Workload, estimate
 from lit_lm.planner.plan import Cluster, plan
 from lit_lm.strategies.cp import zigzag_positions
@@ -23,22 +23,23 @@ from lit_lm.strategies.layout import ParallelConfig
 MODEL = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=8, n_kv_heads=8, d_ff=512, max_seq_len=4096)
 
 
-def _ids(seq_len: int, mean: int, seed: int = 0) -> torch.Tensor:
-    """The planner's row as document ids (B=1, T): a new document wherever a token's keys restart at 1."""
-    return (pairs_per_token(seq_len, mean, seed) == 1).long().cumsum(0)[None]
+def _rank_pairs(ids: torch.Tensor, cp: int) -> list[int]:
+    """Per zigzag cp rank, the (query, key) pairs the model's own document mask lets through, over the rows."""
+    mask = document_mask(ids)[:, 0]
+    return [int(mask[:, zigzag_positions(ids.shape[1], r, cp)].sum()) for r in range(cp)]
 
 
 @pytest.mark.parametrize("seq_len, mean", [(256, 16), (512, 100), (96, 1)])
 def test_the_planners_pairs_are_the_models_mask(seq_len: int, mean: int) -> None:
-    """Allowed pairs and each zigzag rank's share, counted by the planner's arithmetic, equal the pairs the model's
-    own document mask (`lit_lm.model.document_mask`) lets through, row by row."""
-    ids = _ids(seq_len, mean)
-    mask = document_mask(ids)[0, 0]
-    assert int(pairs_per_token(seq_len, mean).sum()) == int(mask.sum())
-    for cp in (2, 4):
-        per_rank = [int(mask[zigzag_positions(seq_len, r, cp)].sum()) for r in range(cp)]
-        assert zigzag_rank_pairs(seq_len, cp, mean) == per_rank
-    assert ids.max() > 0  # documents, not one causal row
+    """The allowed share and the zigzag split's imbalance the planner counts equal what the model's own document
+    mask (`lit_lm.model.document_mask`) lets through, rank by rank (one row, and a micro-batch of 3)."""
+    rows = torch.cat([document_ids(seq_len, mean, seed) for seed in range(ROWS)])
+    assert rows[0].max() > 0  # documents, not one causal row
+    assert allowed_share(seq_len, mean) == pytest.approx(float(document_mask(rows).sum()) /
+                                                         (ROWS * seq_len * (seq_len + 1) / 2))
+    for cp, n in ((2, 1), (4, 1), (4, 3)):
+        pairs = _rank_pairs(rows[:n], cp)
+        assert imbalance(seq_len, cp, mean, n) == pytest.approx(max(pairs) * cp / sum(pairs))
 
 
 def test_masked_attention_flops_and_the_busiest_cp_rank() -> None:
@@ -62,17 +63,15 @@ def test_masked_attention_flops_and_the_busiest_cp_rank() -> None:
         Workload(MODEL, 4096, 8, document_length=0)
 
 
-def test_imbalance_is_the_busiest_rank_over_the_mean() -> None:
-    pairs = zigzag_rank_pairs(8192, 4, 512)
-    assert imbalance(8192, 4, 512) == pytest.approx(max(pairs) * 4 / sum(pairs)) and imbalance(8192, 4, 512) > 1
+def test_the_document_aware_split_evens_the_ranks() -> None:
+    """`cp_balance: documents` (the strategy's balancer) brings the busiest rank near the mean where zigzag leaves it
+    well above; Ulysses and cp 1 have none to even out."""
+    assert imbalance(32768, 8, 512) > 1.2 and imbalance(32768, 8, 512, balance="documents") < 1.1
     assert imbalance(8192, 4, 512, method="ulysses") == 1.0 and imbalance(8192, 1, 512) == 1.0
-    many = zigzag_rank_pairs(8192, 4, 512, rows=4)  # a micro-batch of rows: each rank's work summed over them
-    assert many == [sum(x) for x in zip(*(_rank_pairs(8192, 4, 512, seed) for seed in range(4)))]
-
-
-def _rank_pairs(seq_len: int, cp: int, mean: int, seed: int) -> list[int]:
-    mask = document_mask(_ids(seq_len, mean, seed))[0, 0]
-    return [int(mask[zigzag_positions(seq_len, r, cp)].sum()) for r in range(cp)]
+    work = Workload(MODEL, 8192, 8, "bf16-mixed", document_length=512)
+    zigzag, balanced = (estimate(work, ParallelConfig(dp_shard=2, cp=4, cp_balance=b)).ranks[0].cp_excess_flops
+                        for b in ("zigzag", "documents"))
+    assert 0 <= balanced < zigzag
 
 
 def _rows(work: Workload, cluster: Cluster, layout: ParallelConfig, seq_lens: tuple[int, ...]) -> dict:

@@ -106,7 +106,7 @@ def rank_methods(work: Workload, cluster: Cluster, layout: ParallelConfig, seq_l
             row.cp_bytes = est.wire_bytes("cp")
             row.accumulate = est.workload.accumulate
             if work.document_length:
-                row.imbalance = imbalance(t, layout.cp, work.document_length, micro, method)
+                row.imbalance = imbalance(t, layout.cp, work.document_length, micro, method, layout.cp_balance)
             mine.append(row)
             rows.append(row)
         order = sorted(mine, key=lambda r: (not r.fits, r.step_time if r.fits else r.peak))

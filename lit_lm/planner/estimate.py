@@ -849,7 +849,7 @@ def estimate(work: Workload, layout: ParallelConfig) -> Estimate:
             masked = attention * allowed_share(work.seq_len, work.document_length)
             rank.flops -= attention - masked
             rank.cp_excess_flops = masked * (imbalance(work.seq_len, layout.cp, work.document_length, mb,
-                                                       layout.cp_method) - 1)
+                                                       layout.cp_method, layout.cp_balance) - 1)
         if layout.tp > 1:  # MoE layers are replicated over tp: each peer computes them whole, 6 FLOPs per parameter
             moe = 6 * sum(_moe_active_params(inventory, cfg, i) for i in layers if cfg.is_moe_layer(i))
             rank.replicated_flops = moe * tokens_per_rank * (1 - 1 / layout.tp)
