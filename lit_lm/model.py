@@ -76,6 +76,7 @@ class RotaryEmbedding(nn.Module):
         self.attention_factor = yarn_attention_factor(scaling) if yarn else 1.0
         self._cache: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
         self._at: Optional[tuple[Tensor, torch.device, tuple[Tensor, Tensor]]] = None  # see cos_sin_at
+        self._freq_on: dict[torch.device, Tensor] = {}  # inv_freq per device (`tables`)
 
     def cos_sin(self, seq_len: int, device: torch.device, offset: int = 0) -> tuple[Tensor, Tensor]:
         if torch.compiler.is_compiling():  # in the graph, no cache: a lookup that fills it would recompile at step 2
@@ -99,7 +100,12 @@ class RotaryEmbedding(nn.Module):
         return tables
 
     def tables(self, positions: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
-        angles = torch.outer(positions.to("cpu", torch.float64), self.inv_freq)  # (T, D/2)
+        """Built where the positions are: a device's positions are never read to the host (context parallelism's
+        document balance hands new ones every step), with the frequencies copied there once."""
+        at = positions.device
+        if at not in self._freq_on:
+            self._freq_on[at] = self.inv_freq.to(at)
+        angles = torch.outer(positions.to(torch.float64), self._freq_on[at])  # (T, D/2)
         m = self.attention_factor
         return (angles.cos() * m).float().to(device), (angles.sin() * m).float().to(device)
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lit_lm.config import ConfigError
-from lit_lm.model import document_mask
+from lit_lm.model import RotaryEmbedding, document_mask
 from lit_lm.parity import Case, assert_parity, case_tokens, run_parity, unreported_mutants
 from lit_lm.spawn import run_distributed
 from lit_lm.strategies import cp as context
@@ -100,6 +100,18 @@ def test_a_single_document_keeps_the_zigzag_split_and_device_ids_are_refused() -
         plan_split(torch.zeros(1, 16, dtype=torch.long, device="meta"), 2)
     assert imbalance([1, 1, 4]) == 2.0 and attention_work(torch.zeros(1, 16, dtype=torch.long), 2).flops(2, 4) == \
         (4 * 2 * 4 * 3.5 * 68,) * 2
+
+
+def test_rope_tables_of_device_positions_are_built_on_the_device() -> None:
+    """A balanced split hands the model new positions every step: RoPE builds their tables where they are, never
+    reading a device tensor to the host (meta stands for a device: it has no values to read); on the CPU the same
+    tables as before, bit for bit (`tables` was fp64 on the host)."""
+    rope = RotaryEmbedding(8)
+    cos, sin = rope.cos_sin_at(torch.arange(4, device="meta"), torch.device("meta"))
+    assert cos.device.type == "meta" and cos.shape == (4, 4)
+    positions = zigzag(16, 2).positions(1)
+    angles = torch.outer(positions.to(torch.float64), rope.inv_freq)
+    assert torch.equal(rope.cos_sin_at(positions, torch.device("cpu"))[0], angles.cos().float())
 
 
 def test_the_balancer_takes_each_planned_split_once() -> None:
