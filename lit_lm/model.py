@@ -109,6 +109,14 @@ class RotaryEmbedding(nn.Module):
         m = self.attention_factor
         return (angles.cos() * m).float().to(device), (angles.sin() * m).float().to(device)
 
+    def row_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """fp32 (B, T, D/2) tables for per-row positions (B, T) of any value, on their device (no host read), in
+        fp64 as `tables`: a position's angles are those it has in a row of its own. Any value, so a context-parallel
+        rank's share of a row (whose positions reach the whole row's length) needs no table of that length."""
+        angles = positions.to(torch.float64).unsqueeze(-1) * self.inv_freq.to(positions.device)
+        m = self.attention_factor
+        return (angles.cos() * m).float(), (angles.sin() * m).float()
+
     @staticmethod
     def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         xf = x.float()
@@ -118,11 +126,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """`positions` (T,): the sequence positions of the T tokens; None means 0..T-1. (B, T): each row's own
-        positions, below T (documents restarting at 0, `lit_lm.data.packing`): rows of the 0..T-1 tables, looked
-        up on the device, so a position gets the same angle as in a row of its own."""
+        positions (documents restarting at 0, `lit_lm.data.packing`; under cp a rank's share of them): `row_tables`,
+        made on the device, so a position gets the same angle as in a row of its own."""
         if positions is not None and positions.ndim == 2:
-            cos, sin = self.cos_sin(q.shape[1], q.device)
-            cos, sin = cos[positions], sin[positions]
+            cos, sin = self.row_tables(positions)
         else:
             cos, sin = self.cos_sin(q.shape[1], q.device) if positions is None else \
                 self.cos_sin_at(positions, q.device)
@@ -477,7 +484,9 @@ class Transformer(nn.Module):
         if cfg.mla_kv_rank and cfg.mla_v_dim > cfg.mla_qk_nope_dim + cfg.mla_qk_rope_dim:
             raise ConfigError(f"context parallelism pads latent attention's values to the key width (lit_lm.mla): "
                               f"`mla_v_dim` {cfg.mla_v_dim} must be <= mla_qk_nope_dim + mla_qk_rope_dim")
-        return {f"blocks.{i}.attn.core": ContextParallel(cfg.window(int(i)), cfg.attn_sinks) for i in self.blocks}
+        heads = (cfg.n_heads, cfg.n_heads if cfg.mla_kv_rank else cfg.n_kv_heads)  # latent attention: a key per head
+        return {f"blocks.{i}.attn.core": ContextParallel(cfg.window(int(i)), cfg.attn_sinks, heads)
+                for i in self.blocks}
 
     def expert_plan(self) -> dict:
         """WHAT expert parallelism shards (lit_lm.strategies.plan.ExpertModel): each MoE layer's `GroupedExperts`, whose

@@ -131,6 +131,15 @@ def test_moe_models_are_refused() -> None:
         parallelize_context(model)
 
 
+def ulysses_degree(method: str, cp: int, hq: int, hk: int) -> tuple[int, Any]:
+    """(u, the world's `HybridGroups` or None): the ranks a method's heads exchange spans (ulysses+ring: the most the
+    heads allow over the world's cp ranks; the groups made on every rank, in the same order)."""
+    if method != context.HYBRID:
+        return (cp if method == "ulysses" else 1), None
+    u = context.ulysses_size_for(cp, {(hq, hk)})
+    return u, context.hybrid_groups([list(range(cp))], u)
+
+
 def _attention_worker(seq_len: int, runs: list[tuple[str, tuple]]) -> dict[str, Any]:
     """Every (method, case, tile backend): max |error| of the output and of dq, dk, dv against attention on the
     whole sequence, the accounting layer's wire bytes of one forward and one backward, and the saved bytes."""
@@ -139,7 +148,10 @@ def _attention_worker(seq_len: int, runs: list[tuple[str, tuple]]) -> dict[str, 
     for method, (backend, (hq, hk, window)) in itertools.product(METHODS, runs):
         if method == "ulysses" and hq % cp:  # its heads split over the cp ranks (test_ulysses_refuses_...)
             continue
-        copies = max(1, cp // hk) if method == "ulysses" else 1  # kv heads Ulysses sends a copy of per rank
+        if method == context.HYBRID and backend != "reference":  # (its tiles are the ring's)
+            continue
+        u, hybrid = ulysses_degree(method, cp, hq, hk)
+        copies = context.ulysses_kv_copies(hq, hk, u)  # kv heads Ulysses sends a copy of per rank
         gen = torch.Generator().manual_seed(hq * 100 + hk * 10 + (window or 0))
         q, k, v, grad = (torch.randn(2, h, seq_len, 8, generator=gen) for h in (hq, hk, hk, hq))
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -147,7 +159,7 @@ def _attention_worker(seq_len: int, runs: list[tuple[str, tuple]]) -> dict[str, 
         ref.backward(grad)
         local = [zigzag_split(t, rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
         holder = nn.Module()
-        holder.core = ContextParallelAttention(None, method, window, backend)
+        holder.core = ContextParallelAttention(None, method, window, backend, hybrid=hybrid)
         COMM_LOG.reset()
         with SavedActivations(holder) as saved:
             y = holder.core(*local)
@@ -160,7 +172,7 @@ def _attention_worker(seq_len: int, runs: list[tuple[str, tuple]]) -> dict[str, 
         out[f"{method} {backend} {hq}/{hk} w={window}"] = {
             "errors": [float(e) for e in errors],
             "wire": [sum(s["wire_bytes"] for s in summary.values()) for summary in (forward, backward)],
-            "theory": comm_theory(method, cp, 2 * k.numel() // cp, k.element_size(), q.numel() // cp, copies),
+            "theory": comm_theory(method, cp, 2 * k.numel() // cp, k.element_size(), q.numel() // cp, copies, u),
             "saved": (saved.bytes["core"], saved_bytes_theory(2, hq, hk * copies, 8, seq_len // cp, 4))}
     return out
 
@@ -200,7 +212,7 @@ def _bench_variants_worker() -> dict[tuple[str, str], Any]:
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         COMM_LOG.reset()
         with bench.variant(name):
-            y = context_attention(*leaves, method=method)
+            y = context_attention(*leaves, method=method, hybrid=ulysses_degree(method, 2, 4, 2)[1])
             y.backward(grad)
         out[method, name] = ([y.detach(), *(t.grad for t in leaves)], len(COMM_LOG.records))
     return out

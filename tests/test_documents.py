@@ -21,7 +21,6 @@ from lit_lm.data.tokenizer import load_tokenizer
 from lit_lm.model import Transformer
 from lit_lm.module import LanguageModel
 from lit_lm.parity import TINY, Case, assert_parity, run_parity
-from lit_lm.strategies import cp
 from lit_lm.strategies.composed import ComposedStrategy
 from lit_lm.strategies.pp import PipelineStrategy
 from lit_lm.strategies.tp import TensorParallelStrategy
@@ -127,12 +126,8 @@ def test_the_module_passes_the_rows_documents_and_off_is_untouched(monkeypatch):
     assert calls[1][1]["documents"].tolist() == [[0, 0, 1, 1]] and calls[1][1]["positions"].tolist() == [[0, 1, 0, 1]]
 
 
-def test_where_not_built_yet_it_is_refused_in_one_line(monkeypatch):
-    monkeypatch.setattr(cp.dist, "get_world_size", lambda group=None: 2)
-    loss_fn = cp.context_loss(model())
-    x = torch.zeros(1, 8, dtype=torch.long)
-    with pytest.raises(ConfigError, match=r"position_reset under context parallelism: not yet"):
-        loss_fn(x, x, positions=document_positions(document_ids(x, EOS)), documents=document_ids(x, EOS))
+def test_position_reset_without_documents_is_refused_in_one_line():
+    """(Under context parallelism it is built: tests/test_cp_documents.py.)"""
     with pytest.raises(ConfigError, match="position_reset"):
         from lit_lm.data.datamodule import TextDataModule
         TextDataModule(position_reset=True)

@@ -437,11 +437,13 @@ def test_cp_wire_bytes_follow_the_attention_theory(method: str) -> None:
     `lit_lm.strategies.cp.comm_theory` says one attention call sends, once per layer; under the ring each send has its
     recv (which puts nothing more on the wire)."""
     cfg, cp = ModelConfig(**dict(MODEL, max_seq_len=SEQ)), 4
-    est = estimate(Workload(cfg, SEQ, GLOBAL_BATCH, "bf16-mixed"), ParallelConfig(dp_shard=2, cp=cp, cp_method=method))
+    u = {"ulysses": cp, "ulysses+ring": 2}.get(method, 1)  # the hybrid as 2 x 2
+    config = ParallelConfig(dp_shard=2, cp=cp, cp_method=method, ulysses_size=2 if method == "ulysses+ring" else None)
+    est = estimate(Workload(cfg, SEQ, GLOBAL_BATCH, "bf16-mixed"), config)
     kv_numel = 2 * GLOBAL_BATCH // 2 * SEQ // cp * cfg.n_kv_heads * cfg.head_dim
-    q_numel, copies = GLOBAL_BATCH // 2 * SEQ // cp * cfg.n_heads * cfg.head_dim, max(1, cp // cfg.n_kv_heads)
-    theory = comm_theory(method, cp, kv_numel, 2, q_numel, copies if method == "ulysses" else 1)
-    assert est.wire_bytes("cp") == cfg.n_layers * sum(theory.values())
+    q_numel, copies = GLOBAL_BATCH // 2 * SEQ // cp * cfg.n_heads * cfg.head_dim, max(1, u // cfg.n_kv_heads)
+    theory = comm_theory(method, cp, kv_numel, 2, q_numel, copies, u)
+    assert sum(est.wire_bytes(g) for g in ("cp", "cp_ulysses", "cp_ring")) == cfg.n_layers * sum(theory.values())
     comm = est.ranks[0].comm
     if method == "ring":
         assert comm[("cp", "send")] == comm[("cp", "recv")] == est.wire_bytes("cp")

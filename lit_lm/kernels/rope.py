@@ -128,14 +128,23 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """`positions` as `lit_lm.model.RotaryEmbedding` takes them: None (0..T-1), (T,) any positions, or (B, T)
-        per row, below T (packed documents restarting at 0): rows of the 0..T-1 tables, read by the kernel."""
+        per row (packed documents restarting at 0; under cp a rank's share, reaching the whole row's length): a
+        table row per token made on the device (`row_tables`), token (b, t) reading row b·T + t in the kernel."""
         rows = positions if positions is not None and positions.ndim == 2 else None
-        if positions is None or rows is not None:
+        if rows is not None:
+            cos, sin = self.row_tables(rows)
+        elif positions is None:
             cos, sin = self.cos_sin(q.shape[1], q.device)
         else:
             cos, sin = self.cos_sin_at(positions, q.device)
         if use_triton(self.backend, q):
+            if rows is not None:
+                cos, sin = cos.flatten(0, 1), sin.flatten(0, 1)
+                rows = torch.arange(cos.shape[0], device=q.device).view(q.shape[:2])
             return rope(q, k, cos, sin, rows)
-        if rows is not None:
-            cos, sin = cos[rows], sin[rows]
         return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
+
+    def row_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """As `lit_lm.model.RotaryEmbedding.row_tables`: fp32 (B, T, D/2), in fp64 on the positions' device."""
+        angles = positions.to(torch.float64).unsqueeze(-1) * self.inv_freq.to(positions.device)
+        return angles.cos().float(), angles.sin().float()

@@ -63,6 +63,7 @@ from lit_lm.planner.documents import allowed_share, imbalance
 from lit_lm.planner.optimizer import NS_BYTES, NS_STEPS, OPTIMIZERS, Cut, muon_matrix, ns_work, state_bytes
 from lit_lm.strategies.ac import MODES as CHECKPOINTING
 from lit_lm.strategies.comm import wire_factor, zero_forms
+from lit_lm.strategies.cp import ulysses_size_for
 from lit_lm.strategies.fp8 import check_fp8, fp8_experts, fp8_linears, tp_amax_numels
 from lit_lm.strategies.flat_step import piece_numel
 from lit_lm.strategies.grad_sync import GradSync, _bucketize
@@ -1021,6 +1022,16 @@ def _activation_comm(rank: RankEstimate, pp_rank: int, cfg: ModelConfig, layout:
             q = len(layers) * local_batch * t * cfg.n_heads * cfg.head_dim // layout.tp
             copies = max(1, layout.cp // max(1, cfg.n_kv_heads // layout.tp))
             rank.add_comm("cp", "all_to_all", 2 * (2 * q + copies * kv) * abytes, layout.cp)
+        elif layout.cp_method == "ulysses+ring":  # Ulysses' all-to-alls over its u ranks, then the ring over the
+            # cp/u on what they left a rank: its heads' K/V of u shares, copies x kv (`lit_lm.strategies.cp`)
+            q = len(layers) * local_batch * t * cfg.n_heads * cfg.head_dim // layout.tp
+            heads = (cfg.n_heads // layout.tp, max(1, cfg.n_kv_heads // layout.tp))
+            u = ulysses_size_for(layout.cp, {heads}, layout.ulysses_size)
+            copies, r = max(1, u // heads[1]), layout.cp // u
+            rank.add_comm("cp_ulysses", "all_to_all", 2 * (2 * q + copies * kv) * abytes, u)
+            ring = copies * kv * (2 * (r - 1) * abytes + r * 4)
+            rank.add_comm("cp_ring", "send", ring, r)
+            rank.add_comm("cp_ring", "recv", ring, r)
         else:  # allgather: K/V gathered forward and again backward; the fp32 dK/dV shares reduce-scattered
             rank.add_comm("cp", "all_gather", 2 * layout.cp * kv * abytes, layout.cp)
             rank.add_comm("cp", "reduce_scatter", layout.cp * kv * 4, layout.cp)

@@ -80,8 +80,9 @@ class ComposedStrategy(BaseStrategy):
             and the residual stream on 1/tp of the positions (default: on).
         pipeline_parallel_size, microbatches, schedule, virtual_stages, layers_per_stage, balance: pipeline stages
             (outermost ranks) and the schedule's settings (`lit_lm/strategies/pp_schedules.py`).
-        context_parallel_size, cp_method: ranks that split every sequence (zigzag, `lit_lm/strategies/cp.py`), attending
-            over the whole sequence by ring (default), allgather or ulysses (docs/cp.md).
+        context_parallel_size, cp_method, ulysses_size: ranks that split every sequence (zigzag,
+            `lit_lm/strategies/cp.py`), attending over the whole sequence by ring (default), allgather, ulysses or
+            ulysses+ring (Ulysses over ulysses_size ranks inside, default the most the heads allow; docs/cp.md).
         cp_balance: how each sequence is split over the cp ranks: zigzag (default: causal work equal), or documents
             (packed documents: chunks assigned from each batch's document ids, planned on the host before the
             batch's transfer, so every rank's attention work is even; `lit_lm/strategies/cp_balance.py`).
@@ -101,12 +102,12 @@ class ComposedStrategy(BaseStrategy):
                  balance: Optional[str] = None, context_parallel_size: int = 1, cp_method: Optional[str] = None,
                  expert_parallel_size: int = 1, data_parallel_replicate_size: int = 1, zero_stage: int = 0,
                  zero_collectives: str = "auto", bucket_cap_mb: float = 25.0, activation_checkpointing: str = "none",
-                 cp_balance: Optional[str] = None, **kwargs: Any) -> None:
+                 ulysses_size: Optional[int] = None, cp_balance: Optional[str] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.config = c = ParallelConfig.from_args(
             tensor_parallel_size, sequence_parallel, pipeline_parallel_size, microbatches, schedule, virtual_stages,
             layers_per_stage, balance, context_parallel_size, cp_method, expert_parallel_size,
-            data_parallel_replicate_size, zero_stage, zero_collectives, cp_balance=cp_balance).check()
+            data_parallel_replicate_size, zero_stage, zero_collectives, ulysses_size, cp_balance=cp_balance).check()
         self._schedule = build_schedule(c.schedule, c.pp, c.microbatches, c.virtual_stages) if c.pp > 1 else None
         self.bucket_cap_mb, self.activation_checkpointing = bucket_cap_mb, ac.check_mode(activation_checkpointing)
         self._module: Optional[nn.Module] = None  # the LightningModule the engines were applied to
@@ -185,7 +186,11 @@ class ComposedStrategy(BaseStrategy):
             require_plan(model, ContextParallelModel, f"context_parallel_size={c.cp}",
                          "context_parallel_plan()", module)
             context.check_data_seq_len(module, c.cp)
-            context.parallelize_context(model, layout.group("cp"), c.cp_method)
+            hybrid = None
+            if c.cp_method == context.HYBRID:  # its subgroups, made once, with the strategy's timeout
+                u = context.model_ulysses_size(model, c.cp, c.tp, c.ulysses_size)
+                hybrid = context.hybrid_groups(layout.grid["cp"], u, self._timeout)
+            context.parallelize_context(model, layout.group("cp"), c.cp_method, hybrid=hybrid)
             self._balancer = self._document_balancer(module, model)
             loss = context.context_loss(model, layout.group("cp"), self._balancer)
             self._seam = StepLoss(model, lambda x, y, train=None, scale=None, **row: loss(x, y, **row),

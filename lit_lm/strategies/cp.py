@@ -5,7 +5,7 @@ Load-balanced (zigzag) split: the sequence is cut into 2·cp chunks of c = T/(2�
 i and 2·cp−1−i, so under a causal mask every rank has the same work (an early chunk with few keys, a late one
 with many). Inputs, targets and RoPE positions are split alike (`zigzag_batch`).
 
-Three ways to attend over the whole sequence (`METHODS`), one autograd function:
+Four ways to attend over the whole sequence (`METHODS`), one autograd function:
 - `ring`: K/V blocks travel around the ring (rank r sends to r+1); while the next block is in flight the rank
   attends to the block in hand, and merges the partial outputs by their log-sum-exp (online softmax):
       lse = logaddexp(lse_a, lse_b),  o = exp(lse_a − lse)·o_a + exp(lse_b − lse)·o_b.
@@ -17,6 +17,11 @@ Three ways to attend over the whole sequence (`METHODS`), one autograd function:
 - `ulysses` (DeepSpeed-Ulysses): one all-to-all turns this rank's sequence share of every head into the whole
   sequence of Hq/cp heads (kv heads copied when fewer than cp), attention runs locally, one all-to-all turns the
   output back; under tp, the heads tp left this rank are split again.
+- `ulysses+ring` (hybrid; Megatron-Core's `a2a+p2p`): the cp ranks form a u x r grid, cp rank j·u + i being
+  Ulysses rank i of ring rank j (`HybridGroups`). Ulysses' all-to-all over the u consecutive ranks gives each the
+  sequence those u ranks hold, of Hq/u heads; that sequence is zigzag share j of a split over r (chunks j·u..j·u+u−1
+  and their mirrors are chunks j and 2r−1−j of u·c tokens), so the ring runs over the r ranks with the same i
+  exactly as `ring` over r ranks, zigzag-balanced, and the output's all-to-all goes back.
 Packed documents (`Documents`, from the rows' ids every cp peer holds): a tile also masks pairs of two documents,
 and `block_plan` skips the keys before the earliest document a tile's rows are in, so a tile whose rows' documents
 no key shares is skipped, not computed.
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -49,7 +55,8 @@ from lit_lm.strategies.cp_balance import DocumentBalancer, Runs, SequenceSplit, 
 from lit_lm.strategies.errors import ConfigError
 from lit_lm.strategies.plan import ContextParallelModel
 
-METHODS = ("ring", "allgather", "ulysses")
+HYBRID = "ulysses+ring"
+METHODS = ("ring", "allgather", "ulysses", HYBRID)
 
 
 # -- the split: zigzag by default (`lit_lm.strategies.cp_balance`: the `SequenceSplit`, and the document balance) ---
@@ -275,6 +282,17 @@ class Documents:
     first_key: tuple[int, ...]
     piece: int
     split: Optional[SequenceSplit] = None  # how the cp ranks split the rows (None: zigzag)
+    _other_splits: dict[int, tuple[Tensor, ...]] = field(default_factory=dict, compare=False, repr=False)
+
+    def share(self, rank: int, ranks: int) -> Tensor:
+        """The ids of rank `rank`'s tokens in a zigzag split over `ranks` ranks: `shares` for the cp group's, else
+        (the hybrid's ring level, cp/u ranks) split once per step and kept here for every layer."""
+        if ranks == len(self.shares):
+            return self.shares[rank]
+        if ranks not in self._other_splits:
+            grouped = (self.split or zigzag(self.ids.shape[1], len(self.shares))).grouped(len(self.shares) // ranks)
+            self._other_splits[ranks] = tuple(grouped.share(self.ids, r) for r in range(ranks))
+        return self._other_splits[ranks][rank]
 
 
 def row_documents(ids: Tensor, cp: int, rows: int = TILE_ROWS, split: Optional[SequenceSplit] = None) -> Documents:
@@ -336,14 +354,19 @@ class Call:
         return self.split.chunk
 
     def ids(self, rank: Optional[int] = None) -> Optional[Tensor]:
-        """The document ids of cp rank `rank`'s tokens (None: of the whole sequence); None without documents."""
+        """The document ids of rank `rank`'s tokens of this call's group (None: of the whole sequence); None
+        without documents."""
         docs = self.documents
-        return None if docs is None else docs.ids if rank is None else docs.shares[rank]
+        return None if docs is None else docs.ids if rank is None else docs.share(rank, self.cp)
 
     def tiles(self, q_pos: Runs, k_pos: Runs) -> Iterator[tuple[slice, slice, int]]:
+        """`block_plan` of this call: a chunk tall, or with documents that skip keys, a piece tall (documents that
+        skip nothing, one per row, tile as none do: so the hybrid's ring, whose chunk is u pieces, gives the
+        unpacked result bit for bit too)."""
         docs = self.documents
-        return block_plan(q_pos, k_pos, self.window, self.chunk if docs is None else docs.piece,
-                          None if docs is None else docs.first_key)
+        if docs is None or not any(docs.first_key):
+            return block_plan(q_pos, k_pos, self.window, self.chunk)
+        return block_plan(q_pos, k_pos, self.window, docs.piece, docs.first_key)
 
 
 def _tile_ids(q_ids: Optional[Tensor], k_ids: Optional[Tensor], rows: slice, keys: slice
@@ -547,6 +570,79 @@ def ulysses_backward(q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tens
     return dq, dkv
 
 
+# -- the hybrid: Ulysses inside, ring across ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class HybridGroups:
+    """`ulysses+ring`'s 2-D cp group, cp = u x r. Cp rank j·u + i (group order) is Ulysses rank i of ring rank j:
+    `ulysses` holds the u consecutive cp ranks of ring rank j (the inner, fast links: tp, then cp, are the
+    layout's innermost dimensions), `ring` the r ranks with the same Ulysses rank i.
+
+        cp = 4, u = 2 (2 x 2):   ulysses {0, 1} {2, 3}    ring {0, 2} {1, 3}"""
+
+    ulysses: Optional[dist.ProcessGroup]
+    ring: Optional[dist.ProcessGroup]
+
+
+def hybrid_grid(cp_groups: list[list[int]], ulysses: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(Ulysses groups, ring groups) of every cp group (lists of global ranks, in cp-rank order)."""
+    inner = [g[j:j + ulysses] for g in cp_groups for j in range(0, len(g), ulysses)]
+    outer = [g[i::ulysses] for g in cp_groups for i in range(ulysses)]
+    return inner, outer
+
+
+_HYBRID: dict[tuple, HybridGroups] = {}
+
+
+def hybrid_groups(cp_groups: list[list[int]], ulysses: int, timeout: Optional[timedelta] = None) -> HybridGroups:
+    """This rank's `HybridGroups`, made once per process like every layout group: `new_group` is collective over
+    the world, so every rank makes those of every cp group (`cp_groups`: the layout's grid["cp"]), each with the
+    strategy's `timeout`; named for the accounting layer "cp_ulysses" and "cp_ring"."""
+    key = (id(dist.group.WORLD), tuple(map(tuple, cp_groups)), ulysses, timeout)
+    if key not in _HYBRID:
+        made = []
+        for name, grid in zip(("cp_ulysses", "cp_ring"), hybrid_grid(cp_groups, ulysses)):
+            mine, _ = dist.new_subgroups_by_enumeration(grid, timeout=timeout)
+            comm.name_group(mine, name)
+            made.append(mine)
+        _HYBRID[key] = HybridGroups(*made)
+    return _HYBRID[key]
+
+
+def _heads_allow(u: int, q_heads: int, kv_heads: int) -> bool:
+    """Whether u Ulysses ranks can share out these heads (`ulysses_kv_copies`: query heads split, kv heads split or
+    copied)."""
+    return not q_heads % u and (not kv_heads % u or not u % kv_heads)
+
+
+def ulysses_size_for(cp: int, heads: set[tuple[int, int]], ulysses_size: Optional[int] = None) -> int:
+    """The hybrid's u for the attention cores' (query, kv) heads on a rank (after tp): `ulysses_size` checked, or by
+    default the largest divisor of cp that every core's heads allow (u = cp is Ulysses alone, u = 1 the ring
+    alone). Refuses in one line a u that does not divide cp or that the heads cannot be shared out over."""
+    divisors = [u for u in range(1, cp + 1) if cp % u == 0]
+    if ulysses_size is None:
+        return max(u for u in divisors if all(_heads_allow(u, hq, hk) for hq, hk in heads))
+    if ulysses_size not in divisors or not isinstance(ulysses_size, int):
+        raise ConfigError(f"ulysses_size={ulysses_size!r} must divide context_parallel_size={cp} (cp = ulysses_size "
+                          f"x ring ranks): choose one of {', '.join(map(str, divisors))}")
+    bad = sorted((hq, hk) for hq, hk in heads if not _heads_allow(ulysses_size, hq, hk))
+    if bad:
+        raise ConfigError(f"cp_method {HYBRID}: ulysses_size={ulysses_size} cannot share out a rank's {bad[0][0]} "
+                          f"query and {bad[0][1]} kv heads (after tp); use a u dividing the query heads")
+    return ulysses_size
+
+
+def model_ulysses_size(root: nn.Module, cp: int, tp: int = 1, ulysses_size: Optional[int] = None) -> int:
+    """`ulysses_size_for` a model's attention cores (`ContextParallel.heads`, split by tp first); a plan that names
+    no heads needs ulysses_size."""
+    model = next((m for m in root.modules() if isinstance(m, ContextParallelModel)), None)
+    heads = {spec.heads for spec in model.context_parallel_plan().values()} if model is not None else {()}
+    if () in heads:
+        if ulysses_size is None:
+            raise ConfigError(f"cp_method {HYBRID}: the model's plan names no attention heads: set ulysses_size")
+        return ulysses_size_for(cp, set(), ulysses_size)
+    return ulysses_size_for(cp, {(hq // tp, max(1, hk // tp)) for hq, hk in heads}, ulysses_size)
+
+
 _FORWARD = {"ring": ring_forward, "allgather": allgather_forward, "ulysses": ulysses_forward}
 _BACKWARD = {"ring": ring_backward, "allgather": allgather_backward, "ulysses": ulysses_backward}
 
@@ -586,9 +682,10 @@ class ContextAttentionFunction(torch.autograd.Function):
 def context_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.ProcessGroup] = None,
                       method: str = "ring", window: Optional[int] = None, backend: str = "auto",
                       logit_max: Optional[Tensor] = None, documents: Optional[Documents] = None,
-                      sinks: Optional[Tensor] = None) -> Tensor:
+                      sinks: Optional[Tensor] = None, hybrid: Optional[HybridGroups] = None) -> Tensor:
     """q (B, Hq, L, D), k/v (B, Hkv, L, D): this rank's zigzag share (L = 2c tokens) -> its share of the output of
-    causal attention over the whole sequence of L·cp tokens; `window` as `CausalAttention.sliding_window`;
+    causal attention over the whole sequence of L·cp tokens (`group`: the cp group; `hybrid`: its u x r grid, for
+    ulysses+ring); `window` as `CausalAttention.sliding_window`;
     `backend` picks the tile kernel as in `kernels.apply`; `logit_max` (Hq,), if given, is raised to the maximum
     logit of this rank's queries over the whole sequence's keys (ulysses: of its heads over the whole sequence, the
     other heads left alone); `documents` (`row_documents`): attention within each document only; `sinks` (Hq,):
@@ -600,16 +697,23 @@ def context_attention(q: Tensor, k: Tensor, v: Tensor, group: Optional[dist.Proc
     cp = dist.get_world_size(group)
     seq_len = q.shape[2] * cp
     check_seq_len(seq_len, cp)
-    held = None if documents is None else documents.split  # how the cp ranks hold the sequence (None: zigzag)
-    if method == "ulysses":
-        q, k, v = sequence_to_heads(q, k, v, group, held)
-        n, rank = q.shape[1], dist.get_rank(group)  # this rank's head group, views (the tiles raise logit_max in place)
+    exchange, attend_over, core = group, group, method  # the heads' all-to-all's group; the attention's
+    if method == HYBRID:  # Ulysses over the inner ranks, then the ring over the outer ones on what they hold
+        if hybrid is None or dist.get_world_size(hybrid.ulysses) * dist.get_world_size(hybrid.ring) != cp:
+            raise ValueError(f"cp_method {HYBRID} needs the cp group's HybridGroups (u x r = cp = {cp})")
+        exchange, attend_over, core = hybrid.ulysses, hybrid.ring, "ring"
+    if method in ("ulysses", HYBRID):  # the split over the exchange's ranks: what its group holds, among them
+        u = dist.get_world_size(exchange)
+        held = None if documents is None or documents.split is None else \
+            documents.split.within(u, dist.get_rank(group) // u)
+        q, k, v = sequence_to_heads(q, k, v, exchange, held)
+        n, rank = q.shape[1], dist.get_rank(exchange)  # this rank's head group, views (tiles raise logit_max in place)
         logit_max = None if logit_max is None else logit_max[rank * n:(rank + 1) * n]
         sinks = None if sinks is None else sinks[rank * n:(rank + 1) * n]
     heads = None if logit_max is None else logit_max.view(k.shape[1], -1)
-    call = Call(group, seq_len, window or seq_len, check_backend(backend), heads, documents)
-    out = ContextAttentionFunction.apply(q, k, v, sinks, method, call)
-    return heads_to_sequence(out, group, held) if method == "ulysses" else out
+    call = Call(attend_over, seq_len, window or seq_len, check_backend(backend), heads, documents)
+    out = ContextAttentionFunction.apply(q, k, v, sinks, core, call)
+    return heads_to_sequence(out, exchange, held) if method in ("ulysses", HYBRID) else out
 
 
 class ContextParallelAttention(LogitMaxRecord, nn.Module):
@@ -617,39 +721,46 @@ class ContextParallelAttention(LogitMaxRecord, nn.Module):
     (`documents`: the rows' `Documents`, from `context_loss`); its one possible parameter is the core's `sinks`
     (Hq,) it replaces (attention sinks, taken over under the same name); measures QK-clip's maximum as the other
     cores do (`LogitMaxRecord`), its queries on every rank's keys (ulysses: its heads; the max over cp fills the
-    rest)."""
+    rest). `ulysses+ring` attends over `hybrid`, the groups the strategy made at setup (`hybrid_groups`)."""
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, method: str = "ring",
                  sliding_window: Optional[int] = None, backend: str = "auto",
-                 sinks: Optional[nn.Parameter] = None) -> None:
+                 sinks: Optional[nn.Parameter] = None, hybrid: Optional[HybridGroups] = None) -> None:
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"unknown cp_method {method!r}: choose one of {', '.join(METHODS)}")
-        self.group, self.method, self.sliding_window = group, method, sliding_window
+        if method == HYBRID and hybrid is None:
+            raise ValueError(f"cp_method {HYBRID} attends over a u x r grid: give its `hybrid_groups`")
+        self.group, self.method, self.sliding_window, self.hybrid = group, method, sliding_window, hybrid
         self.backend = check_backend(backend)
         self.register_parameter("sinks", sinks)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, documents: Optional[Documents] = None) -> Tensor:
         heads = torch.full((q.shape[1],), float("-inf"), device=q.device) if self.measuring else None
         out = context_attention(q, k, v, self.group, self.method, self.sliding_window, self.backend, heads, documents,
-                                self.sinks)
+                                self.sinks, self.hybrid)
         if heads is not None:
             self.record_logit_max(heads)
         return out
 
 
 def parallelize_context(root: nn.Module, group: Optional[dist.ProcessGroup] = None, method: str = "ring",
-                        backend: str = "auto") -> int:
+                        backend: str = "auto", hybrid: Optional[HybridGroups] = None) -> int:
     """Swap, in place, every attention core the model names in `context_parallel_plan()` for a
-    `ContextParallelAttention` over `group`; returns how many. The caller feeds each rank `zigzag_batch` data."""
+    `ContextParallelAttention` over `group` (and `hybrid`, for ulysses+ring); returns how many. The caller feeds each
+    rank `zigzag_batch` data. ulysses+ring over the world (`group` None) without `hybrid` makes its groups here (u:
+    the most the heads allow), a collective every rank runs at setup."""
     model = next((m for m in root.modules() if isinstance(m, ContextParallelModel)), None)
     if model is None:
         raise TypeError(f"{type(root).__name__} has no context_parallel_plan(): it cannot be context-parallel")
+    if method == HYBRID and hybrid is None and group is None:
+        world = dist.get_world_size()
+        hybrid = hybrid_groups([list(range(world))], model_ulysses_size(model, world))
     plan = model.context_parallel_plan()
     for name, spec in plan.items():
         parent, _, child = name.rpartition(".")
         sinks = model.get_submodule(name).sinks if spec.sinks else None  # the same Parameter, under the same name
-        core = ContextParallelAttention(group, method, spec.sliding_window, backend, sinks)
+        core = ContextParallelAttention(group, method, spec.sliding_window, backend, sinks, hybrid)
         setattr(model.get_submodule(parent), child, core)
     return len(plan)
 
@@ -660,6 +771,14 @@ def check_data_seq_len(module: nn.Module, cp: int) -> None:
     if isinstance(seq_len, int) and seq_len % (2 * cp):
         raise ConfigError(f"context_parallel_size={cp} splits each sequence into 2·cp={2 * cp} zigzag chunks, but "
                           f"seq_len is {seq_len} (data.init_args.seq_len); use a multiple of {2 * cp}, or another cp")
+
+
+def rope_positions(reset: Optional[Tensor], held: Tensor, split: SequenceSplit, rank: int) -> Tensor:
+    """A cp rank's RoPE positions: the sequence positions it holds (`held`, (L,)), or with `position_reset` the rows'
+    (B, T) `reset` positions (each token's offset in its document, made from the whole row's ids, which every cp
+    rank was given) cut like the tokens: (B, L), on their device, no host read (the model makes their tables on
+    the device: `lit_lm.model.RotaryEmbedding.row_tables`)."""
+    return held if reset is None else split.share(reset, rank)
 
 
 def context_loss(model: nn.Module, group: Optional[dist.ProcessGroup] = None,
@@ -675,11 +794,9 @@ def context_loss(model: nn.Module, group: Optional[dist.ProcessGroup] = None,
 
     def loss_fn(inputs: Tensor, targets: Tensor, positions: Optional[Tensor] = None,
                 documents: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-        if positions is not None:
-            raise ConfigError("data.init_args.position_reset under context parallelism: not yet (RoPE's per-row "
-                              "tables would need the whole row's length on each rank; issue 57): drop it")
         split = zigzag(inputs.shape[1], cp) if balancer is None or documents is None else balancer.take(documents)
-        share, share_targets, positions, weight = split_batch(inputs, targets, split, group)
+        share, share_targets, sequence_positions, weight = split_batch(inputs, targets, split, group)
+        positions = rope_positions(positions, sequence_positions, split, dist.get_rank(group))
         rows = None if documents is None else row_documents(documents, cp, split=split)
         loss, ce = model.loss(share, share_targets, positions) if rows is None else \
             model.loss(share, share_targets, positions, documents=rows)
@@ -693,16 +810,21 @@ def context_loss(model: nn.Module, group: Optional[dist.ProcessGroup] = None,
 
 
 # -- communication theory (per rank, per attention call), for tests and benchmarks -----------------------------
-def comm_theory(method: str, cp: int, kv_numel: int, element_size: int, q_numel: int = 0, kv_copies: int = 1
-                ) -> dict[str, float]:
+def comm_theory(method: str, cp: int, kv_numel: int, element_size: int, q_numel: int = 0, kv_copies: int = 1,
+                ulysses: int = 1) -> dict[str, float]:
     """Wire bytes one rank sends for one attention call (as `comm.CommRecord.wire_bytes` counts them), for its share
     of stack(k, v) of `kv_numel` elements (and of q, `q_numel`). Ring and allgather move (cp−1) shares of K/V
     forward and again backward; the dK/dV (fp32) make cp hops around the ring, (cp−1)/cp of cp shares in the
     reduce-scatter. Ulysses sends (cp−1)/cp of its q, k, v (k, v times `kv_copies`) and of its output, forward,
-    and the same of their gradients backward (in the model's dtype). Documents add nothing: every rank has the
-    rows' ids."""
+    and the same of their gradients backward (in the model's dtype). The hybrid (`ulysses` = u ranks inside, r =
+    cp/u across) is Ulysses over u, then the ring over r on what the exchange left a rank: its heads' K/V of u
+    shares, kv_copies · kv_numel elements. Documents add nothing: every rank has the rows' ids."""
     if method not in METHODS:
         raise ValueError(f"unknown cp_method {method!r}: choose one of {', '.join(METHODS)}")
+    if method == HYBRID:
+        inner = comm_theory("ulysses", ulysses, kv_numel, element_size, q_numel, kv_copies)
+        outer = comm_theory("ring", cp // ulysses, kv_copies * kv_numel, element_size)
+        return {way: inner[way] + outer[way] for way in inner}
     if method == "ulysses":
         exchanged = (cp - 1) / cp * (2 * q_numel + kv_copies * kv_numel) * element_size
         return {"forward": float(exchanged), "backward": float(exchanged)}

@@ -48,8 +48,10 @@ import torch
 import torch.distributed as dist
 
 from lit_lm.strategies import comm
-from lit_lm.strategies.cp_balance import BALANCES as CP_BALANCES
+from lit_lm.strategies.cp import HYBRID as CP_HYBRID
 from lit_lm.strategies.cp import METHODS as CP_METHODS
+from lit_lm.strategies.cp import ulysses_size_for
+from lit_lm.strategies.cp_balance import BALANCES as CP_BALANCES
 from lit_lm.strategies.errors import ConfigError
 from lit_lm.strategies.zero_engine import check_stage
 
@@ -126,8 +128,9 @@ class ParallelDims:
 PIPELINE_DEFAULTS = {"microbatches": 4, "schedule": "1f1b", "virtual_stages": 1, "balance": "layers"}
 BALANCE = ("layers", "params")  # how a pipeline assigns blocks to stages (`lit_lm.strategies.pp_split`)
 ARGS = {name: arg for name, arg in FIELDS.items() if name != "dp_shard"}  # the sizes the strategy takes
-OPTIONS = {"sequence_parallel": "tp", "cp_method": "cp", "cp_balance": "cp", "microbatches": "pp", "schedule": "pp",
-           "virtual_stages": "pp", "layers_per_stage": "pp", "balance": "pp"}  # option -> the dimension reading it
+OPTIONS = {"sequence_parallel": "tp", "cp_method": "cp", "ulysses_size": "cp", "microbatches": "pp", "schedule": "pp",
+           "virtual_stages": "pp", "layers_per_stage": "pp", "balance": "pp",
+           "cp_balance": "cp"}  # option -> the dimension reading it
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,7 @@ class ParallelConfig:
     cp: int = 1
     cp_method: str = "ring"
     cp_balance: str = "zigzag"  # how each sequence is split over the cp ranks (`lit_lm.strategies.cp_balance`)
+    ulysses_size: Optional[int] = None  # ulysses+ring: Ulysses ranks inside (None: the most the heads allow, at setup)
     ep: int = 1
     dp_replicate: int = 1
     dp_shard: Optional[int] = None
@@ -177,6 +181,10 @@ class ParallelConfig:
             raise ConfigError(f"cp_method: unknown {self.cp_method!r}; choose one of {', '.join(CP_METHODS)}")
         if self.cp_balance not in CP_BALANCES:
             raise ConfigError(f"cp_balance: unknown {self.cp_balance!r}; choose one of {', '.join(CP_BALANCES)}")
+        if self.ulysses_size is not None:
+            if self.cp_method != CP_HYBRID:
+                raise ConfigError(f"ulysses_size is an option of cp_method {CP_HYBRID}: set that or remove it")
+            ulysses_size_for(self.cp, set(), self.ulysses_size)  # divides cp (the heads are checked at setup)
         if self.balance not in BALANCE:
             raise ConfigError(f"balance: unknown {self.balance!r}; choose one of {', '.join(BALANCE)}")
         if self.layers_per_stage is not None:  # a yaml list: kept as a tuple, so the config stays hashable
@@ -188,13 +196,14 @@ class ParallelConfig:
                   virtual_stages: Optional[int] = None, layers_per_stage: Optional[list[int]] = None,
                   balance: Optional[str] = None, context_parallel_size: int = 1, cp_method: Optional[str] = None,
                   expert_parallel_size: int = 1, data_parallel_replicate_size: int = 1,
-                  zero_stage: int = 0, zero_collectives: str = "auto", cp_balance: Optional[str] = None
-                  ) -> "ParallelConfig":
+                  zero_stage: int = 0, zero_collectives: str = "auto", ulysses_size: Optional[int] = None,
+                  cp_balance: Optional[str] = None) -> "ParallelConfig":
         """From `ComposedStrategy`'s arguments, where None means "not given": an option given without its
         dimension is refused (nobody would read it)."""
-        options = dict(sequence_parallel=sequence_parallel, cp_method=cp_method, cp_balance=cp_balance,
-                       microbatches=microbatches, schedule=schedule, virtual_stages=virtual_stages,
-                       layers_per_stage=layers_per_stage, balance=balance)
+        options = dict(sequence_parallel=sequence_parallel, cp_method=cp_method, ulysses_size=ulysses_size,
+                       microbatches=microbatches, cp_balance=cp_balance,
+                       schedule=schedule, virtual_stages=virtual_stages, layers_per_stage=layers_per_stage,
+                       balance=balance)
         sizes = dict(tp=tensor_parallel_size, pp=pipeline_parallel_size, cp=context_parallel_size,
                      ep=expert_parallel_size, dp_replicate=data_parallel_replicate_size)
         if sequence_parallel is not None and tensor_parallel_size == 1:
@@ -257,7 +266,7 @@ class ParallelConfig:
         if self.tp > 1 and not self.sequence_parallel:
             parts.append("no-sp")
         if self.cp > 1 and self.cp_method != "ring":
-            parts.append(self.cp_method)
+            parts.append(self.cp_method + (f" u{self.ulysses_size}" if self.ulysses_size else ""))
         if self.pp > 1:
             v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
             parts.append(f"{self.schedule} m{self.microbatches}{v}")

@@ -148,6 +148,7 @@ class ContextParallel:
 
     sliding_window: Optional[int] = None
     sinks: bool = False
+    heads: tuple[int, ...] = ()  # (query, kv) heads of q and k on one process (before tp); () unknown
 
 
 @runtime_checkable
