@@ -31,6 +31,18 @@ A step's time is the slowest rank's; per variant the median over the `--steps` c
 communication: (serial - overlap) / (serial - nocomm), each difference the median over the cycles of the difference
 within a cycle: 1 fully hidden, 0 fully exposed. The swaps are made here, on `lit_lm.strategies.cp`'s `_ring_pass` and
 `comm` (`variant`): the engine has no benchmark switch.
+
+    python scripts/bench_cp.py --step --step-seq-lens 8192 16384 32768 --cp 4 --steps 2 --warmup 1 --rounds 5 \
+        --lock /tmp/heavy.lock --out docs/benchmarks/2026-12-cp-documents-cpu.json
+
+`--step`: a training step (forward + backward, `lit_lm.strategies.cp.context_loss`) of a small model (`--step-*`)
+at cp ranks, per method, with the rows packed with documents (the standard library's .py files,
+`bench_document_mask.stdlib_documents`, one row) and without: step time (the slowest rank's, median over
+`--steps` after `--warmup`) and the wire bytes a rank sends per step (the accounting layer, the loss's all-reduce
+left out). Each (method, T, documents) is a contender in its own processes, alternated over shuffled rounds; with
+`--lock` each round holds that flock (other work runs between rounds, never beside a contender). Beside the times,
+the pairs the tiles compute (`cp_document_tiles.count`: counted from the plans, not timed) give the fraction of
+attention work documents skip, to read the measured gain against.
 """
 
 from __future__ import annotations
@@ -56,7 +68,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_runner import MARK, run_rounds, summarize, write_json  # noqa: E402
+from bench_document_mask import stdlib_documents  # noqa: E402
+from bench_runner import MARK, paired, run_rounds, summarize, write_json  # noqa: E402
 from machine import machine  # noqa: E402
 from lit_lm.config import ModelConfig  # noqa: E402
 from lit_lm.model import Transformer  # noqa: E402
@@ -64,7 +77,9 @@ from lit_lm.strategies import comm  # noqa: E402
 from lit_lm.strategies import cp as context  # noqa: E402
 from lit_lm.strategies.comm import COMM_LOG  # noqa: E402
 from lit_lm.strategies.cp import (METHODS, check_seq_len, comm_theory, context_attention,  # noqa: E402
-                          parallelize_context, saved_bytes_theory, zigzag_batch, zigzag_positions)
+                                  context_loss, parallelize_context, saved_bytes_theory, zigzag_batch,
+                                  zigzag_positions)
+from lit_lm.strategies.cp_balance import DocumentBalancer  # noqa: E402
 from lit_lm.strategies.tp_layers import SavedActivations  # noqa: E402
 
 
@@ -252,6 +267,133 @@ def overlap_table(run: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+# -- step: a training step per method, with packed documents and without --------------------------------------
+def _step_model(args: argparse.Namespace, seq_len: int) -> Transformer:
+    config = ModelConfig(vocab_size=256, d_model=args.step_d_model, n_layers=args.step_layers,
+                         n_heads=args.step_heads, n_kv_heads=args.step_kv_heads, max_seq_len=seq_len)
+    torch.manual_seed(0)
+    return Transformer(config)
+
+
+def _step_worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    """One contender: `--warmup` + `--steps` training steps of `--one-step` at `--cp` ranks; rank 0 prints the
+    slowest rank's median step time and the wire bytes a rank sends per step (the loss's all-reduce left out)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=args.cp)
+    try:
+        seq_len = args.step_seq_len
+        model = _step_model(args, seq_len)
+        if args.one_step == "ulysses+ring":  # u Ulysses ranks inside, the ring across (u = cp would be Ulysses)
+            hybrid = context.hybrid_groups([list(range(args.cp))], args.ulysses_size)
+            parallelize_context(model, None, args.one_step, hybrid=hybrid)
+        else:
+            parallelize_context(model, None, args.one_step)
+        tokens = torch.randint(0, 256, (1, seq_len + 1), generator=torch.Generator().manual_seed(1))
+        documents = stdlib_documents(seq_len) if args.documents else None
+        balancer = DocumentBalancer(args.cp) if args.balance else None
+        loss_fn = context_loss(model, None, balancer)
+        times, wire = [], 0.0
+        for step in range(args.warmup + args.steps):
+            dist.barrier()
+            COMM_LOG.reset()
+            start = time.perf_counter()
+            if balancer is not None:  # the strategy plans it from the batch on the host, inside its step
+                balancer.plan(documents)
+            loss = loss_fn(tokens[:, :-1], tokens[:, 1:], documents=documents)[0] if documents is not None else \
+                loss_fn(tokens[:, :-1], tokens[:, 1:])[0]
+            loss.backward()
+            elapsed = torch.tensor(time.perf_counter() - start)
+            wire = sum(r.wire_bytes for r in COMM_LOG.records if r.label != "cp loss")
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            model.zero_grad(set_to_none=True)
+            if step >= args.warmup:
+                times.append(float(elapsed))
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        print(MARK + json.dumps({"step_s": statistics.median(times), "wire_mib": wire / 2**20}), flush=True)
+
+
+BALANCED = ("ring", "allgather")  # the methods whose work the split decides (Ulysses attends the whole sequence)
+
+
+def step_contenders(args: argparse.Namespace) -> dict[str, list[str]]:
+    """{"METHOD T docs|plain|balanced": command}: every method with documents at every T of `--step-seq-lens`,
+    unmasked at those of `--plain-seq-lens`, and with `--balanced` ring and all-gather on the document-aware split."""
+    shape = ["--cp", str(args.cp), "--steps", str(args.steps), "--warmup", str(args.warmup),
+             "--step-d-model", str(args.step_d_model), "--step-layers", str(args.step_layers),
+             "--step-heads", str(args.step_heads), "--step-kv-heads", str(args.step_kv_heads),
+             "--ulysses-size", str(args.ulysses_size)]
+    kinds = {"plain": [], "docs": ["--documents"], "balanced": ["--documents", "--balance"]}
+    out = {}
+    for method in args.methods:
+        for t in sorted({*args.step_seq_lens, *args.plain_seq_lens}):
+            for kind, flags in kinds.items():
+                wanted = t in args.plain_seq_lens if kind == "plain" else t in args.step_seq_lens and (
+                    kind == "docs" or (args.balanced and method in BALANCED))
+                if wanted:
+                    out[f"{method} {t} {kind}"] = [sys.executable, __file__, "--one-step", method, "--step-seq-len",
+                                                   str(t), *shape, *flags]
+    return out
+
+
+def step_tiles(seq_lens: list[int], cp: int) -> dict[str, dict[str, float]]:
+    """Per T, from the tile plans (`cp_document_tiles.count`): the busiest rank's pairs with documents against
+    without (ring and all-gather), Ulysses' likewise, and what the mask allows."""
+    from cp_document_tiles import count
+
+    out = {}
+    for t in seq_lens:
+        ids = stdlib_documents(t)
+        r = count(ids, cp)
+        out[str(t)] = {"documents": int(ids.max()) + 1, "allowed": r["allowed"] / r["causal"],
+                       "ring_allgather": r["doc_max"] / r["plain_max"], "ulysses": r["ulysses"] / r["ulysses_plain"],
+                       "max_over_mean": r["doc_max"] / r["doc_mean"]}
+    return out
+
+
+def step_table(run: dict[str, Any]) -> str:
+    """The step run (its `--out` JSON) as Markdown: per (T, method) step time and bytes unmasked, masked and on the
+    balanced split, median (min-max) over the rounds; the masked/unmasked ratio paired within rounds, beside the
+    tiles' ratio."""
+    a, table, tiles = run["args"], run["summary"], run["tiles"]
+    out = [f"Training step (forward + backward) of a {a['step_layers']}-layer model, d_model {a['step_d_model']}, "
+           f"{a['step_heads']} query / {a['step_kv_heads']} kv heads, batch 1, fp32, PyTorch tiles, cp {a['cp']} gloo "
+           f"ranks (ulysses+ring: {a['ulysses_size']} Ulysses x {a['cp'] // a['ulysses_size']} ring); s per step, "
+           f"median (min-max) over {a['rounds']} rounds; MiB a rank sends per step", "",
+           "| T | method | unmasked s | masked s | masked / unmasked (paired) | tiles masked / unmasked | "
+           "masked, balanced split s | MiB sent |", "|---|---|---|---|---|---|---|---|"]
+    for t in sorted({*a["step_seq_lens"], *a["plain_seq_lens"]}):
+        for method in a["methods"]:
+            plain, docs = table.get(f"{method} {t} plain"), table.get(f"{method} {t} docs")
+            balanced = table.get(f"{method} {t} balanced")
+            ratio = run["paired"].get(f"{method} {t}")
+            share = tiles[str(t)]["ulysses" if method == "ulysses" else "ring_allgather"] if str(t) in tiles else None
+            sent = (docs or plain)["wire_mib"]["median"]
+            cells = [_spread(x["step_s"], 1, ".2f") if x else "-" for x in (plain, docs)]
+            out.append(f"| {t} | {method} | {cells[0]} | {cells[1]} | "
+                       f"{_spread(ratio, 100, '.0f') + ' %' if ratio else '-'} | "
+                       f"{f'{share:.0%}' if share is not None and method in BALANCED + ('ulysses',) else '-'} | "
+                       f"{_spread(balanced['step_s'], 1, '.2f') if balanced else '-'} | {sent:.2f} |")
+    out.append("\nDocuments (stdlib .py files, one row), from the tile plans: " + "; ".join(
+        f"T {t}: {v['documents']} documents, the mask allows {v['allowed']:.0%} of causal pairs, the busiest rank "
+        f"{v['max_over_mean']:.2f}x the mean" for t, v in tiles.items()))
+    load = run["load_1min"]
+    out.append(f"\nLoad average (1 min) at each run's start: {load['min']:.1f}-{load['max']:.1f} (median "
+               f"{load['median']:.1f}) on {run['cpus']} CPUs.")
+    return "\n".join(out)
+
+
+def step_rounds(args: argparse.Namespace) -> None:
+    rounds = run_rounds(step_contenders(args), args.rounds, args.seed, round_lock=args.lock)
+    pairs = {f"{method} {t}": paired(rounds, f"{method} {t} docs", f"{method} {t} plain", "step_s")
+             for method in args.methods for t in set(args.step_seq_lens) & set(args.plain_seq_lens)}
+    write_json(args.out, rounds, summarize(rounds), args=vars(args), paired=pairs,
+               tiles=step_tiles(args.step_seq_lens, args.cp))
+    print(step_table(json.loads(Path(args.out).read_text())))
+
+
 def _free_port() -> int:
     import socket
 
@@ -329,9 +471,36 @@ def main() -> None:
     overlap.add_argument("--one", choices=METHODS, help="one contender (what the rounds run): time it at --cp ranks")
     overlap.add_argument("--cp", type=int, default=2)
     overlap.add_argument("--table", help="print a saved overlap run (its --out JSON) as Markdown, and exit")
+    step = parser.add_argument_group("step (see the module docstring)")
+    step.add_argument("--step", action="store_true", help="time a training step per method, masked and unmasked")
+    step.add_argument("--step-seq-lens", type=int, nargs="+", default=[8192, 16384, 32768], help="with documents")
+    step.add_argument("--plain-seq-lens", type=int, nargs="*", default=[8192], help="unmasked too")
+    step.add_argument("--balanced", action="store_true", help="also ring and all-gather on the document-aware split")
+    step.add_argument("--ulysses-size", type=int, default=2, help="ulysses+ring's Ulysses ranks")
+    step.add_argument("--balance", action="store_true", help="the contender's split balanced by documents")
+    step.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    step.add_argument("--step-d-model", type=int, default=32)
+    step.add_argument("--step-layers", type=int, default=1)
+    step.add_argument("--step-heads", type=int, default=4)
+    step.add_argument("--step-kv-heads", type=int, default=2)
+    step.add_argument("--one-step", choices=METHODS, help="one contender: time it at --cp ranks, --step-seq-len")
+    step.add_argument("--step-seq-len", type=int, default=8192)
+    step.add_argument("--documents", action="store_true", help="the contender's rows packed with stdlib files")
+    step.add_argument("--lock", help="hold this file's flock for each round (released between rounds)")
+    step.add_argument("--step-table", help="print a saved step run (its --out JSON) as Markdown, and exit")
     args = parser.parse_args()
     if args.table:
         print(overlap_table(json.loads(Path(args.table).read_text())))
+        return
+    if args.step_table:
+        print(step_table(json.loads(Path(args.step_table).read_text())))
+        return
+    if args.one_step:
+        check_seq_len(args.step_seq_len, args.cp)
+        mp.spawn(_step_worker, args=(args, _free_port()), nprocs=args.cp, join=True)
+        return
+    if args.step:
+        step_rounds(args)
         return
     if args.one:
         check_seq_len(args.overlap_seq_len, args.cp)

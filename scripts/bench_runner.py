@@ -20,6 +20,7 @@ last round.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import random
@@ -53,8 +54,11 @@ def run_once(command: list[str], timeout: float | None = None) -> dict[str, Any]
 
 
 def run_rounds(contenders: dict[str, list[str]], rounds: int = MIN_ROUNDS, seed: int = 0,
-               timeout: float | None = None, verbose: bool = True) -> list[list[tuple[str, dict[str, Any]]]]:
-    """`rounds` rounds; in each, every contender once, in a freshly shuffled order. [[(name, metrics), ...], ...]"""
+               timeout: float | None = None, verbose: bool = True, round_lock: str | None = None
+               ) -> list[list[tuple[str, dict[str, Any]]]]:
+    """`rounds` rounds; in each, every contender once, in a freshly shuffled order. [[(name, metrics), ...], ...]
+    `round_lock`: a file whose flock each round holds (a shared machine: other work runs between rounds, never
+    beside a contender; one wait per round rather than per contender)."""
     if rounds < MIN_ROUNDS:
         raise ValueError(f"rounds={rounds}: use at least {MIN_ROUNDS}, or the min-max spread means little")
     rng = random.Random(seed)
@@ -63,11 +67,14 @@ def run_rounds(contenders: dict[str, list[str]], rounds: int = MIN_ROUNDS, seed:
         order = list(contenders)
         rng.shuffle(order)
         this_round = []
-        for name in order:
-            metrics = run_once(contenders[name], timeout)
-            this_round.append((name, metrics))
-            if verbose:
-                print(f"round {r + 1}/{rounds} {name}: {json.dumps(metrics)}", file=sys.stderr, flush=True)
+        with open(round_lock or os.devnull, "a") as lock:
+            if round_lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            for name in order:
+                metrics = run_once(contenders[name], timeout)
+                this_round.append((name, metrics))
+                if verbose:
+                    print(f"round {r + 1}/{rounds} {name}: {json.dumps(metrics)}", file=sys.stderr, flush=True)
         out.append(this_round)
     return out
 
