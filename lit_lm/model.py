@@ -11,6 +11,7 @@ names stay the same under any split.
 from __future__ import annotations
 
 import math
+import weakref
 import zlib
 from typing import Optional, Protocol, Union
 
@@ -146,21 +147,29 @@ class WeightSource(Protocol):
 
 def document_mask(documents: Tensor, window: Optional[int] = None) -> Tensor:
     """(B, 1, T, T) bool for SDPA: query t sees key s iff they are in one document (`documents` (B, T), see
-    `lit_lm.data.packing`), s <= t and t - s < window. Made once per `documents` tensor, so every layer of a forward
-    (and a checkpointed block's recompute) shares one mask instead of holding one each for backward."""
-    last = _MASK.get("last")
-    if last is not None and last[0] is documents and last[1] == window and not torch.compiler.is_compiling():
-        return last[2]
+    `lit_lm.data.packing`), s <= t and t - s < window. Made once per (`documents` tensor, window), so every layer of
+    a forward (and a checkpointed block's recompute) shares one mask per window kind instead of holding one each for
+    backward; the masks are dropped with the `documents` tensor (B·T² bytes each: not kept between steps)."""
+    if torch.compiler.is_compiling():
+        return _block_causal(documents, window)
+    held = _MASKS.get("documents")
+    if held is None or held() is not documents:
+        _MASKS.clear()
+        _MASKS["documents"] = weakref.ref(documents, lambda _: _MASKS.clear())
+    key = ("window", window)
+    if key not in _MASKS:
+        _MASKS[key] = _block_causal(documents, window)
+    return _MASKS[key]
+
+
+def _block_causal(documents: Tensor, window: Optional[int]) -> Tensor:
     t = torch.arange(documents.shape[1], device=documents.device)
     distance = t[:, None] - t[None, :]
     allowed = (distance >= 0) & (distance < (window or documents.shape[1]))
-    mask = (allowed & (documents[:, :, None] == documents[:, None, :]))[:, None]
-    if not torch.compiler.is_compiling():
-        _MASK["last"] = (documents, window, mask)
-    return mask
+    return (allowed & (documents[:, :, None] == documents[:, None, :]))[:, None]
 
 
-_MASK: dict[str, tuple[Tensor, Optional[int], Tensor]] = {}  # document_mask's last (documents, window, mask)
+_MASKS: dict = {}  # document_mask's: "documents" -> a weak reference to the tensor, ("window", w) -> its mask
 
 
 class CausalAttention(LogitMaxRecord, nn.Module):

@@ -194,3 +194,22 @@ def test_kv_cache_decoding_equals_the_full_forward(window):
 def test_bad_config_names_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field):
         tiny(**overrides)
+
+
+def test_document_masks_are_shared_per_window_and_dropped_with_their_documents():
+    """One mask per (documents tensor, window) for all the layers of a forward — alternating window kinds
+    (gpt-oss's layer_types) do not make every layer build its own — and none is kept once the rows are gone."""
+    import gc
+    import weakref
+
+    from lit_lm.model import document_mask
+
+    documents = torch.tensor([[0, 0, 1, 1, 1, 2]])
+    full, windowed = document_mask(documents), document_mask(documents, 2)
+    assert document_mask(documents) is full and document_mask(documents, 2) is windowed and full is not windowed
+    assert torch.equal(windowed[0, 0], full[0, 0] & (torch.arange(6)[:, None] - torch.arange(6)[None, :] < 2))
+    assert document_mask(documents.clone()) is not full  # other rows: made anew
+    kept = weakref.ref(document_mask(documents))
+    del documents, full, windowed
+    gc.collect()
+    assert kept() is None
