@@ -92,7 +92,7 @@ def test_block_plan_tiles_exactly_the_pairs_attention_sees(cp: int) -> None:
 
 
 def test_zigzag_batch_stays_on_the_device_and_reuses_its_positions(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No host sync per step: the loss weight is a tensor (cp · local valid / all valid, 1 when nothing is valid),
+    """No host sync per step: the loss weight is a tensor (cp · local valid / all valid, 0 when this share holds none),
     and the positions are one tensor across steps, so the model's RoPE tables for them are built once."""
     import lit_lm.strategies.cp as context
 
@@ -105,7 +105,7 @@ def test_zigzag_batch_stays_on_the_device_and_reuses_its_positions(monkeypatch: 
     assert isinstance(weight, torch.Tensor) and weight.item() == pytest.approx(2 * 5 / 11)
     assert torch.equal(positions, zigzag_positions(8, 1, 2)) and torch.equal(x, inputs[:, positions])
     assert zigzag_batch(inputs, targets)[2] is positions
-    assert zigzag_batch(inputs, torch.full_like(targets, -100))[3].item() == 1.0
+    assert zigzag_batch(inputs, torch.full_like(targets, -100))[3].item() == 0.0  # context_loss takes exactly 0
     rope = RotaryEmbedding(8)
     tables = rope.cos_sin_at(positions, positions.device)
     assert rope.cos_sin_at(positions, positions.device) is tables  # cached against the tensor, not rebuilt

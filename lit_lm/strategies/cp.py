@@ -116,13 +116,14 @@ def split_batch(inputs: Tensor, targets: Tensor, split: SequenceSplit, group: Op
 
     A rank's loss is the mean over its own valid targets; times `loss_weight` (cp · local valid / all valid),
     the mean over the cp ranks is the mean over the whole sequence, even when some targets are ignored (-100),
-    and so is the gradient once the data-parallel sync averages it over the cp ranks too. (No valid target at
-    all: weight 1.)"""
+    and so is the gradient once the data-parallel sync averages it over the cp ranks too. A share without a valid
+    target (loss masks: e.g. the answers all in other ranks' chunks) has weight 0, and the caller takes exactly 0
+    for its loss, whose mean is 0/0 (`context_loss`)."""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     local_targets = split.share(targets, rank)
     valid = (targets != -100).sum()
     local_valid = (local_targets != -100).sum()
-    weight = torch.where(valid > 0, cp * local_valid / valid.clamp(min=1), 1.0)
+    weight = cp * local_valid / valid.clamp(min=1)
     positions = _positions_on(split, rank, inputs.device)
     return split.share(inputs, rank), local_targets, positions, weight
 
@@ -785,8 +786,9 @@ def context_loss(model: nn.Module, group: Optional[dist.ProcessGroup] = None,
                  balancer: Optional[DocumentBalancer] = None) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:
     """The step's loss under context parallelism: `model.loss(inputs, targets)` of the whole (B, T) sequences run on
     this cp rank's zigzag share (with its positions, for RoPE). Autograd sees this rank's loss times the share of
-    valid targets it holds (`zigzag_batch`), whose gradients the dp x cp mean makes the whole batch's; the VALUE
-    returned, and the cross-entropy, are the cp group's mean, so what the step logs is the whole sequences' loss.
+    valid targets it holds (`zigzag_batch`; none: exactly 0), whose gradients the dp x cp mean makes the whole
+    batch's; the VALUE returned, and the cross-entropy, are the cp group's mean, so what the step logs is the whole
+    sequences' loss.
     Packed rows' `documents` (B, T) go to the attention cores as `Documents` (`row_documents`: made once per step,
     shared by every layer and recomputation). With a `balancer` (cp_balance documents) the split is the one it
     planned on the host for this batch (`lit_lm.strategies.cp_balance`), and everything is cut by it."""
@@ -800,7 +802,9 @@ def context_loss(model: nn.Module, group: Optional[dist.ProcessGroup] = None,
         rows = None if documents is None else row_documents(documents, cp, split=split)
         loss, ce = model.loss(share, share_targets, positions) if rows is None else \
             model.loss(share, share_targets, positions, documents=rows)
-        loss, ce = loss * weight, ce * weight
+        # a share without a target: exactly 0, not NaN x 0 (its gradient stays 0: the mean's backward scatters into
+        # targets only, and it has none); its tokens still reach the other shares' targets through attention
+        loss, ce = (torch.where(weight > 0, x * weight, torch.zeros_like(x)) for x in (loss, ce))
         mean = torch.stack((loss.detach(), ce.detach()))
         comm.all_reduce(mean, group, label="cp loss")
         mean /= cp
