@@ -10,6 +10,7 @@ harness.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -23,6 +24,7 @@ from lit_lm.callbacks import qk_clip
 from lit_lm.callbacks.qk_clip import QKClip
 from lit_lm.config import ConfigError
 from lit_lm.kernels import logit_max as lm
+from lit_lm.mla import LatentAttention
 from lit_lm.model import Attention
 from lit_lm.parity import TINY, Case, assert_parity, fit_case, run_parity, unreported_mutants
 from lit_lm.strategies import cp
@@ -135,9 +137,141 @@ def test_qk_norm_and_bad_settings_are_refused() -> None:
         fit_case(Case(model=dict(TINY, qk_norm=True), steps=1, callbacks=(QKClip(TAU),)))
 
 
+# -- multi-head latent attention (lit_lm.mla): Kimi K2's rule -----------------------------------------------------
+MLA = dict(TINY, n_kv_heads=4, mla_kv_rank=8, mla_qk_nope_dim=4, mla_qk_rope_dim=4, mla_v_dim=6)
+# DeepSeek-V3's YaRN shape (factor 4 over a context of 8 here): the softmax scale carries mscale^2 (lit_lm.mla)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": 0.707,
+        "mscale_all_dim": 1.0}
+MLA_Q_YARN = dict(MLA, mla_q_rank=12, rope_scaling=YARN)
+MLA_TAU = 0.0295  # the tiny MLA models' per-head maxima at initialisation: 0.019-0.037
+
+
+def latent_logit_max(attn: LatentAttention, x: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    """(H,) max over the batch and the causal pairs of MLA's softmax logits, written out: mscale^2 (q_C . k_C +
+    rope(q_R) . rope(k_R)) / sqrt(Dn + Dr), k_R one for all heads, mscale YaRN's 0.1 mscale_all_dim ln(factor) + 1."""
+    b, t, _ = x.shape
+    dn, dr = attn.nope, attn.rope_dim
+    q_c, q_r = attn.query(x).view(b, t, -1, dn + dr).split([dn, dr], dim=-1)
+    latent, k_r = attn.wkv_a(x).split([attn.kv_rank, dr], dim=-1)
+    k_c = attn.wkv_b(attn.kv_norm(latent)).view(b, t, -1, dn + attn.v_dim)[..., :dn]
+    q_r, k_r = attn.rope(attn._deinterleave(q_r), attn._deinterleave(k_r)[:, :, None])
+    mscale = 0.1 * scaling["mscale_all_dim"] * math.log(scaling["factor"]) + 1 if scaling else 1.0
+    s = (torch.einsum("bihd,bjhd->bhij", q_c.double(), k_c.double())
+         + torch.einsum("bihd,bjd->bhij", q_r.double(), k_r[:, :, 0].double())) * mscale ** 2 / math.sqrt(dn + dr)
+    allowed = torch.ones(t, t, dtype=torch.bool).tril()
+    return s.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3)).float()
+
+
+class LatentBeforeAfter(L.Callback):
+    """The MLA layers' per-head maxima written out (`latent_logit_max`) on the first batch's attention inputs, before
+    the (only) step and, on the same inputs, after it (its clip); the attention weights the step starts from."""
+
+    def __init__(self) -> None:
+        self.before: list[torch.Tensor] = []
+        self.after: list[torch.Tensor] = []
+        self.weights: dict[str, torch.Tensor] = {}
+        self.inputs: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: torch.Tensor,
+                             *args: Any) -> None:
+        if trainer.global_step:
+            return
+        attns = [m for m in module.modules() if isinstance(m, LatentAttention)]
+        hooks = [a.register_forward_pre_hook(lambda _, args: self.inputs.append(args[0])) for a in attns]
+        module.model(batch[:, :-1])
+        for h in hooks:
+            h.remove()
+        self.before = [latent_logit_max(a, x, module.model.config.rope_scaling) for a, x in zip(attns, self.inputs)]
+        self.weights = {n: p.detach().clone() for n, p in module.named_parameters() if ".attn." in n}
+
+    @torch.no_grad()
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        attns = [m for m in module.modules() if isinstance(m, LatentAttention)]
+        self.after = [latent_logit_max(a, x, module.model.config.rope_scaling) for a, x in zip(attns, self.inputs)]
+
+
+def check_latent_clip(model: dict, result: dict) -> None:
+    """Per head h with S_h > tau and gamma_h = tau / S_h: wq_b's (wq's) q nope rows times sqrt(gamma_h), its q rope
+    rows times gamma_h, wkv_b's k nope rows times sqrt(gamma_h); wkv_b's value rows, wkv_a (the latent and the shared
+    rope key k_R), wq_a, the norms and wo as they were; the heads under tau untouched. Then, on the same inputs, the
+    clipped heads' maxima are tau and the others' as before."""
+    probe, clip = result["callbacks"]
+    s = torch.stack(probe.before)  # (layers, H)
+    assert (s > MLA_TAU).any() and (s <= MLA_TAU).any(), f"the threshold should clip some heads, not all: {s}"
+    torch.testing.assert_close(clip.qk_max, s.max(), rtol=1e-5, atol=0)
+    assert int(clip.clipped) == int((s > MLA_TAU).sum())
+    gamma = torch.where(s > MLA_TAU, MLA_TAU / s, torch.ones_like(s))
+    dn, dr, dv, h = model["mla_qk_nope_dim"], model["mla_qk_rope_dim"], model["mla_v_dim"], model["n_heads"]
+    q_name = "wq" if model.get("mla_q_rank") is None else "wq_b"
+    for name, w0 in probe.weights.items():
+        layer, proj = int(name.split(".")[2]), name.split(".")[4]
+        g = gamma[layer][:, None, None]
+        if proj == q_name:  # (H, Dn + Dr, in): q_C then q_R per head
+            expected = w0.view(h, dn + dr, -1) * torch.cat((g.sqrt().expand(-1, dn, 1), g.expand(-1, dr, 1)), 1)
+        elif proj == "wkv_b":  # (H, Dn + Dv, r_kv): k_C then the values per head
+            expected = w0.view(h, dn + dv, -1) * torch.cat((g.sqrt().expand(-1, dn, 1), torch.ones(h, dv, 1)), 1)
+        else:
+            expected = w0
+        torch.testing.assert_close(result["params"][name], expected.view_as(w0), rtol=1e-5, atol=1e-9, msg=name)
+    after, clipped = torch.stack(probe.after), s > MLA_TAU
+    torch.testing.assert_close(after[clipped], torch.full_like(after[clipped], MLA_TAU), rtol=1e-5, atol=0)
+    torch.testing.assert_close(after[~clipped], s[~clipped], rtol=1e-5, atol=0)
+
+
+def _fit_latent(model: dict) -> dict:
+    """One step of SGD at lr 1e-12 (far below the tolerances): the weights after it are the clip's."""
+    return fit_case(Case(model=model, steps=1, lr=1e-12, callbacks=(LatentBeforeAfter(), QKClip(MLA_TAU))))
+
+
+@pytest.mark.parametrize("model", [MLA, MLA_Q_YARN], ids=["direct_q", "q_rank_yarn"])
+def test_latent_attention_clips_by_kimi_k2s_rule(model: dict) -> None:
+    check_latent_clip(model, _fit_latent(model))
+
+
+@dataclass(frozen=True)
+class _SharedKeyRows(qk_clip.HeadRows):
+    """Mutant: wkv_a's rows, its shared rope key k_R's by sqrt of the layer's smallest gamma."""
+
+    def factors(self, eta: torch.Tensor) -> torch.Tensor:
+        (latent, _), (rope, _) = self.segments
+        return torch.cat((torch.ones(latent), eta.min().sqrt().expand(rope)))
+
+
+def k_rope_scaled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the shared rotary key scaled too (wkv_a's last Dr rows)."""
+    rows = qk_clip.latent_rows
+    monkeypatch.setattr(qk_clip, "latent_rows", lambda attn, alpha: rows(attn, alpha) + [
+        _SharedKeyRows((attn.wkv_a.weight,), ((attn.kv_rank, 0.0), (attn.rope_dim, 0.5)))])
+
+
+def q_rope_by_sqrt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the rotary query q_R by gamma^alpha (sqrt) as q_C, not by gamma."""
+
+    def rows(attn: LatentAttention, alpha: float) -> list:
+        wq = attn.wq if hasattr(attn, "wq") else attn.wq_b
+        return [qk_clip.HeadRows((wq.weight,), ((attn.nope, alpha), (attn.rope_dim, alpha))),
+                qk_clip.HeadRows((attn.wkv_b.weight,), ((attn.nope, 1 - alpha), (attn.v_dim, 0.0)))]
+
+    monkeypatch.setattr(qk_clip, "latent_rows", rows)
+
+
+def neighbours_gamma(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: each head clipped by the previous head's gamma."""
+    clip = QKClip._clip
+    monkeypatch.setattr(QKClip, "_clip", lambda self, layer, eta, by_param: clip(self, layer, eta.roll(1), by_param))
+
+
+@pytest.mark.parametrize("mutant", [k_rope_scaled, q_rope_by_sqrt, neighbours_gamma])
+def test_latent_rule_mutants_fail(mutant: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    mutant(monkeypatch)
+    with pytest.raises(AssertionError):
+        check_latent_clip(MLA_Q_YARN, _fit_latent(MLA_Q_YARN))
+
+
 # -- parity with one process ------------------------------------------------------------------------------------
-def _case(strategy: Any, label: str, model: dict = TINY, **kwargs: Any) -> Case:
-    return Case(strategy, model=model, steps=3, callbacks=(QKClip(TAU),), label=label, **kwargs)
+def _case(strategy: Any, label: str, model: dict = TINY, tau: float = TAU, **kwargs: Any) -> Case:
+    return Case(strategy, model=model, steps=3, callbacks=(QKClip(tau),), label=label, **kwargs)
 
 
 CP2 = partial(ComposedStrategy, context_parallel_size=2)
@@ -152,6 +286,8 @@ CASES = [
           trainer={"accumulate_grad_batches": 2}),
     _case(partial(CP2, cp_method="allgather"), "cp2 allgather, window 5", model=WINDOWED),
     _case(partial(CP2, cp_method="ulysses"), "cp2 ulysses (each rank measures its heads)"),
+    _case(TensorParallelStrategy, "tp2 (MLA, q rank, YaRN)", model=MLA_Q_YARN, tau=MLA_TAU),
+    _case(partial(ZeroStrategy, stage=3), "zero3 (MLA)", model=MLA, tau=MLA_TAU, optimizer="adamw"),
 ]
 
 
