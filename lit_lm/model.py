@@ -103,10 +103,7 @@ class RotaryEmbedding(nn.Module):
     def tables(self, positions: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
         """Built where the positions are: a device's positions are never read to the host (context parallelism's
         document balance hands new ones every step), with the frequencies copied there once."""
-        at = positions.device
-        if at not in self._freq_on:
-            self._freq_on[at] = self.inv_freq.to(at)
-        angles = torch.outer(positions.to(torch.float64), self._freq_on[at])  # (T, D/2)
+        angles = torch.outer(positions.to(torch.float64), self._freq(positions.device))  # (T, D/2)
         m = self.attention_factor
         return (angles.cos() * m).float().to(device), (angles.sin() * m).float().to(device)
 
@@ -114,9 +111,15 @@ class RotaryEmbedding(nn.Module):
         """fp32 (B, T, D/2) tables for per-row positions (B, T) of any value, on their device (no host read), in
         fp64 as `tables`: a position's angles are those it has in a row of its own. Any value, so a context-parallel
         rank's share of a row (whose positions reach the whole row's length) needs no table of that length."""
-        angles = positions.to(torch.float64).unsqueeze(-1) * self.inv_freq.to(positions.device)
+        angles = positions.to(torch.float64).unsqueeze(-1) * self._freq(positions.device)
         m = self.attention_factor
         return (angles.cos() * m).float(), (angles.sin() * m).float()
+
+    def _freq(self, at: torch.device) -> Tensor:
+        """inv_freq on `at`, copied there once (a host-to-device copy every step would wait on the device)."""
+        if at not in self._freq_on:
+            self._freq_on[at] = self.inv_freq.to(at)
+        return self._freq_on[at]
 
     @staticmethod
     def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

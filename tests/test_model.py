@@ -213,3 +213,17 @@ def test_document_masks_are_shared_per_window_and_dropped_with_their_documents()
     del documents, full, windowed
     gc.collect()
     assert kept() is None
+
+
+def test_rope_row_tables_copy_the_frequencies_to_a_device_once():
+    """Per-row tables (cp's reset or balanced positions: new every step) use the frequencies' copy on the positions'
+    device made at the first call: a host-to-device copy every step would wait on the accelerator."""
+    from lit_lm.model import RotaryEmbedding
+
+    rope = RotaryEmbedding(8)
+    positions = torch.tensor([[0, 1, 2, 0, 1]])
+    first = rope.row_tables(positions)
+    rope.inv_freq = None  # from now on only the per-device copy can serve
+    again = rope.row_tables(positions.flip(-1))
+    assert all(torch.equal(a.flip(-2), b) for a, b in zip(first, again))
+    assert rope.tables(torch.arange(3), torch.device("cpu"))[0].shape == (3, 4)
