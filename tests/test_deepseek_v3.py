@@ -25,8 +25,8 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from lit_lm.config import ConfigError, ModelConfig  # noqa: E402
-from lit_lm.hf.exporter import check_exportable, export_hf  # noqa: E402
-from lit_lm.hf.importer import as_checkpoint, config_from_hf, load_model  # noqa: E402
+from lit_lm.hf.exporter import check_exportable  # noqa: E402
+from lit_lm.hf.importer import config_from_hf, load_model  # noqa: E402
 from lit_lm.model import KVCache, Transformer  # noqa: E402
 from lit_lm.parity import TINY, Case, assert_parity, run_parity  # noqa: E402
 from lit_lm.strategies.composed import ComposedStrategy  # noqa: E402
@@ -34,6 +34,7 @@ from lit_lm.strategies.ep import ExpertParallelStrategy  # noqa: E402
 from lit_lm.strategies.pp import PipelineStrategy  # noqa: E402
 from lit_lm.strategies.tp import TensorParallelStrategy  # noqa: E402
 from lit_lm.strategies.zero import ZeroStrategy  # noqa: E402
+from test_hf_families import assert_in_and_out_equal_transformers  # noqa: E402
 from test_hf_import import BytesRead  # noqa: E402
 
 # 8 experts in 4 groups of 2, the best 2 groups, top-2: the group limit decides (see the key test's n_group)
@@ -79,27 +80,9 @@ def _transformers(folder: Path):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_greedy_and_export_equal_transformers(folders, variant, tmp_path):
-    from safetensors.torch import load_file
-
-    from lit_lm.generate import generate
-
-    folder = folders[variant]
-    theirs, ours = _transformers(folder), load_model(folder)
+    ours, exported = assert_in_and_out_equal_transformers(folders[variant], IDS, tmp_path / "out")
     assert ours.config.mla_kv_rank == 16 and ours.config.moe_groups == 4 and ours.config.mtp_layers == 0
-    with torch.no_grad():
-        expected = theirs(IDS).logits
-        torch.testing.assert_close(ours(IDS), expected, rtol=1e-5, atol=1e-5)
-    prompt = IDS[:1, :5]
-    want = theirs.generate(prompt, max_new_tokens=12, do_sample=False)[0, 5:].tolist()
-    assert generate(ours, prompt, 12, temperature=0.0)[0, 5:].tolist() == want
-    export_hf(as_checkpoint(folder), tmp_path / "out", dtype="float32")  # lossless (bf16: test_hf_export_bf16)
-    before, after = load_file(folder / "model.safetensors"), load_file(tmp_path / "out/model.safetensors")
-    assert sorted(before) == sorted(after)
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    again = _transformers(tmp_path / "out")
-    assert type(again).__name__ == "DeepseekV3ForCausalLM"
-    with torch.no_grad():
-        torch.testing.assert_close(again(IDS).logits, expected, rtol=0, atol=0)
+    assert exported == "DeepseekV3ForCausalLM"
 
 
 # DeepSeek-V3's YaRN (factor 40, mscale = mscale_all_dim = 1 there): here 4 over a context of 16, and mscale apart

@@ -29,6 +29,7 @@ from lit_lm.config import ConfigError  # noqa: E402
 from lit_lm.hf.exporter import export_hf  # noqa: E402
 from lit_lm.hf.families import FAMILIES as ENTRIES  # noqa: E402
 from lit_lm.hf.importer import INDEX, HFWeights, as_checkpoint, config_from_hf, load_model, model_config  # noqa: E402
+from lit_lm.model import Transformer  # noqa: E402
 from lit_lm.parity import Case, assert_parity, run_parity  # noqa: E402
 from lit_lm.strategies.composed import ComposedStrategy  # noqa: E402
 from lit_lm.strategies.ep import ExpertParallelStrategy  # noqa: E402
@@ -95,30 +96,37 @@ def _transformers(folder: Path):
 IDS = torch.randint(0, SHAPE["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_logits_greedy_and_export_equal_transformers(hf_dirs, family, tmp_path):
+def assert_in_and_out_equal_transformers(folder: Path, ids: torch.Tensor, out: Path) -> tuple[Transformer, str]:
+    """lit-lm's import of `folder` computes transformers' logits (1e-5) and greedy decoding token for token; export-hf
+    (float32: lossless; bf16 in test_hf_export_bf16) writes the folder's own names and tensors bit for bit, which
+    transformers loads with the same logits exactly. Returns lit-lm's model and the exported architecture's name."""
     from safetensors.torch import load_file
 
     from lit_lm.generate import generate
 
-    folder = hf_dirs[family]
     theirs, ours = _transformers(folder), load_model(folder)
     with torch.no_grad():
-        expected = theirs(IDS).logits
-        torch.testing.assert_close(ours(IDS), expected, rtol=1e-5, atol=1e-5)
-    prompt = IDS[:1, :5]
+        expected = theirs(ids).logits
+        torch.testing.assert_close(ours(ids), expected, rtol=1e-5, atol=1e-5)
+    prompt = ids[:1, :5]
     want = theirs.generate(prompt, max_new_tokens=12, do_sample=False)[0, 5:].tolist()
     assert generate(ours, prompt, 12, temperature=0.0)[0, 5:].tolist() == want
-    # out: the family's own names (per-expert tensors), bit for bit, and the same model in transformers
-    export_hf(as_checkpoint(folder), tmp_path / "out", dtype="float32")  # lossless (bf16: test_hf_export_bf16)
-    before, after = load_file(folder / "model.safetensors"), load_file(tmp_path / "out/model.safetensors")
+    export_hf(as_checkpoint(folder), out, dtype="float32")
+    before, after = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
     assert sorted(before) == sorted(after)
     assert all(torch.equal(before[k], after[k]) for k in before)
-    again = _transformers(tmp_path / "out")
-    # a Mistral without a window is Llama's architecture: exported as the first family that holds it
-    assert type(again).__name__ == ("LlamaForCausalLM" if family.startswith("mistral") else type(theirs).__name__)
+    again = _transformers(out)
     with torch.no_grad():
-        torch.testing.assert_close(again(IDS).logits, expected, rtol=0, atol=0)
+        torch.testing.assert_close(again(ids).logits, expected, rtol=0, atol=0)
+    return ours, type(again).__name__
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_greedy_and_export_equal_transformers(hf_dirs, family, tmp_path):
+    _, exported = assert_in_and_out_equal_transformers(hf_dirs[family], IDS, tmp_path / "out")
+    # a Mistral without a window is Llama's architecture: exported as the first family that holds it
+    theirs = type(_transformers(hf_dirs[family])).__name__
+    assert exported == ("LlamaForCausalLM" if family.startswith("mistral") else theirs)
 
 
 def test_each_family_feature_is_what_makes_the_logits_equal(hf_dirs):
