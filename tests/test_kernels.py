@@ -263,3 +263,15 @@ def test_softmax(shape: tuple[int, ...], dtype: torch.dtype) -> None:
 ])
 def test_matmul(m: int, k: int, n: int, dtype: torch.dtype) -> None:
     assert_matches(matmul, matmul_reference, [torch.randn(m, k), torch.randn(k, n)], dtype)
+
+
+def test_rope_kernel_tables_are_built_where_the_positions_are() -> None:
+    """The rope kernel's tables for a cp rank's positions (new every step under the balanced split) and per-row
+    positions never read the positions to the host: the meta device refuses any copy out of it."""
+    rope = RotaryEmbedding(8, backend="reference")
+    positions = torch.arange(6, device="meta")
+    cos, _ = rope.cos_sin_at(positions, torch.device("meta"))
+    assert cos.shape == (6, 4) and cos.device.type == "meta"
+    assert rope.row_tables(positions.view(2, 3))[0].shape == (2, 3, 4)
+    on_cpu = rope.cos_sin_at(torch.tensor([4, 0, 2]), torch.device("cpu"))
+    assert all(torch.equal(a, b[[4, 0, 2]]) for a, b in zip(on_cpu, rope.cos_sin(5, torch.device("cpu"))))

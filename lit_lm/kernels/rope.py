@@ -91,6 +91,7 @@ class RotaryEmbedding(nn.Module):
         self.backend = check_backend(backend)
         self._cache: dict[tuple[int, int, torch.device], tuple[Tensor, Tensor]] = {}
         self._at: Optional[tuple[Tensor, torch.device, tuple[Tensor, Tensor]]] = None  # see cos_sin_at
+        self._freq_at: Optional[tuple[torch.device, Tensor, Tensor]] = None  # (device, inv_freq, its copy there)
 
     @classmethod
     def from_reference(cls, ref: nn.Module, backend: str) -> "RotaryEmbedding":
@@ -123,8 +124,15 @@ class RotaryEmbedding(nn.Module):
         return tables
 
     def tables(self, positions: Tensor, device: torch.device) -> tuple[Tensor, Tensor]:
-        angles = torch.outer(positions.to("cpu", torch.float64), self.inv_freq)
+        """Built where the positions are (cp's balanced split hands new ones every step: never read to the host)."""
+        angles = torch.outer(positions.to(torch.float64), self._freq(positions.device))
         return angles.cos().float().to(device), angles.sin().float().to(device)
+
+    def _freq(self, at: torch.device) -> Tensor:
+        """inv_freq on `at`, copied there once per device (a copy each call would wait on the accelerator)."""
+        if self._freq_at is None or self._freq_at[0] != at or self._freq_at[1] is not self.inv_freq:
+            self._freq_at = (at, self.inv_freq, self.inv_freq.to(at))
+        return self._freq_at[2]
 
     def forward(self, q: Tensor, k: Tensor, positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """`positions` as `lit_lm.model.RotaryEmbedding` takes them: None (0..T-1), (T,) any positions, or (B, T)
@@ -146,5 +154,5 @@ class RotaryEmbedding(nn.Module):
 
     def row_tables(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """As `lit_lm.model.RotaryEmbedding.row_tables`: fp32 (B, T, D/2), in fp64 on the positions' device."""
-        angles = positions.to(torch.float64).unsqueeze(-1) * self.inv_freq.to(positions.device)
+        angles = positions.to(torch.float64).unsqueeze(-1) * self._freq(positions.device)
         return angles.cos().float(), angles.sin().float()
