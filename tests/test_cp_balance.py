@@ -167,11 +167,13 @@ def test_every_method_attends_under_a_balanced_split(cp: int) -> None:
 
 # -- through the composed strategy --------------------------------------------------------------------------------
 PACKED = (1, False)  # the harness's EOS id (every token drawn as a multiple of 5), RoPE positions not reset
+RESET = (1, True)  # and RoPE positions reset at each document (data.init_args.position_reset)
 
 
-def _case(label: str, cp: int = 2, **strategy: Any) -> Case:
+def _case(label: str, cp: int = 2, packing: tuple = PACKED, **strategy: Any) -> Case:
+    reset = ", positions reset" if packing[1] else ""
     return Case(partial(ComposedStrategy, context_parallel_size=cp, cp_balance="documents", **strategy),
-                packing=PACKED, label=f"{label}, documents balanced")
+                packing=packing, label=f"{label}, documents balanced{reset}")
 
 
 def shares_of_rank_1_by_zigzag(what: str, patch: pytest.MonkeyPatch) -> None:
@@ -189,12 +191,22 @@ def shares_of_rank_1_by_zigzag(what: str, patch: pytest.MonkeyPatch) -> None:
 
 
 PARITY = {2: [_case("cp2 ring"), _case("cp2 allgather", cp_method="allgather"),
-              _case("cp2 ulysses", cp_method="ulysses")],
+              _case("cp2 ulysses", cp_method="ulysses"), _case("cp2 ring", packing=RESET)],
           4: [_case("cp4 ring", cp=4), _case("cp4 allgather", cp=4, cp_method="allgather"),
-              _case("cp4 ulysses", cp=4, cp_method="ulysses"), _case("dp2 x cp2 ring")]}
+              _case("cp4 ulysses", cp=4, cp_method="ulysses"), _case("dp2 x cp2 ring"),
+              _case("cp4 ulysses+ring (2 x 2)", cp=4, cp_method="ulysses+ring", ulysses_size=2),
+              _case("cp4 ring", cp=4, packing=RESET)]}
+def reset_positions_by_zigzag(patch: pytest.MonkeyPatch) -> None:
+    """Mutant: position_reset's positions cut by the zigzag split, not the balanced one the tokens were cut by."""
+    patch.setattr(context, "rope_positions", lambda reset, held, split, rank: held if reset is None else
+                  zigzag(reset.shape[1], split.cp).share(reset, rank))
+
+
 MUTANTS = [(what, Case(partial(ComposedStrategy, context_parallel_size=2, cp_balance="documents"), packing=PACKED,
                        steps=1, mutation=partial(shares_of_rank_1_by_zigzag, what), label=f"rank 1's {what} by zigzag"))
-           for what in ("targets", "positions")]
+           for what in ("targets", "positions")] + [
+    ("reset", Case(partial(ComposedStrategy, context_parallel_size=2, cp_balance="documents"), packing=RESET, steps=1,
+                   mutation=reset_positions_by_zigzag, label="reset positions by zigzag"))]
 
 
 def test_the_harness_batches_are_balanced_away_from_zigzag() -> None:
@@ -208,13 +220,17 @@ def test_the_harness_batches_are_balanced_away_from_zigzag() -> None:
 
 @pytest.mark.parametrize("world", PARITY)
 def test_balanced_documents_match_one_process_under_cp(world: int) -> None:
-    """Parity (loss, every gradient, final parameters) under ring, allgather and ulysses at cp 2 and 4 and dp2 x
-    cp2 with cp_balance documents; at world 2, rank 1's targets or positions cut by zigzag instead are reported."""
+    """Parity (loss, every gradient, final parameters) under ring, allgather and ulysses at cp 2 and 4, dp2 x cp2 and
+    ulysses+ring 2 x 2 with cp_balance documents, and ring with RoPE positions reset at each document; at world 2,
+    rank 1's targets or positions cut by zigzag instead, or the reset positions cut by zigzag on every rank, are
+    reported. (No rank's positions reset at all is no mutant: under the document mask RoPE sees only offsets within
+    a document, which a shift per document leaves as they are.)"""
     mutants = MUTANTS if world == 2 else []
     runs = run_parity(PARITY[world] + [case for _, case in mutants], world_size=world, env=REFERENCE_TILES)
     for run in runs[:len(PARITY[world])]:
         assert_parity(run)
-    reports = {"targets": r"batch 0 rank \d: loss", "positions": r"step 0 rank \d: gradient"}  # RoPE barely moves
+    reports = {"targets": r"batch 0 rank \d: loss", "positions": r"step 0 rank \d: gradient",  # RoPE barely moves
+               "reset": r"step 0 rank \d: gradient"}
     missed, _ = unreported_mutants([(what, reports[what], run)  # the first loss at initialisation (docs/cp.md)
                                     for (what, _), run in zip(mutants, runs[len(PARITY[world]):])], assert_parity)
     assert not missed, missed
