@@ -16,8 +16,8 @@ from lit_lm.planner import cli
 from lit_lm.planner.cp_rank import attention_buffers, rank_methods, reference_layout
 from lit_lm.planner.documents import ROWS, allowed_share, document_ids, imbalance
 from lit_lm.planner.estimate import Workload, estimate
-from lit_lm.planner.plan import Cluster, plan
-from lit_lm.strategies.cp import zigzag_positions
+from lit_lm.planner.plan import Cluster, plan, step_time
+from lit_lm.strategies.cp import comm_theory, zigzag_positions
 from lit_lm.strategies.layout import ParallelConfig
 
 MODEL = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=8, n_kv_heads=8, d_ff=512, max_seq_len=4096)
@@ -86,7 +86,9 @@ def test_slow_links_rank_by_bytes_ulysses_first_at_cp8_with_mha() -> None:
     cluster = Cluster(1, 8, 80e9, intra_bw=1e6, inter_bw=1e6)
     layout = ParallelConfig(cp=8)
     rows = _rows(work, cluster, layout, (4096,))
-    assert [rows[4096, m].rank for m in ("ulysses", "allgather", "ring")] == [1, 2, 3]
+    assert [rows[4096, m].rank for m in ("ulysses", "ulysses+ring", "allgather", "ring")] == [1, 2, 3, 4]
+    assert rows[4096, "ulysses+ring"].ulysses == 8  # the heads allow u = cp: Ulysses alone, the same bytes
+    assert rows[4096, "ulysses+ring"].cp_bytes == rows[4096, "ulysses"].cp_bytes
     for m in ("ring", "allgather", "ulysses"):
         est = estimate(work, dataclasses.replace(layout, cp_method=m))
         assert rows[4096, m].cp_bytes == est.wire_bytes("cp") and rows[4096, m].fits
@@ -118,7 +120,7 @@ def test_memory_decides_and_heads_refuse() -> None:
     gpu = (est.peak_bytes + (budgets["ring"] + budgets["allgather"]) / 2) / 0.9  # the ring fits, the all-gather not
     rows = _rows(work, Cluster(1, 4, gpu, intra_bw=1e6, inter_bw=1e6), layout, (8192,))
     assert rows[8192, "ring"].fits and not rows[8192, "allgather"].fits
-    assert rows[8192, "allgather"].rank == 3
+    assert rows[8192, "allgather"].rank == max(r.rank for r in rows.values())  # last
     odd = Workload(dataclasses.replace(MODEL, n_heads=6, n_kv_heads=6, d_model=192), 8192, 4)
     refused = _rows(odd, Cluster(1, 4, 80e9), layout, (8192,))[8192, "ulysses"]
     assert refused.rank == 0 and "cp_method ulysses" in refused.refused
@@ -143,3 +145,68 @@ def test_document_length_from_the_option_or_unknown() -> None:
     assert cli.document_length({"document_mask": True}, 300) == 300
     assert cli.document_length({"document_mask": True}, None) is None  # no prepared sources: unknown, said
     assert cli.document_length({"document_mask": False, "sources": None}, None) is None
+
+
+def test_hybrid_subgroups_have_their_own_bandwidth_and_comm_theorys_bytes() -> None:
+    """ulysses+ring at cp 4 = 2 x 2 on nodes of 2 GPUs: the Ulysses pairs (consecutive cp ranks) inside a node, the
+    ring pairs across (`cp.hybrid_grid`); each group's bytes are `cp.comm_theory`'s (ulysses=2) per layer, and its
+    time those bytes over its own link (on 4-GPU nodes both inside)."""
+    work = Workload(MODEL, 4096, 1, "bf16-mixed")
+    layout = ParallelConfig(cp=4, cp_method="ulysses+ring", ulysses_size=2)
+    est = estimate(work, layout)
+    tokens = 4096 // 4
+    kv, q = 2 * tokens * MODEL.n_kv_heads * MODEL.head_dim, tokens * MODEL.n_heads * MODEL.head_dim
+    inner = sum(comm_theory("ulysses", 2, kv, 2, q).values())
+    theory = sum(comm_theory("ulysses+ring", 4, kv, 2, q, ulysses=2).values())
+    assert est.wire_bytes("cp_ulysses") == MODEL.n_layers * inner
+    assert est.wire_bytes("cp_ulysses") + est.wire_bytes("cp_ring") == MODEL.n_layers * theory
+    cluster = Cluster(2, 2, 80e9, intra_bw=400e9, inter_bw=40e9)
+    _, parts = step_time(est, cluster)
+    assert parts["cp_ulysses"] == pytest.approx(est.wire_bytes("cp_ulysses") / cluster.intra_bw)
+    assert parts["cp_ring"] == pytest.approx(est.wire_bytes("cp_ring") / cluster.inter_bw)
+    _, one_node = step_time(est, Cluster(1, 4, 80e9, intra_bw=400e9, inter_bw=40e9))
+    assert one_node["cp_ring"] == pytest.approx(est.wire_bytes("cp_ring") / cluster.intra_bw)
+    # u = 4 > 2 GPUs per node: the Ulysses groups cross nodes too (cp 8 = 4 x 2 on 4 nodes of 2)
+    wide = estimate(Workload(MODEL, 4096, 1), dataclasses.replace(layout, cp=8, ulysses_size=4))
+    _, four_nodes = step_time(wide, Cluster(4, 2, 80e9, intra_bw=400e9, inter_bw=40e9))
+    assert four_nodes["cp_ulysses"] == pytest.approx(wide.wire_bytes("cp_ulysses") / cluster.inter_bw)
+
+
+def test_the_hybrid_is_a_row_at_its_default_ulysses_size() -> None:
+    """With 6 heads at cp 4 Ulysses is refused and the hybrid's default u is 2 (`cp.ulysses_size_for`); its row's
+    bytes and exposed time are both groups', its buffers Ulysses' exchange over u (3 (q + kv)) plus the ring's on
+    the K/V the exchange left (kv + 3 kv32)."""
+    odd = dataclasses.replace(MODEL, n_heads=6, n_kv_heads=6, d_model=192)
+    work = Workload(odd, 8192, 4, "bf16-mixed")
+    layout = ParallelConfig(cp=4)
+    cluster = Cluster(2, 2, 80e9, intra_bw=400e9, inter_bw=40e9)
+    rows = _rows(work, cluster, layout, (8192,))
+    assert rows[8192, "ulysses"].rank == 0
+    hybrid = rows[8192, "ulysses+ring"]
+    assert hybrid.ulysses == 2 and hybrid.rank > 0
+    est = estimate(work, dataclasses.replace(layout, cp_method="ulysses+ring"))
+    assert est.group_size("cp_ulysses") == est.group_size("cp_ring") == 2
+    assert hybrid.cp_bytes == est.wire_bytes("cp_ulysses") + est.wire_bytes("cp_ring") > 0
+    _, parts = step_time(est, cluster)
+    assert hybrid.exposed == pytest.approx(parts["cp_ulysses"] + parts["cp_ring"])
+    tokens = 4 * 8192 // 4  # the batch of 4 rows (one micro-batch), 1/cp of each
+    q, kv = tokens * 6 * odd.head_dim, 2 * tokens * 6 * odd.head_dim
+    assert hybrid.buffers == 3 * (q + kv) * 2 + kv * 2 + 3 * kv * 4
+    # u = cp is Ulysses' buffers alone (3 (q + kv)), u = 1 the ring's alone (kv + 3 kv32)
+    q, kv = tokens * MODEL.n_heads * MODEL.head_dim, 2 * tokens * MODEL.n_kv_heads * MODEL.head_dim
+    for u, alone, expected in ((4, "ulysses", 3 * (q + kv) * 2), (1, "ring", kv * 2 + 3 * kv * 4)):
+        mha = dataclasses.replace(layout, cp_method="ulysses+ring", ulysses_size=u)
+        assert attention_buffers(Workload(MODEL, 8192, 4), mha, 4) == expected == \
+            attention_buffers(Workload(MODEL, 8192, 4), dataclasses.replace(layout, cp_method=alone), 4)
+
+
+def test_lit_lm_plan_prints_the_hybrid_row(tmp_path, capsys) -> None:
+    """`lit-lm plan --cp-methods` from the command line, one sequence on 4 GPUs: the fastest layout is cp 4, and the
+    table has the hybrid's row at 2 x 2 (6 query heads: Ulysses alone is refused)."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model:\n  init_args:\n    config: {vocab_size: 512, d_model: 192, n_layers: 2, n_heads: 6, "
+                   "n_kv_heads: 2, d_ff: 512, max_seq_len: 16384}\ndata:\n  init_args: {seq_len: 16384}\n")
+    cli.main(["--config", str(cfg), "--nodes", "1", "--gpus-per-node", "4", "--global-batch", "1", "--cp-methods",
+              "--cp-seq-lens", "16384", "--checkpointing", "none"])
+    out = capsys.readouterr().out
+    assert "at dp1 cp4," in out and "ulysses+ring (2x2)" in out

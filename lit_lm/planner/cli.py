@@ -9,10 +9,10 @@ accumulation from `trainer`. The global batch defaults to what that per-device b
 cluster (`--global-batch` to fix it); the plan keeps it and sets the per-device batch and accumulation to match.
 Prints the fastest layouts that fit (`lit_lm.planner.plan`: only those the strategy runs) with the reason for each, and
 writes the fastest as yaml. With context parallelism in the winner (or `--cp-methods`), a second table ranks ring,
-all-gather and Ulysses at that layout's sizes per sequence length (`lit_lm.planner.cp_rank`). With packed documents
-(`data.init_args.document_mask`) attention FLOPs are the mask's share of the causal ones and the busiest cp rank's
-(`lit_lm.planner.documents`), for documents of `--document-length` tokens on average (default: the prepared
-sources' own mean, tokens / documents of their index; unknown: counted unmasked, and said).
+all-gather, Ulysses and ulysses+ring at that layout's sizes per sequence length (`lit_lm.planner.cp_rank`). With
+packed documents (`data.init_args.document_mask`) attention FLOPs are the mask's share of the causal ones and the
+busiest cp rank's (`lit_lm.planner.documents`), for documents of `--document-length` tokens on average (default:
+the prepared sources' own mean, tokens / documents of their index; unknown: counted unmasked, and said).
 `--answer` adds the two questions asked before every run: the largest
 model that fits the cluster, and how many days N tokens take.
 """
@@ -159,8 +159,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=float, default=15e12, help="tokens to train, for --answer")
     p.add_argument("--document-length", type=int, default=None, help="mean tokens per document under "
                    "data.init_args.document_mask (default: the prepared sources' own mean)")
-    p.add_argument("--cp-methods", action="store_true", help="rank ring, all-gather and Ulysses per sequence length "
-                   "even when the fastest layout has no context parallelism")
+    p.add_argument("--cp-methods", action="store_true", help="rank ring, all-gather, Ulysses and ulysses+ring per "
+                   "sequence length even when the fastest layout has no context parallelism")
     p.add_argument("--cp-seq-lens", type=int, nargs="+", default=None,
                    help="sequence lengths of that table (default: the run's and 16k-128k)")
     return p
@@ -236,7 +236,8 @@ def _documents_note(console: Console, config: dict[str, Any], work: Workload) ->
 
 def print_cp_table(console: Console, work: Workload, cluster: Cluster, ranked: list[Ranked],
                    seq_lens: Optional[list[int]]) -> None:
-    """Ring, all-gather and Ulysses per sequence length at the sizes of the fastest layout with cp (`cp_rank`)."""
+    """Ring, all-gather, Ulysses and ulysses+ring (u x r) per sequence length at the sizes of the fastest layout with
+    cp (`cp_rank`)."""
     reference = reference_layout(ranked, cluster)
     if reference is None:
         console.print("context parallelism: no layout with cp > 1 to compare the methods at (pipeline, or too few "
@@ -255,7 +256,8 @@ def print_cp_table(console: Console, work: Workload, cluster: Cluster, ranked: l
         if r.refused:
             table.add_row(str(r.seq_len), r.method, "-", "refused: " + r.refused[:70], "", "", "", "", "")
             continue
-        table.add_row(str(r.seq_len), r.method, str(r.rank), f"{r.step_time:.3g}",
+        method = f"{r.method} ({r.ulysses}x{layout.cp // r.ulysses})" if r.ulysses else r.method
+        table.add_row(str(r.seq_len), method, str(r.rank), f"{r.step_time:.3g}",
                       f"{r.exposed * 1e3:.3g} ms ({r.exposed / r.step_time:.0%})", f"{r.cp_bytes / 2**20:,.0f}",
                       f"{r.peak / 2**30:.1f}" + ("" if r.fits else " (does not fit)"), f"{r.buffers / 2**30:.2f}",
                       f"{r.imbalance:.2f}")

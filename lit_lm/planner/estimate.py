@@ -304,6 +304,10 @@ class Estimate:
     def wire_bytes(self, group: Optional[str] = None, op: Optional[str] = None) -> float:
         return max(r.wire(group, op) for r in self.ranks)
 
+    def group_size(self, group: str) -> int:
+        """The ranks of `group` as counted (1 where it sends nothing: the hybrid cp's "cp_ulysses" at u = 1)."""
+        return max(r._sizes.get(group, 1) for r in self.ranks)
+
     @property
     def groups(self) -> list[str]:
         return sorted({g for r in self.ranks for g, _ in r.comm})

@@ -17,7 +17,8 @@ Step time = compute at the assumed MFU / (1 - bubble) + exposed communication: t
 pipeline traffic is on the critical path; the data-parallel reduction overlaps the backward (2/3 of the compute;
 ZeRO-3's prefetched gathers the whole step) and only what exceeds it shows. Bandwidth: a group whose ranks share
 a node (rank order pp, dp_replicate, dp_shard, cp, tp: tp innermost) uses `intra_bw`, others `inter_bw` (each
-GPU's share of the node's network).
+GPU's share of the node's network); the hybrid cp's Ulysses groups are its u consecutive cp ranks (inside a node
+when tp x u <= GPUs per node), its ring groups those u apart.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Iterator, Optional, Sequence
 
 from lit_lm.config import ConfigError
 from lit_lm.planner.estimate import CHECKPOINTING, Estimate, Workload, estimate
+from lit_lm.strategies.cp import hybrid_grid
 from lit_lm.strategies.layout import ParallelConfig, ParallelDims, rank_grid
 from lit_lm.strategies.pp_schedules import SCHEDULES
 
@@ -71,16 +73,19 @@ GRADIENT_GROUPS = ("dp", "dp_cp", "dp_shard", "dp_shard_cp", "edp", "dp_replicat
 
 
 @functools.lru_cache(maxsize=4096)
-def _intra_node(dims: ParallelDims, gpus_per_node: int) -> dict[str, bool]:
+def _intra_node(dims: ParallelDims, gpus_per_node: int, ulysses: int = 1) -> dict[str, bool]:
     """Whether every group of each dimension lies inside one node, in the strategies' own rank order
-    (`lit_lm.strategies.layout.rank_grid`)."""
+    (`lit_lm.strategies.layout.rank_grid`); with them the hybrid cp's `ulysses` x r subgroups
+    (`lit_lm.strategies.cp.hybrid_grid`: "cp_ulysses" the u consecutive cp ranks, "cp_ring" those u apart)."""
+    grid = rank_grid(dims)
+    grid.update(zip(("cp_ulysses", "cp_ring"), hybrid_grid(grid["cp"], ulysses)))
     return {name: all(g[0] // gpus_per_node == g[-1] // gpus_per_node for g in groups)
-            for name, groups in rank_grid(dims).items()}
+            for name, groups in grid.items()}
 
 
 def step_time(est: Estimate, cluster: Cluster) -> tuple[float, dict[str, float]]:
     config = est.config
-    intra = _intra_node(config.dims(), cluster.gpus_per_node)
+    intra = _intra_node(config.dims(), cluster.gpus_per_node, est.group_size("cp_ulysses"))
     compute = est.work_flops / (cluster.peak_flops * cluster.mfu)
     parts = {"compute": compute, "bubble": compute * est.bubble / (1 - est.bubble)}
     hidden = compute if config.zero_stage == 3 else BACKWARD_SHARE * compute
