@@ -76,9 +76,9 @@ from lit_lm.model import Transformer  # noqa: E402
 from lit_lm.strategies import comm  # noqa: E402
 from lit_lm.strategies import cp as context  # noqa: E402
 from lit_lm.strategies.comm import COMM_LOG  # noqa: E402
-from lit_lm.strategies.cp import (METHODS, check_seq_len, comm_theory, context_attention,  # noqa: E402
-                                  context_loss, parallelize_context, saved_bytes_theory, zigzag_batch,
-                                  zigzag_positions)
+from lit_lm.strategies.cp import (HYBRID, METHODS, check_seq_len, comm_theory, context_attention,  # noqa: E402
+                                  context_loss, model_ulysses_size, parallelize_context, saved_bytes_theory,
+                                  zigzag_batch, zigzag_positions)
 from lit_lm.strategies.cp_balance import DocumentBalancer  # noqa: E402
 from lit_lm.strategies.tp_layers import SavedActivations  # noqa: E402
 
@@ -104,6 +104,8 @@ def _measure(args: argparse.Namespace, method: str, seq_len: int) -> dict[str, A
     y.sum().backward()
     backward = COMM_LOG.summary()
     kv_numel = 2 * args.batch * args.kv_heads * (seq_len // cp) * config.head_dim
+    # Ulysses' ranks: all cp of them, the hybrid's u (the default `parallelize_context` took), none for the others
+    u = {"ulysses": cp, HYBRID: model_ulysses_size(model, cp)}.get(method, 1)
     return {"method": method, "seq_len": seq_len, "cp": cp,
             "block_saved": sum(block_saved.bytes.values()), "core_saved": attn_saved.bytes["core"],
             "wire_forward": sum(s["wire_bytes"] for s in forward.values()),
@@ -111,7 +113,7 @@ def _measure(args: argparse.Namespace, method: str, seq_len: int) -> dict[str, A
             "core_saved_theory": saved_bytes_theory(args.batch, args.heads, args.kv_heads, config.head_dim,
                                                     seq_len // cp, 4),
             "theory": comm_theory(method, cp, kv_numel, 4, args.batch * args.heads * (seq_len // cp) * config.head_dim,
-                                  max(1, cp // args.kv_heads) if method == "ulysses" else 1)}
+                                  max(1, u // args.kv_heads), ulysses=u)}
 
 
 def _peak_rss_mib() -> float:
