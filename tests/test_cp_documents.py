@@ -146,11 +146,12 @@ CASES = [(4, 4, None, True), (4, 2, None, True), (4, 1, 5, True), (4, 2, None, F
 
 
 # the tiles by the PyTorch reference; at cp=2 also by the FlashAttention kernel as varlen (Triton's interpreter,
-# which the suite turns on in conftest.py; slow, so two cases, the hybrid's tiles being the ring's left out); the
-# hybrid at cp=2 as 1 x 2 (a ring behind a one-rank exchange), at cp=4 as 2 x 2
+# which the suite turns on in conftest.py; slow, so two cases, the hybrid's tiles being the ring's left out), and the
+# hybrid's own at cp=4 (2 x 2: the ring level's tiles on what each Ulysses group holds) on one; the hybrid at cp=2
+# as 1 x 2 (a ring behind a one-rank exchange), at cp=4 as 2 x 2
 @pytest.mark.parametrize("cp, seq_len, backend, cases, ulysses, methods",
                          [(2, 12, "reference", CASES, 1, METHODS), (4, 16, "reference", CASES, 2, METHODS),
-                          (2, 12, "triton", CASES[1:3], 1, METHODS[:3])])
+                          (2, 12, "triton", CASES[1:3], 1, METHODS[:3]), (4, 16, "triton", CASES[1:2], 2, (HYBRID,))])
 def test_attention_with_documents_matches_one_process(cp: int, seq_len: int, backend: str, cases: list, ulysses: int,
                                                       methods: tuple[str, ...]) -> None:
     env = REFERENCE_TILES if backend == "reference" else None
