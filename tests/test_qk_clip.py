@@ -288,6 +288,7 @@ CASES = [
     _case(partial(CP2, cp_method="ulysses"), "cp2 ulysses (each rank measures its heads)"),
     _case(TensorParallelStrategy, "tp2 (MLA, q rank, YaRN)", model=MLA_Q_YARN, tau=MLA_TAU),
     _case(partial(ZeroStrategy, stage=3), "zero3 (MLA)", model=MLA, tau=MLA_TAU, optimizer="adamw"),
+    _case(CP2, "cp2 ring (MLA, the max over cp)", model=MLA, tau=MLA_TAU),
 ]
 
 
