@@ -116,7 +116,10 @@ class RotaryEmbedding(nn.Module):
         return (angles.cos() * m).float(), (angles.sin() * m).float()
 
     def _freq(self, at: torch.device) -> Tensor:
-        """inv_freq on `at`, copied there once (a host-to-device copy every step would wait on the device)."""
+        """inv_freq on `at`, copied there once (a host-to-device copy every step would wait on the device); in a
+        compiled graph a constant of the graph, not a cache entry (one filled there would recompile at step 2)."""
+        if torch.compiler.is_compiling():
+            return self.inv_freq.to(at)
         if at not in self._freq_on:
             self._freq_on[at] = self.inv_freq.to(at)
         return self._freq_on[at]

@@ -129,7 +129,10 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().float().to(device), angles.sin().float().to(device)
 
     def _freq(self, at: torch.device) -> Tensor:
-        """inv_freq on `at`, copied there once per device (a copy each call would wait on the accelerator)."""
+        """inv_freq on `at`, copied there once per device (a copy each call would wait on the accelerator); in a
+        compiled graph a constant of the graph, not a cache entry (one filled there would recompile at step 2)."""
+        if torch.compiler.is_compiling():
+            return self.inv_freq.to(at)
         if self._freq_at is None or self._freq_at[0] != at or self._freq_at[1] is not self.inv_freq:
             self._freq_at = (at, self.inv_freq, self.inv_freq.to(at))
         return self._freq_at[2]
