@@ -318,7 +318,8 @@ def test_zero3_gathers_fp8_weights_and_experts_exactly_at_half_the_bf16_bytes() 
     from lit_lm.planner.cli import workload_from
 
     config = {"model": {"init_args": {"fp8": "tensorwise"}}, "data": {"init_args": {"vocab_size": 64, "seq_len": 16}}}
-    assert workload_from(config, argparse.Namespace(precision=None, global_batch=None), 2).fp8 == "tensorwise"
+    args = argparse.Namespace(precision=None, global_batch=None, document_length=None)
+    assert workload_from(config, args, 2).fp8 == "tensorwise"
 
 
 # -- the MoE experts' grouped GEMMs ------------------------------------------------------------------------------------

@@ -116,13 +116,14 @@ def ring_backward_tile_lse(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def rope_positions_contiguous(monkeypatch: pytest.MonkeyPatch) -> None:
     """The zigzag tokens, rotated by RoPE at the positions of a contiguous split (rank r: r·L ... r·L + L − 1)."""
-    split = context.zigzag_batch
+    split_batch = context.split_batch
 
-    def contiguous(inputs: Tensor, targets: Tensor, group: object = None) -> tuple[Tensor, Tensor, Tensor, float]:
-        x, y, positions, weight = split(inputs, targets, group)
+    def contiguous(inputs: Tensor, targets: Tensor, split: object, group: object = None
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        x, y, positions, weight = split_batch(inputs, targets, split, group)
         return x, y, torch.arange(len(positions)) + dist.get_rank(group) * len(positions), weight
 
-    monkeypatch.setattr(context, "zigzag_batch", contiguous)
+    monkeypatch.setattr(context, "split_batch", contiguous)
 
 
 def merge_keeps_lse(monkeypatch: pytest.MonkeyPatch) -> None:
