@@ -166,7 +166,7 @@ ALLOWED = (  # Lightning's per-step SIGTERM broadcast (a device copy and an item
             "earlier (async) and read once per step (docs/reliability.md)", 1),
     Allowed("lit_lm/callbacks/nan_guard.py (on_before_optimizer_step): tolist",
             "NanGuard decides on the host whether to skip the step: opt-in, one read of both flags per step", 1),
-    Allowed("lit_lm/strategies/experts.py (_dispatch): tolist",
+    Allowed("lit_lm/strategies/experts.py (dispatch): tolist",
             "dropless expert parallelism: all_to_all takes its split sizes as Python lists (torchtitan and "
             "Megatron read them too); one read per MoE layer (one MoE layer here)", 1, moe=True),
 )

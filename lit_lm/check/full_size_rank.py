@@ -328,7 +328,7 @@ def _flash_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
 
 def _host_reads(job: RankJob, strategy: Any) -> Any:
     """The answers to a step's host reads of tensor values, which decide shapes: expert parallelism's
-    (`ExpertShard._dispatch`: the rows sent to and received from each ep peer, stacked (2, ep)): every peer gets an
+    (`TokenExchange.dispatch`: the rows sent to and received from each ep peer, stacked (2, ep)): every peer gets an
     equal share of this rank's routed rows (top_k per token); context parallelism's token positions (a rank's
     zigzag chunks, read for its RoPE tables: their values change no byte), as 0, 1, ..."""
     cfg = ModelConfig(**job.config)

@@ -75,7 +75,9 @@ class ExpertShard:
     parameters are cut to this rank's experts in place, and two forward hooks move the tokens: the pre-hook
     dispatches them to the ranks holding their experts, the post-hook combines the outputs back. Nothing else holds
     the parameters, so a strategy may replace them (materialising from the meta device) with nothing to re-point.
-    Calling the shard calls the expert module.
+    The hooks belong to a `TokenExchange`, which holds no reference to the module: a module the pipeline drops (a
+    layer of another stage) is freed with its experts at once, not left in a module <-> hook cycle until Python's
+    cyclic collector finds it (issue 58). Calling the shard calls the expert module.
     """
 
     def __init__(self, experts: nn.Module, num_experts: int, group: dist.ProcessGroup) -> None:
@@ -86,9 +88,9 @@ class ExpertShard:
         for name, p in list(experts.named_parameters(recurse=False)):
             setattr(experts, name, nn.Parameter(p.detach()[self.start: self.start + self.num_local].clone(),
                                                 p.requires_grad))
-        self._routes: list[tuple[Tensor, list[int], list[int], int]] = []  # one per forward in flight
-        self._hooks = [experts.register_forward_pre_hook(self._dispatch),
-                       experts.register_forward_hook(self._combine)]
+        self.exchange = TokenExchange(group, self.ep_size, self.num_local)
+        self._hooks = [experts.register_forward_pre_hook(self.exchange.dispatch),
+                       experts.register_forward_hook(self.exchange.combine)]
 
     def __call__(self, x: Tensor, counts: Tensor) -> Tensor:
         return self.experts(x, counts)
@@ -98,7 +100,16 @@ class ExpertShard:
         return {name: torch.Size((self.num_experts, *p.shape[1:]))
                 for name, p in self.experts.named_parameters(recurse=False)}
 
-    def _dispatch(self, _module: nn.Module, args: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+
+class TokenExchange:
+    """The two all-to-alls around one expert module's forward (its hooks), and the routes of the forwards in
+    flight; it knows the group and this rank's number of experts, not the module."""
+
+    def __init__(self, group: dist.ProcessGroup, ep_size: int, num_local: int) -> None:
+        self.group, self.ep_size, self.num_local = group, ep_size, num_local
+        self._routes: list[tuple[Tensor, list[int], list[int], int]] = []  # one per forward in flight
+
+    def dispatch(self, _module: nn.Module, args: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """`x` grouped by expert, `counts[e]` rows for expert e, then rows of no expert (dropped by a capacity: not
         sent, zero in the output) -> the rows of this rank's experts from every peer, grouped by expert."""
         x, counts = args
@@ -114,7 +125,7 @@ class ExpertShard:
         self._routes.append((order, in_splits, out_splits, x.shape[0] - sent))
         return received[order], recv.sum(0)
 
-    def _combine(self, _module: nn.Module, _args: tuple[Tensor, Tensor], y: Tensor) -> Tensor:
+    def combine(self, _module: nn.Module, _args: tuple[Tensor, Tensor], y: Tensor) -> Tensor:
         """The experts' outputs back to where their tokens came from, in the original order."""
         order, in_splits, out_splits, dropped = self._routes.pop()
         out = _AllToAll.apply(y[order.argsort()], in_splits, out_splits, self.group)
