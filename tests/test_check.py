@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -192,6 +193,11 @@ def test_the_scaled_model_keeps_what_the_layout_splits() -> None:
     assert odd.n_kv_heads % 2 == 1  # tp 2 does not divide 3 kv heads: nor the check's (the strategy then refuses)
     tiny = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
     assert scaled_config(tiny, ParallelConfig(tp=2)) == (tiny, [])
+    # DeepSeek-V3's node-limited routing (256 experts in 8 groups, the best 4, top 8): kept, on 2 groups, the best 1
+    grouped = replace(big, moe_experts=256, moe_top_k=8, moe_groups=8, moe_topk_groups=4)
+    small, _ = scaled_config(grouped, ParallelConfig(ep=4))  # builds: a ConfigError was raised here
+    assert (small.moe_groups, small.moe_topk_groups) == (2, 1) and small.moe_experts % 4 == 0
+    assert small.moe_top_k <= small.moe_experts // 2 and small.num_params() < 400_000
 
 
 def test_gpu_memory_says_which_stage_does_not_fit_and_the_nearest_layout_that_does() -> None:

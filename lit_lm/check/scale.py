@@ -53,7 +53,12 @@ def scaled_config(cfg: ModelConfig, par: Optional[ParallelConfig]) -> tuple[Mode
     first, every = cfg.moe_first_dense, cfg.moe_every
     if cfg.moe_experts:
         first, every = min(first, 1), min(every, 2)
-        sizes.update(moe_experts=_like(cfg.moe_experts, ep, max(cfg.moe_top_k, min(cfg.moe_experts, 4))),
+        floor, modulus = max(cfg.moe_top_k, min(cfg.moe_experts, 4)), ep
+        if cfg.moe_groups > 1:  # node-limited routing kept, on 2 groups: the best 1 of them if it was limited
+            groups, best = 2, 1 if cfg.moe_topk_groups < cfg.moe_groups else 2
+            floor, modulus = max(floor, 2 * groups, cfg.moe_top_k * groups // best), math.lcm(ep, groups)
+            sizes.update(moe_groups=groups, moe_topk_groups=best)
+        sizes.update(moe_experts=_like(cfg.moe_experts, modulus, floor),
                      moe_d_ff=_like(cfg.moe_d_ff, tp, 16), moe_first_dense=first, moe_every=every,
                      moe_shared_experts=min(cfg.moe_shared_experts, 1))
     if par.layers_per_stage is None:
