@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import lightning as L
 import numpy as np
@@ -115,6 +116,10 @@ def test_a_tokenizer_without_a_template_is_refused_in_one_line(tmp_path):
     ChatEncoder(tokenizer, "x").encode({"prompt": "a", "completion": "b"})  # pairs need no template
     with pytest.raises(ConfigError, match="neither `messages` nor `prompt`"):
         ChatEncoder(tokenizer, "x").encode({"text": "a"})
+    no_eos = SimpleNamespace(bos_id=None, eos_id=None, encode=lambda text: [1] * len(text))
+    with pytest.raises(ConfigError, match=r"^prompt/completion rows of x end with the tokenizer's EOS token .* has "
+                                          r"none: use one whose tokenizer_config\.json names an eos_token$"):
+        ChatEncoder(no_eos, "x").encode({"prompt": "a", "completion": "b"})
 
 
 def test_train_on_picks_the_targets_and_padding_is_never_one():

@@ -163,6 +163,10 @@ class ChatEncoder:
                 raise ConfigError(f"a row of {self.where} has `messages` that are not a list of {{role, content}}")
             return encode_messages(self.tokenizer, self._template, messages)
         if row.get("prompt") is not None and row.get("completion") is not None:
+            if self.tokenizer.eos_id is None:
+                raise ConfigError(f"prompt/completion rows of {self.where} end with the tokenizer's EOS token (the "
+                                  "last target, and where packed conversations part), but the tokenizer has none: "
+                                  "use one whose tokenizer_config.json names an eos_token")
             return encode_pair(self.tokenizer, str(row["prompt"]), str(row["completion"]))
         raise ConfigError(f"a row of {self.where} has neither `messages` nor `prompt` and `completion` (keys "
                           f"{sorted(row)[:6]}); chat data is rows of messages or prompt/completion pairs")
