@@ -491,22 +491,18 @@ def main() -> None:
     step.add_argument("--lock", help="hold this file's flock for each round (released between rounds)")
     step.add_argument("--step-table", help="print a saved step run (its --out JSON) as Markdown, and exit")
     args = parser.parse_args()
-    if args.table:
-        print(overlap_table(json.loads(Path(args.table).read_text())))
-        return
-    if args.step_table:
-        print(step_table(json.loads(Path(args.step_table).read_text())))
-        return
-    if args.one_step:
-        check_seq_len(args.step_seq_len, args.cp)
-        mp.spawn(_step_worker, args=(args, _free_port()), nprocs=args.cp, join=True)
-        return
+    for saved, table in ((args.table, overlap_table), (args.step_table, step_table)):
+        if saved:
+            print(table(json.loads(Path(saved).read_text())))
+            return
+    for one, worker, seq_len in ((args.one_step, _step_worker, args.step_seq_len),
+                                 (args.one, _overlap_worker, args.overlap_seq_len)):
+        if one:  # one contender: its cp ranks, here
+            check_seq_len(seq_len, args.cp)
+            mp.spawn(worker, args=(args, _free_port()), nprocs=args.cp, join=True)
+            return
     if args.step:
         step_rounds(args)
-        return
-    if args.one:
-        check_seq_len(args.overlap_seq_len, args.cp)
-        mp.spawn(_overlap_worker, args=(args, _free_port()), nprocs=args.cp, join=True)
         return
     if args.overlap:
         rounds = run_rounds(overlap_contenders(args), args.rounds, args.seed)
